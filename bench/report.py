@@ -1,0 +1,57 @@
+"""Shared output of every benchmark: a printed table and the ``--out`` JSON with a headline.
+
+Every benchmark compares against a baseline measured in the same run and prints ratios; the
+JSON's top-level ``headline`` holds the one number its issue asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark takes (``--quick``, ``--out``)."""
+    p = argparse.ArgumentParser(prog=f"dualpath bench {name}", description=description)
+    p.add_argument("--quick", action="store_true", help="reduced run (< 60 s on a 2-core host)")
+    p.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    return p
+
+
+def headline(metric: str, value: float, goal: float, higher_is_better: bool = True) -> dict[str, Any]:
+    return {"metric": metric, "value": value, "goal": goal, "higher_is_better": higher_is_better,
+            "met": (value >= goal) if higher_is_better else (value <= goal)}
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str], file=sys.stdout) -> None:
+    """Print ``rows`` as an aligned text table of ``columns``."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+              for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)), file=file)
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=file)
+
+
+def write_results(out: Path | None, name: str, head: dict[str, Any], results: dict[str, Any]) -> None:
+    """Write the benchmark JSON (headline + full results + host info) if ``out`` is set."""
+    print(f"\nheadline: {head['metric']} = {head['value']:.4g} (goal "
+          f"{'>=' if head['higher_is_better'] else '<='} {head['goal']}) "
+          f"{'MET' if head['met'] else 'NOT MET'}")
+    if out is None:
+        return
+    doc = {"benchmark": name, "headline": head, "results": results,
+           "host": {"platform": platform.platform(), "python": sys.version.split()[0],
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str))
+    print(f"results written to {out}")

@@ -1,0 +1,170 @@
+"""Typed configuration: TOML files in ``configs/`` → frozen msgspec Structs, env overlay on top.
+
+One loader for every service (no second loader with its own defaults). Unknown keys are
+rejected at start with the key's full path, e.g. ``unknown field `tlss` at $.transport.kv``.
+
+Environment overlay: ``DUALPATH__SECTION__KEY=value`` sets ``[section] key = value``; the value
+is parsed as a TOML value when it parses (numbers, booleans, arrays, quoted strings), else it is
+taken as a bare string. Example: ``DUALPATH__RPC__MAX_FRAME_BYTES=1048576``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from common.errors import ConfigError
+
+ENV_PREFIX = "DUALPATH__"
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: immutable, typos rejected."""
+
+
+class LoggingConfig(Section):
+    level: str = "info"
+    json: bool | None = None  # None: JSON when stderr is not a TTY
+
+
+class RpcConfig(Section):
+    """Control-plane RPC limits (msgspec msgpack over TCP, length-prefixed frames)."""
+
+    host: str = "127.0.0.1"
+    max_frame_bytes: int = 4 * 1024 * 1024
+    max_inflight_calls: int = 256          # per connection; above → OVERLOADED
+    send_queue_frames: int = 1024          # per connection outbound queue bound
+    stream_queue_items: int = 1024         # per server-push stream
+    default_deadline_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    reconnect_initial_s: float = 0.05
+    reconnect_max_s: float = 5.0
+    reconnect_attempts: int = 20           # 0 = try forever
+    use_uvloop: bool = True
+    auth_secret_file: str | None = None    # shared secret for challenge/response in the hello
+    auth_secret_env: str | None = None
+
+
+class TrafficClassConfig(Section):
+    """UCX options of one traffic class (``UCX_`` prefix omitted), e.g. the low-priority KV lane.
+
+    ``IB_SL`` / ``IB_TRAFFIC_CLASS`` put KV on a lower InfiniBand service level or RoCE class
+    than the model's collectives; options the UCX build cannot apply are reported once and
+    skipped (the PyPI UCX has no verbs).
+    """
+
+    options: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def _default_traffic_classes() -> dict[str, TrafficClassConfig]:
+    return {"kv": TrafficClassConfig(options={"TLS": "tcp,sm,self", "NET_DEVICES": "lo"})}
+
+
+class TransportConfig(Section):
+    """UCX page transport. Defaults measured on 2-core loopback hosts (docs/performance.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    traffic_classes: dict[str, TrafficClassConfig] = msgspec.field(
+        default_factory=_default_traffic_classes)
+    kv_class: str = "kv"
+    max_message_bytes: int = 16 * 1024 * 1024   # coalesced runs are cut at this size
+    pack_below_bytes: int = 256 * 1024          # smaller non-contiguous runs are packed
+    staging_bytes: int = 64 * 1024 * 1024       # gather/scatter staging per transport
+    max_inflight_messages: int = 64             # per transfer
+    connect_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    shared_memory: bool = True                  # sets UCX_{POSIX,SYSV}_ERROR_HANDLING=y
+
+
+class BufferConfig(Section):
+    """A preallocated host page pool (PE buffer, DE buffer, staging)."""
+
+    page_bytes: int = 256 * 1024
+    num_pages: int = 1024
+    device: str = "host"                        # "host" (numpy) or "cuda" (cupy, lazily)
+
+
+class KVConfig(Section):
+    """The model's KV layout; ``preset`` names one in ``common.kv.PRESETS``."""
+
+    preset: str = "test-small"
+    num_layers: int | None = None
+    kv_bytes_per_token_per_layer: int | None = None
+    block_tokens: int | None = None
+    dtype: str | None = None
+
+
+class DualpathConfig(Section):
+    """Root of a config file. Later sections (gateway, scheduler, cluster) extend this."""
+
+    kv: KVConfig = msgspec.field(default_factory=KVConfig)
+    rpc: RpcConfig = msgspec.field(default_factory=RpcConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    buffers: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def env_overlay(data: dict[str, Any], environ: dict[str, str] | None = None,
+                prefix: str = ENV_PREFIX) -> dict[str, Any]:
+    """Return ``data`` with every ``PREFIX__A__B=v`` applied as ``data[a][b] = v``."""
+    environ = os.environ if environ is None else environ
+    out = _deep_copy(data)
+    for key, raw in sorted(environ.items()):
+        if not key.startswith(prefix):
+            continue
+        path = [p.lower() for p in key[len(prefix):].split("__") if p]
+        if not path:
+            continue
+        node = out
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"environment variable {key}: {part!r} is not a section")
+            node = nxt
+        node[path[-1]] = _parse_env_value(raw)
+    return out
+
+
+def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def build_config(data: dict[str, Any], cls: type[T] = DualpathConfig, source: str = "config",
+                 environ: dict[str, str] | None = None) -> T:
+    """Validate a dict (from TOML or built in code) into ``cls``; errors name the key."""
+    data = env_overlay(data, environ)
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def load_config(path: str | os.PathLike[str] | None = None, cls: type[T] = DualpathConfig,
+                environ: dict[str, str] | None = None) -> T:
+    """Load ``path`` (TOML) into ``cls``; ``None`` gives the embedded defaults + env overlay."""
+    if path is None:
+        return build_config({}, cls, "defaults", environ)
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {p}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    return build_config(data, cls, str(p), environ)

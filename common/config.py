@@ -58,7 +58,13 @@ class TrafficClassConfig(Section):
     skipped (the PyPI UCX has no verbs).
     """
 
-    options: dict[str, str] = msgspec.field(default_factory=dict)
+    options: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+
+    def ucx_options(self) -> dict[str, str]:
+        """Options as UCX wants them: upper-case names, string values (booleans as y/n)."""
+        def text(v: object) -> str:
+            return ("y" if v else "n") if isinstance(v, bool) else str(v)
+        return {k.upper(): text(v) for k, v in self.options.items()}
 
 
 def _default_traffic_classes() -> dict[str, TrafficClassConfig]:

@@ -1,0 +1,92 @@
+"""Scheduler configuration: one frozen Struct holding α, β, Z and the ablation switches (paper §6.4, §9).
+
+α (short-read-queue threshold) = tokens one node's SNIC reads in ``alpha_s`` = 3 s;
+β (cap on unfinished tokens of a PE) = prompt tokens one GPU prefills in ``beta_s`` = 5 s.
+The paper profiles both; here they are derived from the SNIC bandwidth, the KV preset's bytes
+per token and the cost model's prefill rate at a reference request shape (Table 2's 64K dataset:
+32,721 context + 429 appended tokens), unless given outright (``alpha_tokens``/``beta_tokens``
+or the profiled ``pe_tokens_per_s``).
+
+Ablation switches (digest §7.3, §9): ``policy`` picks the defaults of the two independent knobs
+
+================  ===========================  ==========================================
+policy            read side                    engine placement
+================  ===========================  ==========================================
+``basic``         PE node always               round-robin
+``dpl``           alternate PE / DE            round-robin
+``dualpath``      shorter node read queue      Algorithm 1 + two-phase DE placement
+================  ===========================  ==========================================
+
+``placement`` overrides the engine placement (``round_robin`` with the ``dualpath`` read side is
+the load-balance comparison's round-robin scheduler); ``oracle`` skips all KV I/O (read side
+``none``) while keeping the ``policy``'s placement.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from common.config import Section
+from common.kv import PRESETS as KV_PRESETS
+
+from .cost_model import cost_model
+
+Policy = Literal["basic", "dpl", "dualpath"]
+Placement = Literal["auto", "balanced", "round_robin"]
+
+
+class SchedulerConfig(Section):
+    """Placement policy constants; ``[scheduler]`` in a config file."""
+
+    policy: Policy = "dualpath"
+    oracle: bool = False
+    placement: Placement = "auto"
+    model: str = "deepseek-v3.2"          # KV + cost-model preset α and β are derived from
+    snic_bytes_per_s: float = 50e9        # one 400 Gbps storage NIC per node (paper §6.1)
+    alpha_s: float = 3.0
+    beta_s: float = 5.0
+    alpha_tokens: int | None = None       # overrides the derived α
+    beta_tokens: int | None = None        # overrides the derived β
+    pe_tokens_per_s: float | None = None  # profiled prompt tokens/s of one PE (None: cost model)
+    ref_context_tokens: int = 32_721
+    ref_append_tokens: int = 429
+    z_factor: float = 1.05
+    max_replans: int = 3
+
+    def __post_init__(self) -> None:
+        # ValueError: build_config turns it into a ConfigError naming the section.
+        if self.model not in KV_PRESETS:
+            raise ValueError(f"unknown scheduler model {self.model!r}; known: {sorted(KV_PRESETS)}")
+        for name in ("snic_bytes_per_s", "alpha_s", "beta_s", "z_factor", "ref_append_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
+        for name in ("alpha_tokens", "beta_tokens", "max_replans", "ref_context_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"scheduler.{name} must be >= 0, got {v}")
+
+    def resolved_alpha(self) -> int:
+        """α in tokens: what one node's SNIC reads in ``alpha_s`` seconds."""
+        if self.alpha_tokens is not None:
+            return self.alpha_tokens
+        return int(self.snic_bytes_per_s / KV_PRESETS[self.model].bytes_per_token * self.alpha_s)
+
+    def resolved_beta(self) -> int:
+        """β in prompt tokens: what one PE prefills in ``beta_s`` seconds."""
+        if self.beta_tokens is not None:
+            return self.beta_tokens
+        rate = self.pe_tokens_per_s
+        if rate is None:
+            rate = cost_model(self.model).prompt_tokens_per_s(self.ref_context_tokens,
+                                                              self.ref_append_tokens)
+        return int(rate * self.beta_s)
+
+    def read_side_mode(self) -> Literal["none", "pe", "alternate", "shorter_queue"]:
+        if self.oracle:
+            return "none"
+        return {"basic": "pe", "dpl": "alternate", "dualpath": "shorter_queue"}[self.policy]
+
+    def placement_mode(self) -> Literal["balanced", "round_robin"]:
+        if self.placement != "auto":
+            return self.placement
+        return "balanced" if self.policy == "dualpath" else "round_robin"

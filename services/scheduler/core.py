@@ -1,0 +1,452 @@
+"""The scheduler core: a sans-I/O state machine fed events, returning placement decisions.
+
+One request's way through it (the DE is bound before the KV read is issued, digest §5.5):
+
+1. ``submit`` puts it in the **global DE queue**.
+2. Any DE group fetch (``on_de_group_fetch``) first drains the global queue into the DE groups'
+   private queues (phase 1), then places the head of the *fetching* group's private queue on its
+   DEs (phase 2, Z threshold, HBM stop). Each placement is a ``DEBinding`` (HBM reserved) and
+   moves the request into the **PE FIFO queue**, ordered by arrival.
+3. A PE group fetch (``on_pe_group_fetch``) runs Algorithm 1 on the fetching group's engines over
+   the PE queue. A request that gets a PE now has both ends, so its read side is chosen at once:
+   the node (PE's or DE's) with the shorter read queue, whose ``read_q`` grows by the hit tokens
+   before the next request of the same fetch is looked at. The result is an ``Assignment``.
+4. ``read_done`` / ``prefill_done`` / ``complete`` release the read queue, the PE and the DE.
+
+Why DE first: the DE read path needs the DE (and its buffer) before the read, and a request that
+is on a PE but waiting for DE memory would sit on the PE's tok_e (its β budget) doing nothing;
+binding the DE first means the PE queue only holds requests that can start at once.
+
+Driving it. The core never reads a clock, sleeps or does I/O; every method returns at once and
+the same calls in the same order give the same decisions (ties go to the earliest registered
+engine/group, iteration is over lists and insertion-ordered dicts only).
+
+* A live asyncio service calls ``submit`` from its frontend handler and the fetch methods from
+  each group leader's fetch RPC, then sends the returned ``DEBinding``/``Assignment`` records on
+  (DE loader, PE receiver, read node's gateway); engine/gateway events map to ``read_done``,
+  ``prefill_done``, ``complete``, ``fail``; lease expiry maps to ``remove_engine``/``remove_node``.
+  It must call the core from one task (or under one lock): the core is not thread-safe.
+* A discrete-event simulator calls the same methods at simulated times: fetch events every
+  fetch interval per group, completion events from its cost model.
+
+Telemetry passed to a fetch (or to ``apply_telemetry``) *replaces* the engines' seq_e/tok_e/free
+HBM and nodes' read_q; without it the core keeps its own count from its decisions and the events.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from common.errors import AlreadyExists, InvalidArgument, NotFound
+
+from . import policy
+from .config import SchedulerConfig
+from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReadSide,
+                      ReplanResult, Request, Role, Telemetry)
+from .state import Engine, Group, Node, Pending
+
+
+class Scheduler:
+    """Inter-engine placement (PE, DE, read side) for one cluster; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig | None = None,
+                 engines: Iterable[EngineSpec] = ()) -> None:
+        self.config = cfg = config if config is not None else SchedulerConfig()
+        self.alpha = cfg.resolved_alpha()
+        self.beta = cfg.resolved_beta()
+        self._read_mode = cfg.read_side_mode()
+        self._balanced = cfg.placement_mode() == "balanced"
+        self._nodes: dict[str, Node] = {}
+        self._engines: dict[str, Engine] = {}
+        self._groups: dict[Role, dict[str, Group]] = {Role.PREFILL: {}, Role.DECODE: {}}
+        self._requests: dict[str, Pending] = {}
+        self._global: list[Pending] = []
+        self._global_sorted = True
+        self._pe_queue: list[tuple[int, int, Pending]] = []
+        self._pe_waiting = 0
+        self._counter = 0            # registration order and PE-queue tickets
+        self._next_seq = 0
+        self._rr_groups = 0
+        self._alternate = 0
+        self._max_hbm: int | None = None
+        self._max_hbm_known = False
+        for spec in engines:
+            self.add_engine(spec)
+
+    # ------------------------------------------------------------------ topology
+    def add_engine(self, spec: EngineSpec) -> None:
+        """Register an engine; its node and group are created on first use."""
+        if spec.engine_id in self._engines:
+            raise AlreadyExists(f"engine {spec.engine_id!r} is already registered")
+        node = self._nodes.get(spec.node_id)
+        if node is None:
+            node = self._nodes[spec.node_id] = Node(spec.node_id)
+        groups = self._groups[spec.role]
+        gid = spec.group_id if spec.group_id is not None else spec.node_id
+        group = groups.get(gid)
+        if group is None:
+            group = groups[gid] = Group(gid, self._tick(), spec.role)
+        engine = Engine(spec.engine_id, self._tick(), spec.role, node, group, spec.hbm_capacity_bytes)
+        self._engines[spec.engine_id] = engine
+        group.engines.append(engine)
+        node.engines.append(engine)
+        self._max_hbm_known = False
+
+    def remove_engine(self, engine_id: str) -> ReplanResult:
+        """Drop a dead engine; its requests are re-planned (up to ``max_replans``) or failed."""
+        e = self._engines.pop(engine_id, None)
+        if e is None:
+            raise NotFound(f"engine {engine_id!r} is not registered")
+        g, node = e.group, e.node
+        g.engines.remove(e)
+        node.engines.remove(e)
+        g.rr = 0
+        self._max_hbm_known = False
+        affected = sorted(e.requests.values(), key=_by_seq)
+        e.requests = {}
+        requeued, failed = [], []
+        for p in affected:
+            if e.role is Role.PREFILL:
+                p.pe = None                # PE gone: keep the DE, look for another PE
+                keep_de = True
+            else:
+                p.de = None
+                keep_de = False
+            (requeued if self._replan(p, keep_de) else failed).append(p.request.request_id)
+        if not g.engines:
+            self._drop_group(g)
+        if not node.engines:
+            del self._nodes[node.node_id]
+        return ReplanResult(tuple(requeued), tuple(failed))
+
+    def remove_node(self, node_id: str) -> ReplanResult:
+        """Drop every engine of a node (its lease expired)."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        requeued: dict[str, None] = {}
+        failed: list[str] = []
+        for e in list(node.engines):
+            res = self.remove_engine(e.engine_id)
+            requeued.update(dict.fromkeys(res.requeued))
+            failed.extend(res.failed)
+        for rid in failed:
+            requeued.pop(rid, None)
+        return ReplanResult(tuple(requeued), tuple(failed))
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: Request) -> None:
+        """Queue a request for placement (global DE queue)."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise AlreadyExists(f"request {rid!r} is already queued or running")
+        cap = self._max_de_capacity()
+        if cap is not None and request.hbm_bytes > cap:
+            raise InvalidArgument(f"request {rid!r} needs {request.hbm_bytes} B of DE HBM, more than "
+                                  f"any decode engine has ({cap} B): shorten it or add memory")
+        p = Pending(request, self._next_seq)
+        self._next_seq += 1
+        self._requests[rid] = p
+        p.in_global = True
+        self._global.append(p)
+
+    def cancel(self, request_id: str) -> bool:
+        """Forget a request wherever it is and release what it holds; False if unknown."""
+        p = self._requests.pop(request_id, None)
+        if p is None:
+            return False
+        self._release_all(p)
+        return True
+
+    def complete(self, request_id: str) -> None:
+        """The request finished decoding: release its DE (and anything still held)."""
+        p = self._requests.pop(request_id, None)
+        if p is None:
+            raise NotFound(f"request {request_id!r} is not known to the scheduler")
+        self._release_all(p)
+
+    def fail(self, request_id: str) -> ReplanResult:
+        """A retryable failure of a placed request: plan it again from the start (bounded)."""
+        p = self._get(request_id)
+        self._release_all(p)
+        ok = self._replan(p, keep_de=False)
+        return ReplanResult((request_id,), ()) if ok else ReplanResult((), (request_id,))
+
+    def read_done(self, request_id: str) -> None:
+        """The hit KV has been read: take its tokens off the read node's queue."""
+        self._release_read(self._get(request_id))
+
+    def prefill_done(self, request_id: str) -> None:
+        """Prefill finished: the PE's load drops; the request now lives on its DE only."""
+        p = self._get(request_id)
+        if p.pe is None:
+            raise InvalidArgument(f"request {request_id!r} has no prefill engine yet")
+        self._release_read(p)
+        if not p.prefilled:
+            p.prefilled = True
+            p.pe.release(p, p.pe_tokens)
+
+    # ------------------------------------------------------------------ fetches
+    def on_de_group_fetch(self, group_id: str, telemetry: Telemetry | None = None) -> list[DEBinding]:
+        """A DE group leader fetches: phase 1 over the global queue, phase 2 in this group."""
+        g = self._group(Role.DECODE, group_id)
+        if telemetry is not None:
+            self.apply_telemetry(telemetry)
+        if self._global:
+            self._spread()
+        return self._bind_group(g)
+
+    def on_pe_group_fetch(self, group_id: str, telemetry: Telemetry | None = None) -> list[Assignment]:
+        """A PE group leader fetches: Algorithm 1 over the PE FIFO queue, read side per request."""
+        g = self._group(Role.PREFILL, group_id)
+        if telemetry is not None:
+            self.apply_telemetry(telemetry)
+        heap, engines, alpha, beta = self._pe_queue, g.engines, self.alpha, self.beta
+        pick = policy.pick_pe if self._balanced else None
+        out: list[Assignment] = []
+        while heap:
+            _, ticket, p = heap[0]
+            if p.ticket != ticket:          # stale entry (re-planned or cancelled)
+                heapq.heappop(heap)
+                continue
+            e = pick(engines, alpha, beta) if pick else policy.pick_pe_round_robin(g, beta)
+            if e is None:                   # C2 and C3 empty: end the fetch
+                break
+            heapq.heappop(heap)
+            p.ticket = -1
+            self._pe_waiting -= 1
+            out.append(self._place(p, e))
+        return out
+
+    # ------------------------------------------------------------------ telemetry
+    def apply_telemetry(self, telemetry: Telemetry) -> None:
+        """Overwrite engines' seq_e/tok_e/free HBM and nodes' read_q; unknown ids are ignored."""
+        engines, nodes = self._engines, self._nodes
+        for r in telemetry.engines:
+            e = engines.get(r.engine_id)
+            if e is None:
+                continue
+            e.seq, e.tok = r.seq, r.tok
+            if r.free_hbm_bytes is not None:
+                e.free_hbm = r.free_hbm_bytes
+        for node_id, q in telemetry.read_q.items():
+            n = nodes.get(node_id)
+            if n is not None:
+                n.read_q = q
+
+    def update_read_queue(self, node_id: str, tokens: int) -> None:
+        """Set one node's read queue (e.g. from its gateway's report)."""
+        n = self._nodes.get(node_id)
+        if n is not None:
+            n.read_q = tokens
+
+    # ------------------------------------------------------------------ introspection
+    def phase(self, request_id: str) -> Phase:
+        p = self._get(request_id)
+        if p.de is None:
+            return Phase.QUEUED
+        if p.pe is None:
+            return Phase.BOUND
+        return Phase.DECODING if p.prefilled else Phase.PLACED
+
+    def engine_report(self, engine_id: str) -> EngineReport:
+        """The core's current view of one engine (seq_e, tok_e, free HBM)."""
+        e = self._engines.get(engine_id)
+        if e is None:
+            raise NotFound(f"engine {engine_id!r} is not registered")
+        return EngineReport(e.engine_id, e.seq, e.tok, e.free_hbm)
+
+    def engine_reports(self, role: Role | None = None) -> list[EngineReport]:
+        """Every engine's current figures (for a cluster-status reply), in registration order."""
+        return [EngineReport(e.engine_id, e.seq, e.tok, e.free_hbm) for e in self._engines.values()
+                if role is None or e.role is role]
+
+    def read_queue(self, node_id: str) -> int:
+        n = self._nodes.get(node_id)
+        if n is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        return n.read_q
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Requests waiting for a DE (global, private) and for a PE; how many are held in all."""
+        private = sum(len(g.private) for g in self._groups[Role.DECODE].values())
+        return {"global": len(self._global), "private": private, "pe": self._pe_waiting,
+                "total": len(self._requests)}
+
+    def group_ids(self, role: Role) -> list[str]:
+        return list(self._groups[role])
+
+    def private_queue(self, group_id: str) -> list[str]:
+        """Request ids in a DE group's private queue, head first."""
+        return [p.request.request_id for p in self._group(Role.DECODE, group_id).private]
+
+    def pe_queue(self) -> list[str]:
+        """Request ids waiting for a PE (DE already bound), in FIFO order."""
+        live = sorted(e for e in self._pe_queue if e[2].ticket == e[1])
+        return [p.request.request_id for _, _, p in live]
+
+    # ------------------------------------------------------------------ internals
+    def _tick(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def _get(self, request_id: str) -> Pending:
+        p = self._requests.get(request_id)
+        if p is None:
+            raise NotFound(f"request {request_id!r} is not known to the scheduler")
+        return p
+
+    def _group(self, role: Role, group_id: str) -> Group:
+        g = self._groups[role].get(group_id)
+        if g is None:
+            raise NotFound(f"no {role.value} group {group_id!r} is registered")
+        return g
+
+    def _max_de_capacity(self) -> int | None:
+        """Largest DE HBM capacity, or None while unknown (no DEs, or one without a capacity)."""
+        if not self._max_hbm_known:
+            caps = [e.hbm_capacity for e in self._engines.values() if e.role is Role.DECODE]
+            self._max_hbm = max(caps) if caps and min(caps) > 0 else None
+            self._max_hbm_known = True
+        return self._max_hbm
+
+    def _spread(self) -> None:
+        """Phase 1: drain the global queue (in arrival order) into DE groups' private queues."""
+        groups = list(self._groups[Role.DECODE].values())
+        if not groups:
+            return
+        queue, self._global = self._global, []
+        if not self._global_sorted:
+            queue.sort(key=_by_seq)
+            self._global_sorted = True
+        if self._balanced:
+            policy.spread_to_groups(queue, groups)
+        else:
+            self._rr_groups = policy.spread_round_robin(queue, groups, self._rr_groups)
+
+    def _bind_group(self, g: Group) -> list[DEBinding]:
+        """Phase 2 inside ``g``: place the private queue's head until no DE has room for it."""
+        private = g.private
+        if not private:
+            return []
+        engines = g.engines
+        z = policy.high_token_threshold(g, self.config.z_factor) if self._balanced else 0.0
+        out: list[DEBinding] = []
+        while private:
+            p = private[0]
+            hbm = p.request.hbm_bytes
+            if self._balanced:
+                e = policy.pick_de(engines, hbm, p.de_tokens, z)
+            else:
+                e = policy.pick_de_round_robin(g, hbm)
+            if e is None:
+                break
+            private.popleft()
+            g.private_tokens -= p.de_tokens
+            p.group = None
+            p.de = e
+            e.add(p, p.de_tokens, hbm)
+            self._push_pe(p)
+            out.append(DEBinding(p.request.request_id, e.engine_id, e.node.node_id, hbm))
+        return out
+
+    def _push_pe(self, p: Pending) -> None:
+        p.ticket = t = self._tick()
+        heapq.heappush(self._pe_queue, (p.seq, t, p))
+        self._pe_waiting += 1
+
+    def _place(self, p: Pending, e: Engine) -> Assignment:
+        """Bind the PE, choose the read side, count the read on that node's queue."""
+        p.pe = e
+        e.add(p, p.pe_tokens)
+        r, de = p.request, p.de
+        side, node = self._read_side(r.hit_tokens, e.node, de.node)
+        if node is not None:
+            node.read_q += r.hit_tokens
+            p.read_node = node
+            p.read_pending = True
+        return Assignment(r.request_id, r.session_id, e.engine_id, e.node.node_id, de.engine_id,
+                          de.node.node_id, side, node.node_id if node is not None else None,
+                          r.hit_tokens, r.new_tokens, r.gen_tokens, p.attempt)
+
+    def _read_side(self, hit: int, pe_node: Node, de_node: Node) -> tuple[ReadSide, Node | None]:
+        mode = self._read_mode
+        if hit <= 0 or mode == "none":
+            return ReadSide.NONE, None
+        if mode == "shorter_queue":
+            side = policy.shorter_queue_side(pe_node, de_node)
+        elif mode == "pe":
+            side = ReadSide.PE
+        else:                               # "alternate": dpl ablation, no balancing
+            side = ReadSide.PE if self._alternate % 2 == 0 else ReadSide.DE
+            self._alternate += 1
+        return side, (pe_node if side is ReadSide.PE else de_node)
+
+    def _release_read(self, p: Pending) -> None:
+        if p.read_pending:
+            p.read_pending = False
+            n = p.read_node
+            n.read_q = max(n.read_q - p.request.hit_tokens, 0)
+
+    def _release_all(self, p: Pending) -> None:
+        """Undo every binding of ``p`` and take it out of whatever queue holds it (idempotent)."""
+        self._release_read(p)
+        p.read_node = None
+        if p.pe is not None and not p.prefilled:
+            p.pe.release(p, p.pe_tokens)
+        if p.de is not None:
+            p.de.release(p, p.de_tokens, p.request.hbm_bytes)
+        if p.group is not None:
+            p.group.private.remove(p)
+            p.group.private_tokens -= p.de_tokens
+        if p.in_global:
+            self._global.remove(p)
+            p.in_global = False
+        if p.ticket >= 0:
+            p.ticket = -1
+            self._pe_waiting -= 1
+        p.pe = p.de = p.group = None
+        p.prefilled = False
+
+    def _replan(self, p: Pending, keep_de: bool) -> bool:
+        """Requeue ``p`` after a failure (PE queue if its DE survives, else global); False = failed.
+
+        The caller has already cleared the binding to the dead engine.
+        """
+        p.attempt += 1
+        if p.attempt > self.config.max_replans:
+            self._requests.pop(p.request.request_id, None)
+            self._release_all(p)
+            return False
+        if keep_de and p.de is not None:
+            self._release_read(p)
+            p.read_node = None
+            if p.pe is not None and not p.prefilled:
+                p.pe.release(p, p.pe_tokens)
+            p.pe = None
+            p.prefilled = False
+            if p.ticket < 0:
+                self._push_pe(p)
+            return True
+        self._release_all(p)
+        self._to_global(p)
+        return True
+
+    def _to_global(self, p: Pending) -> None:
+        p.in_global = True
+        self._global.append(p)
+        self._global_sorted = False
+
+    def _drop_group(self, g: Group) -> None:
+        """Remove an empty group; its private queue goes back to the global queue."""
+        del self._groups[g.role][g.group_id]
+        for p in g.private:
+            p.group = None
+            self._to_global(p)
+        g.private.clear()
+        g.private_tokens = 0
+
+
+def _by_seq(p: Pending) -> int:
+    return p.seq

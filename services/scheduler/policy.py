@@ -1,0 +1,140 @@
+"""The placement rules of paper §6 (digest §5.2–§5.5) as small pure functions over ``state``.
+
+Each function reads engine/group/node state and returns a choice; the caller (``core``) applies
+it. None of them mutates anything except the round-robin cursors of the baseline rules.
+
+Tie rules (all deterministic): equal keys go to the engine or group registered first.
+
+* PE (Algorithm 1): category C2 (read_q ≤ α, tok_e ≤ β) before C3 (read_q > α, tok_e ≤ β);
+  smallest tok_e inside the category; C1 (tok_e > β) never. ``None`` ends the fetch.
+* DE phase 1: the DE group with the smallest load, see ``Group.load`` (Σ tok_e of its engines
+  plus the tokens already waiting in its private queue — [inference] the paper only says "update
+  the sum after each assignment"; counting the private queue keeps the next fetch from piling
+  onto the same group before its queue drains).
+* DE phase 2: among DEs with enough free HBM, those with tok_e + len(r) ≤ Z by smallest seq_e
+  (then smallest tok_e), else the smallest tok_e; ``None`` ends the fetch.
+* Read side: the node with the shorter read queue; on a tie the PE's node (the conventional
+  path, which needs no DE-buffer → PE hop over the compute network).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from .records import ReadSide
+from .state import Engine, Group, Node, Pending
+
+
+# --------------------------------------------------------------------------- PE placement
+
+def pick_pe(engines: Sequence[Engine], alpha: int, beta: int) -> Engine | None:
+    """Algorithm 1's choice: smallest tok_e in C2, else in C3; ``None`` if every engine is C1."""
+    best2 = best3 = None
+    for e in engines:
+        t = e.tok
+        if t > beta:                       # C1: overloaded, never gets work
+            continue
+        if e.node.read_q <= alpha:         # C2: short read queue, preferred
+            if best2 is None or t < best2.tok:
+                best2 = e
+        elif best2 is None and (best3 is None or t < best3.tok):
+            best3 = e
+    return best2 if best2 is not None else best3
+
+
+def pick_pe_round_robin(group: Group, beta: int) -> Engine | None:
+    """Baseline: the next engine in cyclic order that is not above β (β kept as flow control)."""
+    engines = group.engines
+    n = len(engines)
+    for k in range(n):
+        i = (group.rr + k) % n
+        if engines[i].tok <= beta:
+            group.rr = (i + 1) % n
+            return engines[i]
+    return None
+
+
+# --------------------------------------------------------------------------- DE placement
+
+def high_token_threshold(group: Group, z_factor: float) -> float:
+    """Z = z_factor · (Σ_{r∈R} len_r + Σ_e tok_e) / |E| (digest §5.4).
+
+    R is the longest head of the private queue whose HBM needs fit in the group's total free
+    HBM as if it were not fragmented.
+    """
+    engines = group.engines
+    free = 0
+    tok = 0
+    for e in engines:
+        tok += e.tok
+        if e.free_hbm > 0:
+            free += e.free_hbm
+    need = 0
+    len_r = 0
+    for p in group.private:
+        need += p.request.hbm_bytes
+        if need > free:
+            break
+        len_r += p.de_tokens
+    return z_factor * (len_r + tok) / len(engines)
+
+
+def pick_de(engines: Sequence[Engine], hbm: int, tokens: int, z: float) -> Engine | None:
+    """Phase 2's choice for one request of ``tokens`` tokens needing ``hbm`` bytes."""
+    rest = high = None
+    for e in engines:
+        if e.free_hbm < hbm:
+            continue
+        if e.tok + tokens <= z:
+            if rest is None or e.seq < rest.seq or (e.seq == rest.seq and e.tok < rest.tok):
+                rest = e
+        elif high is None or e.tok < high.tok:
+            high = e
+    return rest if rest is not None else high
+
+
+def pick_de_round_robin(group: Group, hbm: int) -> Engine | None:
+    """Baseline: the next DE in cyclic order with enough free HBM."""
+    engines = group.engines
+    n = len(engines)
+    for k in range(n):
+        i = (group.rr + k) % n
+        if engines[i].free_hbm >= hbm:
+            group.rr = (i + 1) % n
+            return engines[i]
+    return None
+
+
+def spread_to_groups(requests: Iterable[Pending], groups: Sequence[Group]) -> None:
+    """Phase 1: each request to the group with the smallest load, updated after each one."""
+    heap = [(g.load(), g.order, g) for g in groups]
+    heapq.heapify(heap)
+    replace = heapq.heapreplace
+    for p in requests:
+        load, order, g = heap[0]
+        _to_private(p, g)
+        replace(heap, (load + p.de_tokens, order, g))
+
+
+def spread_round_robin(requests: Iterable[Pending], groups: Sequence[Group], cursor: int) -> int:
+    """Phase-1 baseline: groups in turn; returns the advanced cursor."""
+    n = len(groups)
+    for p in requests:
+        _to_private(p, groups[cursor % n])
+        cursor += 1
+    return cursor % n
+
+
+def _to_private(p: Pending, g: Group) -> None:
+    p.in_global = False
+    p.group = g
+    g.private.append(p)
+    g.private_tokens += p.de_tokens
+
+
+# --------------------------------------------------------------------------- read side
+
+def shorter_queue_side(pe_node: Node, de_node: Node) -> ReadSide:
+    """Join the shorter read queue; a tie goes to the PE's node."""
+    return ReadSide.PE if pe_node.read_q <= de_node.read_q else ReadSide.DE

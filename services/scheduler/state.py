@@ -1,0 +1,107 @@
+"""Mutable cluster state the policies read and update: engines, groups, nodes, pending requests.
+
+Plain ``__slots__`` classes (not Structs) because the placement loops update them in place
+millions of times in the simulator. Every collection that is iterated is a list or an
+insertion-ordered dict, never a set of strings, so iteration order — and hence every decision —
+is the same in every process (string hashing is randomised per process).
+
+Ties are broken by **registration order** (``Engine.order``, ``Group.order``): the engine or
+group registered first wins, whatever its id looks like.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .records import Request, Role
+
+
+class Node:
+    """A machine: its storage link's disk-read queue, in tokens."""
+
+    __slots__ = ("node_id", "read_q", "engines")
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.read_q = 0
+        self.engines: list[Engine] = []
+
+
+class Engine:
+    """One GPU's engine: seq_e, tok_e and (DEs) free HBM, plus the requests it holds."""
+
+    __slots__ = ("engine_id", "order", "role", "node", "group", "seq", "tok", "free_hbm",
+                 "hbm_capacity", "requests")
+
+    def __init__(self, engine_id: str, order: int, role: Role, node: Node, group: Group,
+                 hbm_capacity: int) -> None:
+        self.engine_id = engine_id
+        self.order = order
+        self.role = role
+        self.node = node
+        self.group = group
+        self.seq = 0
+        self.tok = 0
+        self.free_hbm = hbm_capacity
+        self.hbm_capacity = hbm_capacity
+        self.requests: dict[str, Pending] = {}
+
+    def add(self, p: Pending, tokens: int, hbm: int = 0) -> None:
+        self.seq += 1
+        self.tok += tokens
+        self.free_hbm -= hbm
+        self.requests[p.request.request_id] = p
+
+    def release(self, p: Pending, tokens: int, hbm: int = 0) -> None:
+        """Undo ``add``; clamped at zero because telemetry may already have counted it out."""
+        if self.requests.pop(p.request.request_id, None) is None:
+            return
+        self.seq = max(self.seq - 1, 0)
+        self.tok = max(self.tok - tokens, 0)
+        self.free_hbm += hbm
+        if self.hbm_capacity and self.free_hbm > self.hbm_capacity:
+            self.free_hbm = self.hbm_capacity
+
+
+class Group:
+    """An engine group: all engines of one role on one node (or more); its leader fetches.
+
+    DE groups also own the phase-1 private queue and the tokens waiting in it.
+    """
+
+    __slots__ = ("group_id", "order", "role", "engines", "private", "private_tokens", "rr")
+
+    def __init__(self, group_id: str, order: int, role: Role) -> None:
+        self.group_id = group_id
+        self.order = order
+        self.role = role
+        self.engines: list[Engine] = []
+        self.private: deque[Pending] = deque()
+        self.private_tokens = 0
+        self.rr = 0   # round-robin cursor over engines
+
+    def load(self) -> int:
+        """Phase-1 key: Σ tok_e of the engines plus the tokens already in the private queue."""
+        return sum(e.tok for e in self.engines) + self.private_tokens
+
+
+class Pending:
+    """A request inside the scheduler, with its bindings as they are made."""
+
+    __slots__ = ("request", "seq", "pe_tokens", "de_tokens", "group", "de", "pe", "read_node",
+                 "read_pending", "prefilled", "ticket", "in_global", "attempt")
+
+    def __init__(self, request: Request, seq: int) -> None:
+        self.request = request
+        self.seq = seq                     # arrival order: the FIFO key
+        self.pe_tokens = request.hit_tokens + request.new_tokens
+        self.de_tokens = self.pe_tokens + request.gen_tokens
+        self.group: Group | None = None    # DE group whose private queue holds it
+        self.de: Engine | None = None
+        self.pe: Engine | None = None
+        self.read_node: Node | None = None
+        self.read_pending = False          # hit tokens still counted in read_node.read_q
+        self.prefilled = False
+        self.ticket = -1                   # valid PE-queue entry carries this ticket
+        self.in_global = False             # sits in the global DE queue
+        self.attempt = 0

@@ -108,7 +108,19 @@ class CancelCall(Message, tag="k", array_like=True):
     id: int
 
 
-Envelope = Union[Call, Reply, StreamItem, StreamEnd, CallError, CancelCall]
+class StreamCredit(Message, tag="w", array_like=True):
+    """Client → server flow control: the consumer of stream ``id`` can take ``n`` more events.
+
+    A stream starts with one credit (so a mistaken unary call on a stream fails fast); the
+    client grants the rest of its window right after the Call and more as it consumes, so a
+    slow consumer pauses only its own stream's generator.
+    """
+
+    id: int
+    n: int
+
+
+Envelope = Union[Call, Reply, StreamItem, StreamEnd, CallError, CancelCall, StreamCredit]
 
 
 # --------------------------------------------------------------------------- common control

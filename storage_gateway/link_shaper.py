@@ -1,0 +1,91 @@
+"""Storage-link emulation: one token bucket (bytes/s, burst) per node, shared by reads and writes.
+
+DESIGN §7: on one machine each node's SNIC is emulated by its gateway's bucket. The bucket
+keeps *debt*: a reservation subtracts its bytes at once, the balance may go negative, and the
+caller sleeps exactly until the balance would be back at zero (monotonic clock, one timer per
+chunk, no polling). Late wake-ups do not lose rate — the clock keeps refilling while a task
+oversleeps — so the long-run rate is exact up to the initial burst. Large transfers are
+charged ``chunk_bytes`` at a time, each chunk reserved only after the previous one's wait, so
+concurrent readers interleave chunk by chunk instead of one of them holding the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+
+class TokenBucket:
+    """The sans-I/O bucket: ``reserve(n)`` returns how long the caller must wait."""
+
+    def __init__(self, rate_bytes_per_s: float, burst_bytes: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self.rate = float(rate_bytes_per_s)
+        self.burst = float(burst_bytes)
+        self._clock = clock
+        self._tokens = self.burst
+        self._last = clock()
+
+    def _refill(self) -> float:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        return now
+
+    def reserve(self, nbytes: int) -> float:
+        """Take ``nbytes`` (going into debt if needed); seconds until they are covered."""
+        self._refill()
+        self._tokens -= nbytes
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+    def refund(self, nbytes: int) -> None:
+        """Give back a reservation whose bytes never moved (the waiter was cancelled)."""
+        self._refill()
+        self._tokens = min(self.burst, self._tokens + nbytes)
+
+    @property
+    def balance(self) -> float:
+        self._refill()
+        return self._tokens
+
+
+class LinkShaper:
+    """Async front of a TokenBucket; ``rate_bytes_per_s`` 0 = unlimited (every call is free)."""
+
+    def __init__(self, rate_bytes_per_s: float = 0.0, burst_bytes: int = 4 << 20,
+                 chunk_bytes: int = 1 << 20, clock: Callable[[], float] = time.monotonic):
+        self.enabled = rate_bytes_per_s > 0
+        self.chunk_bytes = max(1, int(chunk_bytes))
+        self._bucket = TokenBucket(rate_bytes_per_s, burst_bytes, clock) if self.enabled else None
+        self.bytes_charged = 0
+        self.wait_s = 0.0
+        self.waits = 0
+
+    @property
+    def rate(self) -> float:
+        return self._bucket.rate if self._bucket else 0.0
+
+    async def acquire(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may cross the link (chunk by chunk)."""
+        self.bytes_charged += nbytes
+        if self._bucket is None:
+            return
+        left = nbytes
+        while left > 0:
+            n = min(self.chunk_bytes, left)
+            delay = self._bucket.reserve(n)
+            if delay > 0:
+                self.waits += 1
+                self.wait_s += delay
+                try:
+                    await asyncio.sleep(delay)
+                except asyncio.CancelledError:
+                    self._bucket.refund(n)
+                    self.bytes_charged -= left
+                    raise
+            left -= n
+
+    def counters(self) -> dict[str, float]:
+        return {"link_rate_bytes_per_s": self.rate, "link_bytes_charged": self.bytes_charged,
+                "link_waits": self.waits, "link_wait_s": self.wait_s}

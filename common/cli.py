@@ -14,7 +14,9 @@ BENCHMARKS: dict[str, str] = {
     "scheduler": "bench.scheduler_bench",
 }
 
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "scheduler": "services.scheduler.__main__",
+}
 
 
 def _usage() -> str:

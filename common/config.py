@@ -106,6 +106,14 @@ class KVConfig(Section):
     dtype: str | None = None
 
 
+# Sections defined by services. Module imports (not ``from … import``) so either side may be
+# imported first: ``services.scheduler.config`` itself imports ``Section`` from here, and the
+# annotations below are strings resolved only when a config is first converted.
+import services.scheduler.config as _scheduler_config  # noqa: E402
+import services.scheduler.service_config as _scheduler_service_config  # noqa: E402
+import storage_gateway.config as _gateway_config  # noqa: E402
+
+
 class DualpathConfig(Section):
     """Root of a config file. Later sections (gateway, scheduler, cluster) extend this."""
 
@@ -114,6 +122,14 @@ class DualpathConfig(Section):
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     buffers: BufferConfig = msgspec.field(default_factory=BufferConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    # scheduler: placement constants (α, β, Z, policy) and the live service (port, leases, bounds)
+    scheduler: _scheduler_config.SchedulerConfig = msgspec.field(
+        default_factory=lambda: _scheduler_config.SchedulerConfig())
+    scheduler_service: _scheduler_service_config.SchedulerServiceConfig = msgspec.field(
+        default_factory=lambda: _scheduler_service_config.SchedulerServiceConfig())
+    # storage gateway: backend, capacity, read-queue limits, storage-link emulation
+    gateway: _gateway_config.GatewayConfig = msgspec.field(
+        default_factory=lambda: _gateway_config.GatewayConfig())
 
 
 T = TypeVar("T", bound=msgspec.Struct)

@@ -1,0 +1,149 @@
+"""The node side of the scheduler's node channel, for PE receivers, DE loaders and gateways.
+
+:class:`NodeSession` keeps one registration alive and speaks the protocol's rules so a node
+service does not have to: a fresh epoch per process, heartbeats at the interval the scheduler
+asks for, ``FetchWork`` with ``ack_seq`` (at-least-once delivery, duplicates dropped), and
+re-registration with a higher epoch when the scheduler says the lease is gone (the owner's
+``on_lease_lost`` callback must then drop all in-flight work: the scheduler has re-planned it).
+
+A group leader's loop, in short::
+
+    session = NodeSession(rpc_cfg, sched_host, sched_port, node_id="p0", service="pe_receiver",
+                          role="prefill", control=(host, port), ucx=(ucx_host, ucx_port),
+                          engines=[EngineInfo("p0.e0", "prefill")], on_lease_lost=drop_all)
+    await session.start()                      # register + heartbeat task
+    while running:
+        reply = await session.fetch(engine_loads(), read_q_tokens=None)
+        for r in reply.revoked: abort(r.request_id, r.attempt)
+        for b in reply.bindings: reserve(b)    # DE loaders
+        for p in reply.plans: start(p)         # PE receivers: report stages with session.report
+        if not reply.more:
+            await asyncio.sleep(session.fetch_interval_s)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from common.config import RpcConfig
+from common.errors import NotFound
+from common.protocol import (EngineInfo, EngineLoad, FetchWork, FetchWorkReply, Heartbeat,
+                             NodeReply, RegisterNode, RegisterNodeReply, ReportProgress,
+                             ReportProgressReply)
+from common.rpc import RpcClient
+
+log = structlog.get_logger(__name__)
+
+
+class NodeSession:
+    """One node service's registration, lease and calls on the scheduler."""
+
+    def __init__(self, rpc: RpcConfig, host: str, port: int, *, node_id: str, service: str,
+                 role: str = "", control: tuple[str, int] = ("", 0),
+                 ucx: tuple[str, int] = ("", 0), engines: Sequence[EngineInfo] = (),
+                 epoch: int | None = None, kv_fingerprint: str = "",
+                 auth_secret: bytes | None = None,
+                 on_lease_lost: Callable[[], Any] | None = None) -> None:
+        self.node_id, self.service, self.role = node_id, service, role
+        self.engines = list(engines)
+        self.epoch = time.time_ns() if epoch is None else epoch
+        self._control, self._ucx = control, ucx
+        self._on_lease_lost = on_lease_lost
+        self._rpc = RpcClient(rpc, host, port, role=service, node_id=node_id,
+                              reply_type=NodeReply, kv_fingerprint=kv_fingerprint,
+                              auth_secret=auth_secret)
+        self.lease_s = self.heartbeat_s = self.fetch_interval_s = 0.0
+        self.block_tokens = 0
+        self._acked: int | None = None
+        self._registered_epoch: int | None = None
+        self._heartbeats: asyncio.Task | None = None
+        self.read_q_tokens: int | None = None   # reported with each heartbeat when set
+
+    async def start(self) -> RegisterNodeReply:
+        """Register and keep the lease with a heartbeat task."""
+        reply = await self.register()
+        self._heartbeats = asyncio.create_task(self._heartbeat_loop(),
+                                               name=f"heartbeat-{self.node_id}-{self.service}")
+        return reply
+
+    async def register(self) -> RegisterNodeReply:
+        msg = RegisterNode(self.node_id, self.service, self.role, *self._control, *self._ucx,
+                           self.engines, self.epoch)
+        reply: RegisterNodeReply = await self._rpc.call(msg)
+        self.lease_s, self.heartbeat_s = reply.lease_s, reply.heartbeat_s
+        self.fetch_interval_s, self.block_tokens = reply.fetch_interval_s, reply.block_tokens
+        if self._registered_epoch != self.epoch:    # a new incarnation starts a new outbox
+            self._registered_epoch, self._acked = self.epoch, 0
+        return reply
+
+    async def close(self) -> None:
+        """Stop heartbeating and close (the scheduler notices when the lease runs out)."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeats
+            self._heartbeats = None
+        await self._rpc.close()
+
+    async def __aenter__(self) -> NodeSession:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def heartbeat(self) -> None:
+        try:
+            await self._rpc.call(Heartbeat(self.node_id, self.service, self.epoch,
+                                           self.read_q_tokens), timeout=self.lease_s)
+        except NotFound:
+            await self._lease_lost()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.heartbeat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:      # scheduler unreachable: keep trying, lease may survive
+                log.warning("heartbeat_failed", node=self.node_id, node_service=self.service,
+                            error=repr(e))
+
+    async def _lease_lost(self) -> None:
+        """The scheduler forgot us: new epoch, register again, tell the owner to drop work."""
+        log.warning("lease_lost", node=self.node_id, node_service=self.service, epoch=self.epoch)
+        self.epoch = max(self.epoch + 1, time.time_ns())
+        if self._on_lease_lost is not None:
+            result = self._on_lease_lost()
+            if inspect.isawaitable(result):
+                await result
+        await self.register()
+
+    async def fetch(self, engines: Sequence[EngineLoad] = (), read_q_tokens: int | None = None,
+                    group_id: str = "") -> FetchWorkReply:
+        """Pull work for the group; the reply is acknowledged by the next fetch."""
+        msg = FetchWork(self.node_id, group_id, self.role, self.epoch, list(engines),
+                        read_q_tokens, self._acked)
+        try:
+            reply: FetchWorkReply = await self._rpc.call(msg)
+        except NotFound:
+            await self._lease_lost()
+            return FetchWorkReply(0, [], [], [], more=True)
+        if self._acked is not None and reply.seq <= self._acked:    # a resend we applied
+            return FetchWorkReply(reply.seq, [], [], [], reply.more)
+        self._acked = reply.seq
+        return reply
+
+    async def report(self, request_id: str, attempt: int, stage: str,
+                     **kw: Any) -> ReportProgressReply:
+        """Report a stage of a request attempt (``tokens``, ``code``, ``message``, ...)."""
+        return await self._rpc.call(ReportProgress(request_id, attempt, stage,
+                                                   node_id=self.node_id, **kw))

@@ -1,0 +1,212 @@
+"""One request inside the scheduler service: its checked submission, state and timestamps.
+
+State machine (issue 5)::
+
+    queued ──▶ placed ──▶ loading ──▶ prefilling ──▶ decoding ──▶ finished
+       ▲          │           │            │              │
+       └──────────┴── re-plan (retryable failure, lease expiry; ≤ max_replans) ──┘
+                         any state ──▶ failed / cancelled
+
+* queued: accepted (hit lookup, then waiting for a DE and a PE in the core's queues);
+* placed: the core chose (PE, DE, read side) in a PE group fetch;
+* loading: the plan went to the PE receiver (``allocated`` report: buffers held, read issued);
+* prefilling: ``read_done`` (hit KV read from storage);
+* decoding: ``prefill_done`` or ``first_token``; finished: ``finished``.
+
+Timestamps are the event loop's monotonic clock. TTFT breakdown (paper §7, Figure 12):
+Sch. = submit → placed (queueing and scheduling wait, including earlier failed attempts),
+A. = placed → allocated (or dispatched), R. = → read_done (0 without a hit), PF. = → first
+token. Missing or out-of-order stamps collapse onto their neighbours, so the four parts are
+never negative and always add up to TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from collections.abc import Sequence
+
+import msgspec
+
+from common.errors import InvalidArgument
+from common.kv import block_keys_from_tokens, validate_keys
+from common.protocol import (FirstToken, RequestEvent, RequestFailed, RequestFinished,
+                             SubmitRequest)
+
+from .records import Assignment
+from .service_config import SchedulerServiceConfig
+
+
+class State(enum.StrEnum):
+    QUEUED = "queued"
+    PLACED = "placed"
+    LOADING = "loading"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = frozenset((State.FINISHED, State.FAILED, State.CANCELLED))
+
+
+class Submission(msgspec.Struct, frozen=True):
+    """A SubmitRequest after every check: keys derived, lengths consistent."""
+
+    request_id: str
+    session_id: str
+    prompt_tokens: int
+    gen_tokens: int
+    keys: tuple[str, ...]
+    hit_tokens: int | None          # None: look it up
+    deadline_s: float | None
+
+
+def check_submit(msg: SubmitRequest, cfg: SchedulerServiceConfig,
+                 block_tokens: int) -> Submission:
+    """Validate a submission (InvalidArgument naming the field); derive keys from token ids."""
+    _check_id("request_id", msg.request_id, cfg.max_id_chars)
+    _check_id("session_id", msg.session_id, cfg.max_id_chars)
+    rid = msg.request_id
+    if not 1 <= msg.prompt_tokens <= cfg.max_prompt_tokens:
+        raise InvalidArgument(f"request {rid!r}: prompt_tokens={msg.prompt_tokens} must be in "
+                              f"[1, {cfg.max_prompt_tokens}]")
+    if not 1 <= msg.gen_tokens <= cfg.max_gen_tokens:
+        raise InvalidArgument(f"request {rid!r}: gen_tokens={msg.gen_tokens} must be in "
+                              f"[1, {cfg.max_gen_tokens}] (the first token counts)")
+    keys = _keys(msg, cfg, block_tokens)
+    if msg.hit_tokens is not None:
+        _check_hit(msg, keys, block_tokens)
+    if msg.deadline_s is not None and not (msg.deadline_s > 0 and math.isfinite(msg.deadline_s)):
+        raise InvalidArgument(f"request {rid!r}: deadline_s={msg.deadline_s} must be a positive "
+                              f"number of seconds (or omitted)")
+    return Submission(rid, msg.session_id, msg.prompt_tokens, msg.gen_tokens, tuple(keys),
+                      msg.hit_tokens, msg.deadline_s)
+
+
+def _check_id(name: str, value: str, limit: int) -> None:
+    if not value or len(value) > limit or not value.isprintable():
+        raise InvalidArgument(f"{name} {value[:80]!r} must be 1..{limit} printable characters")
+
+
+def _keys(msg: SubmitRequest, cfg: SchedulerServiceConfig, block_tokens: int) -> list[str]:
+    rid = msg.request_id
+    if msg.token_ids is not None:
+        if msg.block_keys:
+            raise InvalidArgument(f"request {rid!r}: give block_keys or token_ids, not both")
+        if len(msg.token_ids) != msg.prompt_tokens:
+            raise InvalidArgument(f"request {rid!r}: {len(msg.token_ids)} token_ids but "
+                                  f"prompt_tokens={msg.prompt_tokens}")
+        return block_keys_from_tokens(msg.token_ids, block_tokens)
+    if len(msg.block_keys) > cfg.max_block_keys:
+        raise InvalidArgument(f"request {rid!r}: {len(msg.block_keys)} block keys, more than "
+                              f"the limit of {cfg.max_block_keys} (scheduler_service.max_block_keys)")
+    keys = validate_keys(msg.block_keys)
+    full = msg.prompt_tokens // block_tokens
+    if len(keys) > full:
+        raise InvalidArgument(f"request {rid!r}: {len(keys)} block keys but a {msg.prompt_tokens}"
+                              f"-token prompt has only {full} full {block_tokens}-token blocks")
+    return keys
+
+
+def _check_hit(msg: SubmitRequest, keys: Sequence[str], block_tokens: int) -> None:
+    rid, hit = msg.request_id, msg.hit_tokens
+    if not 0 <= hit < msg.prompt_tokens:
+        raise InvalidArgument(f"request {rid!r}: hit_tokens={hit} must be in [0, prompt_tokens)"
+                              f" — at least the last prompt token is computed")
+    if keys and (hit % block_tokens or hit > len(keys) * block_tokens):
+        raise InvalidArgument(f"request {rid!r}: hit_tokens={hit} must be a multiple of "
+                              f"{block_tokens} covering at most the {len(keys)} keys given")
+
+
+def usable_hit_blocks(blocks: int, keys: int, prompt_tokens: int, block_tokens: int) -> int:
+    """Clamp a looked-up hit: within the keys, and leaving at least one token to compute."""
+    return max(0, min(blocks, keys, (prompt_tokens - 1) // block_tokens))
+
+
+class RequestState:
+    """Service-side life of one request; the core holds its placement."""
+
+    __slots__ = ("sub", "conn_id", "state", "hit_tokens", "attempt", "in_core", "events",
+                 "t_submit", "t_placed", "t_dispatched", "t_allocated", "t_read", "t_first",
+                 "t_second", "assignment", "de_engine", "de_node", "de_group", "pe_group",
+                 "deadline", "timer", "hbm_bytes")
+
+    def __init__(self, sub: Submission, conn_id: int, now: float, deadline: float | None) -> None:
+        self.sub = sub
+        self.conn_id = conn_id           # frontend connection that owns the event stream
+        self.state = State.QUEUED
+        self.hit_tokens = 0
+        self.hbm_bytes = 0
+        self.attempt = 0
+        self.in_core = False             # submitted to the core (after the hit lookup)
+        self.events: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.t_submit = now
+        self.deadline = deadline         # loop time, or None
+        self.timer: asyncio.TimerHandle | None = None
+        self.de_engine = self.de_node = None
+        self.de_group: str | None = None  # DE group that got this attempt's binding
+        self.pe_group: str | None = None  # PE group that got this attempt's plan
+        self._reset_attempt()
+
+    @property
+    def request_id(self) -> str:
+        return self.sub.request_id
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def new_tokens(self) -> int:
+        return self.sub.prompt_tokens - self.hit_tokens
+
+    def _reset_attempt(self) -> None:
+        self.t_placed = self.t_dispatched = self.t_allocated = None
+        self.t_read = self.t_first = self.t_second = None
+        self.assignment: Assignment | None = None
+        self.pe_group = None
+
+    def next_attempt(self, keep_de: bool) -> None:
+        """A re-plan: forget this attempt's placement (the DE too unless the core kept it)."""
+        self.attempt += 1
+        self._reset_attempt()
+        self.de_group = None
+        if not keep_de:
+            self.de_engine = self.de_node = None
+
+    def remaining(self, now: float) -> float | None:
+        return None if self.deadline is None else max(self.deadline - now, 0.0)
+
+    # ---------------------------------------------------------------- metrics
+    def first_token_event(self, now: float) -> FirstToken:
+        """Stamp the first token and split TTFT into Sch./A./R./PF."""
+        self.t_first = first = now
+        submit = self.t_submit
+        placed = _clamp(self.t_placed, submit, first)
+        alloc = _clamp(self.t_allocated or self.t_dispatched, placed, first)
+        read = _clamp(self.t_read, alloc, first)
+        return FirstToken(self.request_id, first - submit, placed - submit, alloc - placed,
+                          read - alloc, first - read, self.attempt)
+
+    def finished_event(self, tokens: int, now: float) -> RequestFinished:
+        first = self.t_first if self.t_first is not None else now
+        tokens = tokens if tokens > 0 else self.sub.gen_tokens
+        ttst = None if self.t_second is None else max(self.t_second - first, 0.0)
+        tpot = (now - first) / (tokens - 1) if tokens > 1 else 0.0
+        return RequestFinished(self.request_id, tokens, first - self.t_submit, ttst, tpot,
+                               now - self.t_submit, self.hit_tokens, self.attempt)
+
+    def failed_event(self, code: str, message: str, retryable: bool,
+                     retry_after_s: float | None = None) -> RequestFailed:
+        return RequestFailed(self.request_id, code, message, retryable, retry_after_s,
+                             self.attempt)
+
+
+def _clamp(t: float | None, lo: float, hi: float) -> float:
+    """``t`` inside [lo, hi]; a missing stamp takes ``lo`` (that part of TTFT is zero)."""
+    if t is None:
+        return lo
+    return min(max(t, lo), hi)

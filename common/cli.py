@@ -12,10 +12,13 @@ import sys
 BENCHMARKS: dict[str, str] = {
     "transport": "bench.transport_bench",
     "scheduler": "bench.scheduler_bench",
+    "gateway": "bench.gateway_bench",
+    "gateway-storage": "bench.gateway_storage_bench",
 }
 
 COMMANDS: dict[str, str] = {
     "scheduler": "services.scheduler.__main__",
+    "gateway": "storage_gateway.__main__",
 }
 
 

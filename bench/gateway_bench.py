@@ -1,0 +1,317 @@
+"""Storage gateway over the network: read throughput to a requester process vs plain pread.
+
+Per KV spec, in one run: N Full Blocks are written through the gateway (``python -m
+storage_gateway``, its own process, fs backend under ``data/``); then, page cache warm,
+(a) a plain single-threaded loop of ``os.preadv`` (header + payload) of the same block files
+into a numpy buffer — the baseline — and (b) this process as the requester: it posts its
+receives and issues ReadBlocks (several batches each, several requests in flight) while the
+gateway reads, verifies and sends over UCX. ``gateway_vs_pread`` = (b) ÷ (a).
+
+Also: cold reads with O_DIRECT (gateway restarted with ``o_direct = true``; pread baseline
+with O_DIRECT into an aligned buffer), the shaped link (configured rate vs rate delivered to
+the requester), index memory per block, and CPU seconds per GB on both sides (the host has 2
+shared cores: gateway and requester compete for them).
+
+Headline ``gateway_vs_pread``: the smallest ratio over the two model specs (DeepSeek-V3.2 and
+Qwen2.5-32B Full Blocks); the 64 KiB test spec is reported beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import mmap
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import bench_parser, headline, print_table, write_results
+from common.config import RpcConfig, TransportConfig
+from common.kv import PRESETS, KVSpec
+from common.logging import configure_logging
+from common.service import run as run_loop
+from common.transport import PageTransport
+from storage_gateway.block_format import HEADER_SIZE
+from storage_gateway.block_index import measure_bytes_per_block
+from storage_gateway.client import GatewayClient, block_slots
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+HEADLINE_SPECS = ("deepseek-v3.2", "qwen2.5-32b")
+SPECS = (*HEADLINE_SPECS, "test-small")
+REQUEST_BYTES = 32 * MiB      # one ReadBlocks worth of blocks
+BATCH_BYTES = 8 * MiB         # one UCX transfer of a read (at least one block)
+INFLIGHT = 2                  # ReadBlocks requests in flight
+SHAPED_RATE = 200e6
+
+
+# ---------------------------------------------------------------- gateway process
+
+class GatewayProc:
+    """``python -m storage_gateway`` with a generated config; CPU read from /proc."""
+
+    def __init__(self, workdir: Path, preset: str, root: Path, **gateway) -> None:
+        cfg = workdir / f"gateway-{preset}.toml"
+        gw = {"root": str(root), "io_threads": 2, "max_keys_per_request": 1 << 16, **gateway}
+        lines = [f'[kv]\npreset = "{preset}"', "[gateway]"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in gw.items()]
+        lines += ["[gateway_service]", f"staging_bytes = {256 * MiB}",
+                  f"max_batch_bytes = {64 * MiB}", '[logging]\nlevel = "warning"']
+        cfg.write_text("\n".join(lines) + "\n")
+        self.log = open(workdir / f"gateway-{preset}.log", "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "storage_gateway", "-c", str(cfg),
+                                      "--node", "bench", "--port", "0"], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError(f"gateway did not start; see {self.log.name}")
+        self.ready = json.loads(line)
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _self_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# ---------------------------------------------------------------- requester side
+
+class Requester:
+    """This process as a gateway client: a transport and an arena for INFLIGHT requests."""
+
+    def __init__(self, spec: KVSpec, rpc_port: int) -> None:
+        self.spec = spec
+        self.per_request = max(1, REQUEST_BYTES // spec.full_block_bytes)
+        self.arena = np.ones(INFLIGHT * self.per_request * spec.full_block_bytes, np.uint8)
+        self.transport = PageTransport(TransportConfig(staging_bytes=32 * MiB), "bench-req")
+        self.rpc_port = rpc_port
+        self.client: GatewayClient | None = None
+
+    async def __aenter__(self) -> Requester:
+        await self.transport.start()
+        self.client = GatewayClient.connect(RpcConfig(), "127.0.0.1", self.rpc_port, self.transport,
+                                            self.arena, self.spec, node_id="bench-req")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        await self.transport.stop()
+
+    async def write(self, keys: list[str]) -> float:
+        """Write ``keys`` (one shared random payload); returns seconds."""
+        payload = np.random.default_rng(0).integers(0, 256, self.spec.full_block_bytes, np.uint8)
+        per = max(1, 32 * MiB // self.spec.full_block_bytes)
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), per):
+            chunk = keys[i:i + per]
+            await self.client.write_blocks(f"w{i}", chunk, [payload] * len(chunk), 120.0)
+        return time.perf_counter() - t0
+
+    async def read_all(self, keys: list[str], batch_bytes: int = BATCH_BYTES,
+                       stop: asyncio.Event | None = None) -> float:
+        """Read every key, INFLIGHT requests at a time (until ``stop`` if given); seconds."""
+        chunks = [keys[i:i + self.per_request] for i in range(0, len(keys), self.per_request)]
+        todo = itertools.cycle(enumerate(chunks)) if stop else iter(enumerate(chunks))
+        bb = self.spec.full_block_bytes
+
+        async def lane(slot: int) -> None:
+            base = slot * self.per_request * bb
+            for j, chunk in todo:
+                if stop is not None and stop.is_set():
+                    return
+                reply = await self.client.read_blocks(f"r{j}", chunk, block_slots(base, bb, len(chunk)),
+                                                      60.0, batch_bytes=batch_bytes)
+                if reply.prefix_blocks != len(chunk):
+                    raise RuntimeError(f"read r{j}: only {reply.prefix_blocks}/{len(chunk)} found")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(lane(s) for s in range(INFLIGHT)))
+        return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- pread baseline
+
+def pread_pass(paths: list[str], spec: KVSpec, direct: bool = False) -> tuple[float, float]:
+    """One single-threaded pass of header + payload preads; (seconds, CPU seconds)."""
+    per = max(1, REQUEST_BYTES // spec.full_block_bytes)
+    if direct:  # O_DIRECT needs an aligned buffer of whole pages
+        size = -(-(HEADER_SIZE + spec.full_block_bytes) // 4096) * 4096
+        mm = mmap.mmap(-1, size)
+        bufs = [[memoryview(mm)]]
+        flags = os.O_RDONLY | os.O_DIRECT
+    else:
+        region = np.ones(per * spec.full_block_bytes, np.uint8)
+        bb = spec.full_block_bytes
+        head = bytearray(HEADER_SIZE)
+        bufs = [[head, region[i * bb:(i + 1) * bb]] for i in range(per)]
+        flags = os.O_RDONLY
+    c0, t0 = time.process_time(), time.perf_counter()
+    for i, p in enumerate(paths):
+        fd = os.open(p, flags)
+        try:
+            os.preadv(fd, bufs[i % len(bufs)], 0)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------- one spec
+
+async def bench_spec(name: str, workdir: Path, total_bytes: int, repeats: int) -> dict:
+    spec = PRESETS[name]
+    n = max(8, total_bytes // spec.full_block_bytes)
+    keys = [os.urandom(16).hex() for _ in range(n)]
+    root = workdir / name
+    gb = n * spec.full_block_bytes / 1e9
+    row: dict = {"spec": name, "block_MB": spec.full_block_bytes / 1e6, "blocks": n}
+    gw = GatewayProc(workdir, name, root)
+    try:
+        async with Requester(spec, gw.ready["rpc_port"]) as req:
+            row["write_GBps"] = gb / await req.write(keys)
+            paths = [str(root / k[0:2] / k[2:4] / f"{k}.kvb") for k in keys]
+            pread_pass(paths, spec)                               # page cache warm
+            await req.read_all(keys)                              # connections, arena warm
+            pairs = []                                            # alternate: noise hits both
+            for _ in range(repeats):
+                pread = pread_pass(paths, spec)
+                g0, s0 = gw.cpu_s(), _self_cpu_s()
+                secs = await req.read_all(keys)
+                pairs.append((pread, (secs, gw.cpu_s() - g0, _self_cpu_s() - s0)))
+    finally:
+        gw.stop()
+    best_p = min(p for p, _ in pairs)
+    best_g = min(g for _, g in pairs)
+    row.update(pread_GBps=gb / best_p[0], gateway_GBps=gb / best_g[0],
+               gateway_blocks_per_s=n / best_g[0], pread_cpu_s_per_GB=best_p[1] / gb,
+               gw_cpu_s_per_GB=best_g[1] / gb, req_cpu_s_per_GB=best_g[2] / gb,
+               gateway_vs_pread=statistics.median(p[0] / g[0] for p, g in pairs),
+               load_avg_1m=os.getloadavg()[0])
+    row.update(await cold_direct(name, workdir, root, keys, paths, spec))
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+async def cold_direct(name: str, workdir: Path, root: Path, keys: list[str], paths: list[str],
+                      spec: KVSpec) -> dict:
+    """Cold reads with O_DIRECT: pread baseline and the gateway (restarted with o_direct)."""
+    gb = len(keys) * spec.full_block_bytes / 1e9
+    try:
+        pread_s, _ = pread_pass(paths, spec, direct=True)
+    except OSError as e:
+        return {"odirect": f"unavailable: {e.strerror}"}
+    gw = GatewayProc(workdir, name, root, o_direct=True)
+    try:
+        async with Requester(spec, gw.ready["rpc_port"]) as req:
+            drop_cache(paths)
+            gw_s = await req.read_all(keys)
+    finally:
+        gw.stop()
+    return {"odirect_pread_GBps": gb / pread_s, "odirect_gateway_GBps": gb / gw_s}
+
+
+# ---------------------------------------------------------------- shaped link
+
+async def shaped_link(workdir: Path, seconds: float) -> dict:
+    """Configured link rate vs the rate the gateway delivers to the requester over ``seconds``.
+
+    The requester keeps two reads in flight (one block per batch); the rate is the gateway's
+    ``transport_bytes_sent`` over the window, sampled after a 0.5 s warm-up.
+    """
+    name = "deepseek-v3.2"
+    spec = PRESETS[name]
+    root = workdir / "shaped"
+    keys = [os.urandom(16).hex() for _ in range(24)]
+    gw = GatewayProc(workdir, name, root, link_rate_bytes_per_s=SHAPED_RATE)
+    try:
+        async with Requester(spec, gw.ready["rpc_port"]) as req:
+            await req.write(keys)
+            stop = asyncio.Event()
+            reader = asyncio.create_task(req.read_all(keys, spec.full_block_bytes, stop))
+            await asyncio.sleep(0.5)
+            b0, t0 = (await req.client.stats())["transport_bytes_sent"], time.perf_counter()
+            await asyncio.sleep(seconds)
+            b1, t1 = (await req.client.stats())["transport_bytes_sent"], time.perf_counter()
+            stop.set()
+            await reader
+    finally:
+        gw.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    measured = (b1 - b0) / (t1 - t0)
+    return {"configured_MBps": SHAPED_RATE / 1e6, "measured_MBps": measured / 1e6,
+            "error_pct": 100 * (measured - SHAPED_RATE) / SHAPED_RATE, "seconds": t1 - t0}
+
+
+# ---------------------------------------------------------------- main
+
+async def run(quick: bool) -> tuple[dict, dict]:
+    total = 96 * MiB if quick else 512 * MiB
+    repeats = 3 if quick else 5
+    (ROOT / "data").mkdir(exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-gateway-", dir=ROOT / "data"))
+    try:
+        rows = [await bench_spec(name, workdir, total, repeats) for name in SPECS]
+        shaped = await shaped_link(workdir, 3.0 if quick else 10.0)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(rows, ["spec", "block_MB", "blocks", "pread_GBps", "gateway_GBps",
+                       "gateway_vs_pread", "gateway_blocks_per_s", "odirect_pread_GBps",
+                       "odirect_gateway_GBps", "write_GBps"])
+    print()
+    print_table(rows, ["spec", "pread_cpu_s_per_GB", "gw_cpu_s_per_GB", "req_cpu_s_per_GB",
+                       "load_avg_1m"])
+    index_bpb = measure_bytes_per_block(100_000 if quick else 1_000_000)
+    print(f"\nindex memory: {index_bpb:.1f} B per block")
+    print(f"shaped link: configured {shaped['configured_MBps']:.0f} MB/s, delivered "
+          f"{shaped['measured_MBps']:.1f} MB/s over {shaped['seconds']:.1f} s "
+          f"({shaped['error_pct']:+.2f}%)")
+    ratio = min(r["gateway_vs_pread"] for r in rows if r["spec"] in HEADLINE_SPECS)
+    results = {"specs": rows, "index_bytes_per_block": index_bpb, "shaped_link": shaped,
+               "gateway_vs_pread_all_specs_min": min(r["gateway_vs_pread"] for r in rows),
+               "settings": {"request_bytes": REQUEST_BYTES, "batch_bytes": BATCH_BYTES,
+                            "requests_in_flight": INFLIGHT, "io_threads": 2, "cpus": os.cpu_count()}}
+    return headline("gateway_vs_pread", ratio, 0.80), results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_parser("gateway", __doc__.splitlines()[0]).parse_args(argv)
+    configure_logging("warning", json=False)
+    head, results = run_loop(run(args.quick), use_uvloop=True)
+    write_results(args.out, "gateway", head, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

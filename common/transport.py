@@ -1,0 +1,665 @@
+"""UCX page transport: write a byte stream into a peer's registered arena slots.
+
+The only module of dualpath that imports ``ucxx`` (DESIGN §5). The receiver posts every
+receive of a transfer in advance (:meth:`PageTransport.expect`), straight into its arena
+(``force_tag`` tag receives); the sender cuts the same :func:`plan_messages` plan over the
+receiver's slots and sends each message with its tag. Completion of the posted receives is
+the "data arrived" signal: no per-page control message. The API is "these local ranges into
+those remote slots", so a one-sided RMA backend can replace tags later.
+
+Settings (measured, docs/performance.md):
+
+* One UCX context + worker per transport, options from ``cfg.traffic_classes[cfg.kv_class]``;
+  options this UCX build cannot apply (``IB_SL`` without verbs) are logged once and skipped.
+* Progress: our own event-driven driver (:class:`WorkerProgress`) on the worker's epoll fd.
+  ucxx's ``BlockingMode`` never re-arms the worker after the first event, so once a
+  connection exists it spins at 100 % of a core; ours arms after every round: 0 % idle.
+* Failure: any error, deadline or cancellation part-way through a transfer aborts that
+  endpoint (a half-received tag sequence is never reused), waits until every request of the
+  transfer has completed (no receive left targeting the caller's buffers) and raises a typed
+  error. Other transfers on the same endpoint fail with ``PeerFailed`` (retryable).
+
+Tags: ``transfer_id << 20 | message_index`` (``common.transport_plan``); tag matching is
+worker-wide, so transfer ids come from the *receiving* transport (:meth:`new_transfer_id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import structlog
+
+from common.config import TransportConfig
+from common.errors import (Cancelled, ConfigError, DeadlineExceeded, DualpathError,
+                           InvalidArgument, PeerFailed, ProtocolError, Unavailable)
+from common.transport_plan import (HELLO_BYTES, HELLO_VERSION, INDEX_BITS, MessagePlan,
+                                   SourceMap, StagingPool, TransferHello,
+                                   TransferIdSource, check_flat_bytes, check_same_plan,
+                                   check_transfer_id, decode_hello, encode_hello,
+                                   is_device_array, plan_messages)
+from common.ucx_env import WorkerProgress, apply_ucx_env, options_overridden_by_env
+
+log = structlog.get_logger(__name__)
+
+Peer = tuple[str, int]
+_RETIRED_IDS = 4096          # failed transfer ids remembered (never reused)
+_SETTLE_S = 5.0              # bound on waiting for cancelled requests to complete
+_OWN_PROGRESS = "dualpath.transport progress driver"
+_ucx: SimpleNamespace | None = None
+_reported_skips: set[tuple[str, tuple[str, ...]]] = set()  # warn once per process
+
+
+def _ucxx() -> SimpleNamespace:
+    """Import ucxx lazily: the UCX environment must be set before the first import."""
+    global _ucx
+    if _ucx is None:
+        import ucxx._lib.libucxx as lib
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async import application_context as app
+        from ucxx.types import Tag, TagMaskFull
+        _ucx = SimpleNamespace(lib=lib, Array=Array, app=app, Tag=Tag, Mask=TagMaskFull,
+                               Error=lib.UCXError)
+    return _ucx
+
+
+def _claim_progress(loop: asyncio.AbstractEventLoop) -> None:
+    # ucxx starts its own (spinning) BlockingMode for a loop it has no entry for; our
+    # driver does the work, so keep an entry there (a collected context clears the dict).
+    _ucxx().app.ProgressTasks.setdefault(loop, _OWN_PROGRESS)
+
+
+def _create_context(options: dict[str, str], traffic_class: str) -> tuple[Any, list[str]]:
+    """The ucxx ApplicationContext for one traffic class, minus options UCX rejects."""
+    u = _ucxx()
+    from_env = options_overridden_by_env(options)
+    if from_env:
+        log.info("ucx_options_taken_from_environment", traffic_class=traffic_class,
+                 options=from_env)
+    opts = {k: v for k, v in options.items() if k not in from_env}
+    try:
+        return u.app.ApplicationContext(opts, progress_mode="blocking"), []
+    except u.Error as e:
+        accepted, skipped = _probe_options(opts)
+        if not skipped:
+            raise ConfigError(f"UCX rejected traffic class {traffic_class!r} options {opts}: "
+                              f"{type(e).__name__}: {e}") from e
+        key = (traffic_class, tuple(skipped))
+        report = log.debug if key in _reported_skips else log.warning
+        _reported_skips.add(key)
+        report("ucx_options_skipped", traffic_class=traffic_class, options=skipped,
+               reason=f"{type(e).__name__}: this UCX build cannot apply them (the PyPI UCX "
+                      "has no verbs: no IB/RoCE QoS; use a system UCX >= 1.19 with verbs)")
+        return u.app.ApplicationContext(accepted, progress_mode="blocking"), skipped
+
+
+def _probe_options(options: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    u, accepted, skipped = _ucxx(), {}, []
+    for key, value in options.items():
+        try:
+            u.lib.UCXContext({**accepted, key: value})
+            accepted[key] = value
+        except u.Error:
+            skipped.append(key)
+    return accepted, skipped
+
+
+@dataclass(eq=False)
+class _Link:
+    """One endpoint to a peer's transport (keyed by the peer's listener address)."""
+
+    addr: Peer
+    ep: Any
+    node_id: str = ""
+    failure: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.failure is None and self.ep._ep is not None and not self.ep.closed
+
+
+@dataclass(eq=False)
+class _Transfer:
+    """Book-keeping of one transfer in flight, on either side."""
+
+    transfer_id: int
+    link: _Link
+    plan: list[MessagePlan]
+    nbytes: int
+    posted: collections.deque     # (request, message, staging offset | None)
+    deferred: collections.deque   # packed messages waiting for staging (receiver)
+    arena: Any = None
+    task: asyncio.Task | None = None
+
+
+class ReceiveHandle:
+    """A posted receive of one transfer: ``await wait()`` returns when every byte arrived."""
+
+    def __init__(self, transfer_id: int, peer: Peer, nbytes: int, task: asyncio.Task) -> None:
+        self.transfer_id, self.peer, self.nbytes = transfer_id, peer, nbytes
+        self._task = task
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    async def wait(self) -> None:
+        """Return when all bytes are in the arena; raise PeerFailed, DeadlineExceeded, ..."""
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if not self._task.done():  # our waiter was cancelled: cancel the transfer too
+                await self.cancel()
+            raise
+
+    async def cancel(self) -> None:
+        """Cancel the transfer; returns once no receive targets the arena any more."""
+        if not self._task.done():
+            self._task.cancel()
+        await asyncio.wait([self._task])
+        if not self._task.cancelled():
+            self._task.exception()  # retrieved here; wait() raises it again
+
+
+class PageTransport:
+    """UCX page transport of one process (one context/worker for the KV traffic class)."""
+
+    def __init__(self, cfg: TransportConfig, node_id: str) -> None:
+        if cfg.kv_class not in cfg.traffic_classes:
+            raise ConfigError(f"transport.kv_class {cfg.kv_class!r} is not one of "
+                              f"transport.traffic_classes {sorted(cfg.traffic_classes)}")
+        if cfg.max_message_bytes <= 0 or cfg.max_inflight_messages <= 0:
+            raise ConfigError("transport.max_message_bytes and max_inflight_messages must be > 0")
+        if cfg.staging_bytes < cfg.max_message_bytes:
+            raise ConfigError(f"transport.staging_bytes ({cfg.staging_bytes}) must hold one "
+                              f"message of max_message_bytes ({cfg.max_message_bytes})")
+        self._cfg, self.node_id = cfg, node_id
+        self._ids = TransferIdSource()
+        self._links: dict[Peer, _Link] = {}
+        self._all_links: set[_Link] = set()
+        self._connecting: dict[Peer, asyncio.Lock] = {}
+        self._receiving: dict[int, _Transfer] = {}
+        self._active: set[_Transfer] = set()
+        self._handshaking: set[Any] = set()
+        self._retired: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._state = "init"
+        self._lock = asyncio.Lock()
+        self._ctx: Any = None
+        self._listener: Any = None
+        self._progress: WorkerProgress | None = None
+        self._staging: StagingPool | None = None
+        self.skipped_options: list[str] = []
+        self._n: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create the UCX context, the progress driver, staging and the listener."""
+        async with self._lock:
+            if self._state != "init":
+                return
+            cfg, loop = self._cfg, asyncio.get_running_loop()
+            env = apply_ucx_env(cfg.shared_memory)
+            _claim_progress(loop)
+            options = cfg.traffic_classes[cfg.kv_class].ucx_options()
+            self._ctx, self.skipped_options = _create_context(options, cfg.kv_class)
+            self._progress = WorkerProgress(self._ctx.worker, loop)
+            try:
+                self._staging = StagingPool(cfg.staging_bytes, on_free=self._progress.kick)
+                _claim_progress(loop)
+                self._listener = self._ctx.create_listener(
+                    self._on_accept, port=cfg.port, endpoint_error_handling=True,
+                    connect_timeout=cfg.connect_timeout_s)
+            except BaseException:
+                self._progress.close()
+                self._ctx = self._staging = None
+                raise
+            self._state = "running"
+            log.info("transport_started", node_id=self.node_id, host=cfg.host,
+                     port=self._listener.port, traffic_class=cfg.kv_class,
+                     options=options, skipped=self.skipped_options, env_set=env)
+
+    async def stop(self) -> None:
+        """Stop accepting, cancel transfers, close endpoints, release UCX (idempotent)."""
+        async with self._lock:
+            if self._state != "running":
+                self._state = "closed"
+                return
+            self._state = "closing"
+            for rx in list(self._receiving.values()):
+                rx.task.cancel()
+            for link in list(self._all_links):
+                self._abort_link(link, "transport stopping")
+            for ep in list(self._handshaking):
+                ep.abort()
+            await self._drain(self._cfg.connect_timeout_s)
+            self._listener.close()
+            self._progress.close()
+            self._listener = self._ctx = self._staging = None
+            self._links.clear()
+            self._all_links.clear()
+            self._state = "closed"
+            log.info("transport_stopped", node_id=self.node_id, **self._n)
+
+    async def _drain(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while (self._active or self._listener.active_clients) and time.monotonic() < end:
+            await asyncio.wait([self._progress.tick()], timeout=0.01)
+        if self._active or self._listener.active_clients:
+            log.warning("transport_stop_timed_out", transfers=len(self._active),
+                        handlers=self._listener.active_clients)
+
+    async def __aenter__(self) -> PageTransport:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def address(self) -> Peer:
+        """The ``(host, port)`` peers connect to (``cfg.host`` is advertised as is)."""
+        self._check_running()
+        return (self._cfg.host, int(self._listener.port))
+
+    def new_transfer_id(self) -> int:
+        """A transfer id unique on this (receiving) transport; the sender uses it as is."""
+        return self._ids.next()
+
+    def _check_running(self) -> None:
+        if self._state != "running":
+            raise Unavailable(f"page transport of {self.node_id} is {self._state}, not running")
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def endpoint(self, peer: Peer, deadline_s: float | None = None) -> Any:
+        """The ucxx endpoint to ``peer`` (connecting if needed) — for baselines/diagnostics."""
+        self._check_running()
+        budget = self._cfg.connect_timeout_s if deadline_s is None else deadline_s
+        return (await self._link_to(tuple(peer), asyncio.get_running_loop().time() + budget)).ep
+
+    async def _link_to(self, peer: Peer, deadline_at: float) -> _Link:
+        link = self._links.get(peer)
+        if link is not None and link.usable:
+            return link
+        async with self._connecting.setdefault(peer, asyncio.Lock()):
+            link = self._links.get(peer)
+            if link is not None and link.usable:
+                return link
+            return await self._connect(peer, deadline_at)
+
+    async def _connect(self, peer: Peer, deadline_at: float) -> _Link:
+        u, loop, cfg = _ucxx(), asyncio.get_running_loop(), self._cfg
+        budget = min(cfg.connect_timeout_s, deadline_at - loop.time())
+        ep = None
+        try:
+            with self._progress.busy():
+                async with asyncio.timeout(budget):
+                    _claim_progress(loop)
+                    ep = await self._ctx.create_endpoint(
+                        peer[0], peer[1], endpoint_error_handling=True, connect_timeout=budget)
+                    await self._send_hello(ep)
+                    hello = await self._recv_hello(ep)
+                    self._check_hello(hello)
+        except (TimeoutError, ProtocolError, u.Error, OSError, RuntimeError) as e:
+            if ep is not None:
+                ep.abort()
+            if isinstance(e, ProtocolError):
+                raise
+            if loop.time() >= deadline_at:
+                raise DeadlineExceeded(f"deadline passed while connecting to {peer}") from e
+            raise Unavailable(f"cannot connect to page transport {peer[0]}:{peer[1]} "
+                              f"({type(e).__name__}: {e}) — is the peer started?") from e
+        self._n["connects"] += 1
+        return self._register(_Link(peer, ep, hello.node_id))
+
+    async def _on_accept(self, ep: Any) -> None:
+        if self._state != "running":
+            ep.abort()
+            return
+        self._handshaking.add(ep)
+        try:
+            with self._progress.busy():
+                async with asyncio.timeout(self._cfg.connect_timeout_s):
+                    hello = await self._recv_hello(ep)
+                    await self._send_hello(ep)  # ours first: the client reports a mismatch
+                    self._check_hello(hello)
+            self._register(_Link((hello.host, hello.port), ep, hello.node_id))
+            self._n["accepts"] += 1
+        except (TimeoutError, ProtocolError, Unavailable, _ucxx().Error) as e:
+            log.warning("peer_handshake_failed", error=repr(e))
+            ep.abort()
+        finally:
+            self._handshaking.discard(ep)
+
+    def _register(self, link: _Link) -> _Link:
+        if self._state != "running":
+            link.ep.abort()
+            raise Unavailable(f"page transport of {self.node_id} is stopping")
+        self._all_links.add(link)
+        link.ep.set_close_callback(self._on_link_closed, cb_args=(link,))
+        current = self._links.get(link.addr)
+        if current is None or not current.usable:
+            self._links[link.addr] = link
+        log.debug("endpoint_registered", peer=link.addr, node_id=link.node_id)
+        return link
+
+    def _on_link_closed(self, link: _Link) -> None:
+        if link.failure is None:
+            link.failure = "endpoint closed (peer failed or left)"
+        if self._links.get(link.addr) is link:
+            del self._links[link.addr]
+        if self._progress is not None:
+            self._progress.kick()
+
+    def _abort_link(self, link: _Link, reason: str) -> None:
+        if link.failure is None:
+            link.failure = reason
+        if self._links.get(link.addr) is link:
+            del self._links[link.addr]
+        self._all_links.discard(link)
+        if link.ep._ep is not None:
+            self._n["endpoint_aborts"] += 1
+            log.info("endpoint_aborted", peer=link.addr, reason=reason)
+            link.ep.abort()
+
+    def _hello(self) -> TransferHello:
+        cfg = self._cfg
+        return TransferHello(HELLO_VERSION, self.node_id, cfg.host, int(self._listener.port),
+                              cfg.max_message_bytes, cfg.pack_below_bytes)
+
+    async def _send_hello(self, ep: Any) -> None:
+        u, buf = _ucxx(), encode_hello(self._hello())
+        await self._wait_one(ep._ep.tag_send(u.Array(buf), u.Tag(ep._tags["msg_send"])))
+
+    async def _recv_hello(self, ep: Any) -> TransferHello:
+        u, buf = _ucxx(), np.zeros(HELLO_BYTES, dtype=np.uint8)
+        await self._wait_one(ep._ep.tag_recv(u.Array(buf), u.Tag(ep._tags["msg_recv"]), u.Mask))
+        return decode_hello(buf)
+
+    def _check_hello(self, hello: TransferHello) -> None:
+        check_same_plan(self._hello(), hello)
+
+    async def _wait_one(self, req: Any) -> None:
+        self._progress.kick()
+        while not req.completed:
+            await self._progress.tick()
+        req.check_error()
+
+    # ------------------------------------------------------------------ receive
+
+    async def expect(self, peer: Peer, transfer_id: int, arena: Any,
+                     slots: Sequence[tuple[int, int]], deadline_s: float) -> ReceiveHandle:
+        """Post every receive of ``transfer_id`` from ``peer`` into ``arena`` ``slots`` now.
+
+        ``slots`` are ``(offset, nbytes)`` runs of the flat uint8 ``arena`` (the registered
+        pool), in stream order — send the same list to the peer (``PageSlots``). Direct
+        messages land in the arena; packed ones (small, non-contiguous runs) in staging, then
+        are scattered — those beyond the free staging are posted as staging frees up (in
+        order). ``deadline_s`` is the budget from now. Device (cupy) arenas take direct
+        messages only. ``await handle.wait()`` before reading the arena; after a failure or
+        ``await handle.cancel()`` no receive targets it any more.
+        """
+        self._check_running()
+        check_transfer_id(transfer_id)
+        if transfer_id in self._receiving or transfer_id in self._retired:
+            raise InvalidArgument(f"transfer id {transfer_id} is in use or was aborted; "
+                                  "take a new one from new_transfer_id()")
+        check_flat_bytes(arena, "arena", writable=True)
+        plan = plan_messages(slots, self._cfg.max_message_bytes, self._cfg.pack_below_bytes)
+        self._check_slots(plan, arena)
+        loop = asyncio.get_running_loop()
+        deadline_at = loop.time() + deadline_s
+        link = await self._link_to(tuple(peer), deadline_at)
+        if transfer_id in self._receiving:
+            raise InvalidArgument(f"transfer id {transfer_id} is already expected")
+        rx = _Transfer(transfer_id, link, plan, plan[-1].stream_end if plan else 0,
+                       collections.deque(), collections.deque(), arena)
+        self._receiving[transfer_id] = rx
+        self._active.add(rx)
+        try:
+            self._post_receives(rx)
+        except BaseException as e:
+            self._receiving.pop(transfer_id, None)
+            self._active.discard(rx)
+            raise await self._fail(rx, e, "receive", deadline_s) from e
+        rx.task = loop.create_task(self._receive(rx, deadline_at, deadline_s))
+        handle = ReceiveHandle(transfer_id, link.addr, rx.nbytes, rx.task)
+        try:  # let the task reach its first await: from then on, cancelling it cleans up
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            await handle.cancel()
+            raise
+        return handle
+
+    def _check_slots(self, plan: list[MessagePlan], arena: Any) -> None:
+        size = int(arena.nbytes)
+        for msg in plan:
+            if msg.packed and is_device_array(arena):
+                raise InvalidArgument("device arenas need direct messages: make the slots "
+                                      "contiguous or set transport.pack_below_bytes = 0")
+            for off, n in msg.pieces:
+                if off + n > size:
+                    raise InvalidArgument(f"slot ({off}, {n}) ends beyond the arena ({size} B)")
+
+    def _post_receives(self, rx: _Transfer) -> None:
+        u, ep, base = _ucxx(), rx.link.ep._ep, rx.transfer_id << INDEX_BITS
+        Array, Tag, mask, arena = u.Array, u.Tag, u.Mask, rx.arena
+        for msg in rx.plan:
+            if not msg.packed:
+                off = msg.pieces[0][0]
+                req = ep.tag_recv(Array(arena[off:off + msg.nbytes]), Tag(base | msg.index), mask)
+                rx.posted.append((req, msg, None))
+            elif rx.deferred or not self._post_packed(rx, msg):
+                rx.deferred.append(msg)  # keep packed posts in order (no staging deadlock)
+        self._progress.kick()
+
+    def _post_packed(self, rx: _Transfer, msg: MessagePlan) -> bool:
+        stg = self._staging.try_alloc(msg.nbytes)
+        if stg is None:
+            return False
+        u = _ucxx()
+        req = rx.link.ep._ep.tag_recv(u.Array(self._staging.view(stg, msg.nbytes)),
+                                      u.Tag((rx.transfer_id << INDEX_BITS) | msg.index), u.Mask)
+        rx.posted.append((req, msg, stg))
+        return True
+
+    async def _receive(self, rx: _Transfer, deadline_at: float, deadline_s: float) -> None:
+        try:
+            async with asyncio.timeout_at(deadline_at):
+                await self._receive_loop(rx)
+            self._n["transfers_received_ok"] += 1
+            self._n["bytes_received"] += rx.nbytes
+        except BaseException as e:
+            self._n["transfers_received_failed"] += 1
+            raise await self._fail(rx, e, "receive", deadline_s) from e
+        finally:
+            self._receiving.pop(rx.transfer_id, None)
+            self._active.discard(rx)
+
+    async def _receive_loop(self, rx: _Transfer) -> None:
+        posted, deferred, staging = rx.posted, rx.deferred, self._staging
+        while posted or deferred:
+            while deferred and self._post_packed(rx, deferred[0]):
+                deferred.popleft()
+                self._progress.kick()
+            if posted and posted[0][0].completed:
+                req, msg, stg = posted.popleft()
+                req.check_error()
+                self._n["messages_received"] += 1
+                if stg is not None:
+                    self._scatter(rx.arena, msg, stg)
+                    staging.free(stg)
+                continue
+            await self._progress.tick()
+
+    def _scatter(self, arena: np.ndarray, msg: MessagePlan, stg: int) -> None:
+        src, pos = self._staging.buffer, stg
+        for off, n in msg.pieces:
+            arena[off:off + n] = src[pos:pos + n]
+            pos += n
+        self._n["packed_messages"] += 1
+        self._n["packed_bytes"] += msg.nbytes
+
+    # ------------------------------------------------------------------ send
+
+    async def send(self, peer: Peer, transfer_id: int, src: Sequence[Any],
+                   slots: Sequence[tuple[int, int]], deadline_s: float,
+                   inflight: int | None = None) -> None:
+        """Send the concatenation of ``src`` into the receiver's ``slots`` (its PageSlots).
+
+        At most ``inflight`` (default ``cfg.max_inflight_messages``) messages are in flight.
+        Device (cupy) sources: synchronize the producing stream first. Returns when every
+        message has left (UCX send completion: the buffers are reusable; for rendezvous
+        messages the receiver has pulled the bytes).
+        A cancelled caller gets ``CancelledError`` after the endpoint was aborted and all
+        sends completed; failures raise PeerFailed / DeadlineExceeded / InvalidArgument.
+        """
+        self._check_running()
+        check_transfer_id(transfer_id)
+        for i, view in enumerate(src):
+            check_flat_bytes(view, f"src[{i}]")
+        source = SourceMap(src)
+        plan = plan_messages(slots, self._cfg.max_message_bytes, self._cfg.pack_below_bytes)
+        total = plan[-1].stream_end if plan else 0
+        if source.nbytes != total:
+            raise InvalidArgument(f"transfer {transfer_id}: source holds {source.nbytes} B but "
+                                  f"the receiver's slots hold {total} B")
+        loop = asyncio.get_running_loop()
+        deadline_at = loop.time() + deadline_s
+        link = await self._link_to(tuple(peer), deadline_at)
+        tx = _Transfer(transfer_id, link, plan, total, collections.deque(), collections.deque())
+        self._active.add(tx)
+        try:
+            async with asyncio.timeout_at(deadline_at):
+                await self._send_loop(tx, source, any(is_device_array(v) for v in src),
+                                      inflight or self._cfg.max_inflight_messages)
+            self._n["transfers_sent_ok"] += 1
+            self._n["bytes_sent"] += total
+        except BaseException as e:
+            self._n["transfers_sent_failed"] += 1
+            err = await self._fail(tx, e, "send", deadline_s)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise err from e
+        finally:
+            self._active.discard(tx)
+
+    async def _send_loop(self, tx: _Transfer, source: SourceMap, device: bool,
+                         limit: int) -> None:
+        u, staging, window = _ucxx(), self._staging, tx.posted
+        ep, base = tx.link.ep._ep, tx.transfer_id << INDEX_BITS
+        if not tx.link.usable:
+            raise PeerFailed(f"endpoint to {tx.link.addr} is down: {tx.link.failure}")
+        Array, Tag, plan, i, count = u.Array, u.Tag, tx.plan, 0, len(tx.plan)
+        while i < count or window:
+            posted = reaped = 0
+            while i < count and len(window) < limit:
+                msg, stg = plan[i], None
+                buf = source.single(msg.stream_offset, msg.nbytes)
+                if buf is None:
+                    if device:
+                        raise InvalidArgument("device sources must not split a message across "
+                                              "views (no device staging): pass one view")
+                    stg = staging.try_alloc(msg.nbytes)
+                    if stg is None:
+                        break
+                    buf = staging.view(stg, msg.nbytes)
+                    source.gather_into(buf, msg.stream_offset)
+                    self._n["gathered_bytes"] += msg.nbytes
+                window.append((ep.tag_send(Array(buf), Tag(base | i)), msg, stg))
+                i += 1
+                posted += 1
+            if posted:
+                self._progress.kick()
+            while window and window[0][0].completed:
+                req, msg, stg = window.popleft()
+                req.check_error()
+                if stg is not None:
+                    staging.free(stg)
+                reaped += 1
+            self._n["messages_sent"] += reaped
+            if not posted and not reaped:
+                await self._progress.tick()
+
+    # ------------------------------------------------------------------ failure
+
+    async def _fail(self, t: _Transfer, exc: BaseException, side: str,
+                    deadline_s: float) -> DualpathError:
+        """Abort the endpoint, wait until no request of ``t`` is pending, type the error."""
+        err = self._classify(t, exc, side, deadline_s)
+        if side == "receive":
+            self._retire(t.transfer_id)
+        if t.posted or t.deferred:
+            self._abort_link(t.link, f"{side} of transfer {t.transfer_id} failed: {err.code}")
+        await self._settle(t)
+        log.warning("transfer_failed", side=side, transfer_id=t.transfer_id, peer=t.link.addr,
+                    error=err.code.value, detail=err.message)
+        return err
+
+    def _classify(self, t: _Transfer, exc: BaseException, side: str,
+                  deadline_s: float) -> DualpathError:
+        what = f"{side} of transfer {t.transfer_id} with {t.link.addr[0]}:{t.link.addr[1]}"
+        if isinstance(exc, DualpathError):
+            return exc
+        if self._state != "running":
+            return Cancelled(f"{what}: transport stopping")
+        if isinstance(exc, TimeoutError):
+            return DeadlineExceeded(f"{what}: deadline of {deadline_s:.3g}s passed with "
+                                    f"{len(t.posted) + len(t.deferred)} messages outstanding")
+        if isinstance(exc, asyncio.CancelledError):
+            return Cancelled(f"{what}: cancelled")
+        if isinstance(exc, _ucxx().Error):
+            cause = t.link.failure or f"{type(exc).__name__}: {exc}"
+            return PeerFailed(f"{what}: peer {t.link.node_id or t.link.addr} failed ({cause})")
+        return PeerFailed(f"{what}: {type(exc).__name__}: {exc}")
+
+    def _retire(self, transfer_id: int) -> None:
+        self._retired[transfer_id] = None
+        while len(self._retired) > _RETIRED_IDS:
+            self._retired.popitem(last=False)
+
+    async def _settle(self, t: _Transfer) -> None:
+        """Cancelled/aborted requests must complete before buffers go back to the caller."""
+        end = time.monotonic() + _SETTLE_S
+        while self._ctx is not None:
+            self._ctx.worker.progress()
+            pending = collections.deque()
+            for entry in t.posted:
+                if not entry[0].completed:
+                    pending.append(entry)
+                elif entry[2] is not None:
+                    self._staging.free(entry[2])
+            t.posted = pending
+            if not pending or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.001)
+        t.deferred.clear()
+        if t.posted:  # their staging stays allocated: UCX may still write into it
+            log.error("transfer_requests_not_settled", transfer_id=t.transfer_id,
+                      pending=len(t.posted))
+            t.posted = collections.deque()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics (bytes, messages, transfers, staging, endpoints)."""
+        out = {k: float(self._n.get(k, 0)) for k in (
+            "bytes_sent", "bytes_received", "messages_sent", "messages_received",
+            "transfers_sent_ok", "transfers_sent_failed", "transfers_received_ok",
+            "transfers_received_failed", "packed_messages", "packed_bytes", "gathered_bytes",
+            "connects", "accepts", "endpoint_aborts")}
+        staging = self._staging
+        out["staging_in_use_bytes"] = float(staging.in_use if staging else 0)
+        out["staging_peak_bytes"] = float(staging.peak if staging else 0)
+        out["staging_capacity_bytes"] = float(staging.capacity if staging else 0)
+        out["endpoints"] = float(sum(1 for link in self._all_links if link.usable))
+        out["transfers_active"] = float(len(self._active))
+        out["ucx_options_skipped"] = float(len(self.skipped_options))
+        return out

@@ -1,0 +1,332 @@
+"""Pure parts of the page transport: message planning, tag layout, transfer ids, staging.
+
+Nothing here imports asyncio or ucxx (CONVENTIONS §3), so the logic that both sides of a
+transfer must agree on is unit-tested in milliseconds and reusable by a simulator.
+
+A *transfer* moves one byte stream into the receiver's registered arena. The receiver
+describes where the stream goes as ``slots``: ``(offset, nbytes)`` runs in its arena, stream
+order = slot order. :func:`plan_messages` turns the slots into UCX messages; both sides run it
+on the same slots (the receiver's, sent in a ``PageSlots`` message) with the same limits, so
+they agree on message sizes and tags without any per-page control traffic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from common.errors import InvalidArgument, ProtocolError
+
+# Tag layout (64-bit UCX tag): ``transfer_id << INDEX_BITS | message_index``.
+# 20 index bits allow 1,048,575 messages per transfer (4 GiB even at 4 KiB messages);
+# the remaining 44 bits hold the transfer id: 20 random epoch bits + 24 counter bits.
+INDEX_BITS = 20
+TRANSFER_ID_BITS = 64 - INDEX_BITS
+MAX_MESSAGES = (1 << INDEX_BITS) - 1
+MAX_TRANSFER_ID = (1 << TRANSFER_ID_BITS) - 1
+EPOCH_BITS = 20
+COUNTER_BITS = TRANSFER_ID_BITS - EPOCH_BITS
+
+
+@dataclass(frozen=True, slots=True)
+class MessagePlan:
+    """One UCX message of a transfer.
+
+    ``stream_offset``/``nbytes``: the transfer stream bytes it carries. ``pieces``: the
+    receiver-arena ``(offset, nbytes)`` runs those bytes land in, in stream order. One piece
+    = a *direct* message received straight into the arena; several = a *packed* message
+    received into staging and scattered.
+    """
+
+    index: int
+    stream_offset: int
+    nbytes: int
+    pieces: tuple[tuple[int, int], ...]
+
+    @property
+    def packed(self) -> bool:
+        return len(self.pieces) > 1
+
+    @property
+    def stream_end(self) -> int:
+        return self.stream_offset + self.nbytes
+
+
+def plan_messages(slots: Sequence[tuple[int, int]], max_message_bytes: int,
+                  pack_below_bytes: int) -> list[MessagePlan]:
+    """Cut the receiver's ``slots`` into messages (deterministic; both sides call it).
+
+    Adjacent slots that are contiguous in the arena merge into runs; runs are cut at
+    ``max_message_bytes``; consecutive runs smaller than ``pack_below_bytes`` are grouped
+    into packed messages of at most ``max_message_bytes``. Zero-length slots are ignored.
+    """
+    if max_message_bytes <= 0:
+        raise InvalidArgument(f"max_message_bytes must be positive, got {max_message_bytes}")
+    if pack_below_bytes < 0:
+        raise InvalidArgument(f"pack_below_bytes must be >= 0, got {pack_below_bytes}")
+    runs = _cut_runs(_merge_runs(slots), max_message_bytes)
+    plan = _group_runs(runs, max_message_bytes, pack_below_bytes)
+    if len(plan) > MAX_MESSAGES:
+        raise InvalidArgument(f"transfer needs {len(plan)} messages, more than {MAX_MESSAGES}; "
+                              "raise transport.max_message_bytes or split the transfer")
+    return plan
+
+
+def _merge_runs(slots: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    start = end = -1
+    for off, n in slots:
+        if off < 0 or n < 0:
+            raise InvalidArgument(f"slot ({off}, {n}) has a negative offset or length")
+        if n == 0:
+            continue
+        if off == end:
+            end += n
+            continue
+        if end > start:
+            runs.append((start, end - start))
+        start, end = off, off + n
+    if end > start:
+        runs.append((start, end - start))
+    return runs
+
+
+def _cut_runs(runs: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    if all(n <= limit for _, n in runs):
+        return runs
+    out: list[tuple[int, int]] = []
+    for off, n in runs:
+        for cut in range(0, n, limit):
+            out.append((off + cut, min(limit, n - cut)))
+    return out
+
+
+def _group_runs(runs: list[tuple[int, int]], limit: int, pack_below: int) -> list[MessagePlan]:
+    plan: list[MessagePlan] = []
+    pos = i = 0
+    count = len(runs)
+    while i < count:
+        j, total = i, 0
+        # Greedy: small runs join the pack while it stays within one message.
+        while j < count and runs[j][1] < pack_below and total + runs[j][1] <= limit:
+            total += runs[j][1]
+            j += 1
+        if j == i:  # a large run: its own direct message
+            total, j = runs[i][1], i + 1
+        plan.append(MessagePlan(len(plan), pos, total, tuple(runs[i:j])))
+        pos += total
+        i = j
+    return plan
+
+
+def make_tag(transfer_id: int, index: int) -> int:
+    """The UCX tag of message ``index`` of ``transfer_id`` (see the bit layout above)."""
+    return (transfer_id << INDEX_BITS) | index
+
+
+def check_transfer_id(transfer_id: int) -> None:
+    if not isinstance(transfer_id, int) or not 0 < transfer_id <= MAX_TRANSFER_ID:
+        raise InvalidArgument(f"transfer id {transfer_id!r} outside 1..{MAX_TRANSFER_ID} "
+                              "— use the receiving transport's new_transfer_id()")
+
+
+class TransferIdSource:
+    """Unique transfer ids for one receiving worker: random epoch (high bits) + counter.
+
+    The random epoch keeps a restarted process from reissuing ids a stale peer may still
+    send to; when the counter wraps, a new epoch different from the old one is drawn.
+    """
+
+    def __init__(self, randbits: Callable[[int], int] = secrets.randbits) -> None:
+        self._randbits = randbits
+        self._epoch = randbits(EPOCH_BITS)
+        self._counter = 0
+
+    def next(self) -> int:
+        self._counter += 1
+        if self._counter >= (1 << COUNTER_BITS):
+            old = self._epoch
+            while self._epoch == old:
+                self._epoch = self._randbits(EPOCH_BITS)
+            self._counter = 1
+        return (self._epoch << COUNTER_BITS) | self._counter
+
+
+class StagingPool:
+    """A preallocated host buffer handed out in aligned extents (first fit, coalescing).
+
+    Used for packed messages (receiver scatters) and gathers (sender). ``try_alloc`` never
+    blocks; callers wait for ``on_free`` (the transport wakes its waiters) and retry.
+    """
+
+    def __init__(self, nbytes: int, align: int = 4096,
+                 on_free: Callable[[], None] | None = None) -> None:
+        if nbytes < 0 or align <= 0:
+            raise InvalidArgument(f"staging of {nbytes} B aligned to {align} is not valid")
+        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.buffer[::4096] = 0  # fault the pages in now, not during the first transfer
+        self._align = align
+        self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []
+        self._used: dict[int, int] = {}
+        self.on_free = on_free
+        self.in_use = 0
+        self.peak = 0
+        self.allocations = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.buffer.nbytes)
+
+    def try_alloc(self, nbytes: int) -> int | None:
+        """Offset of a free extent of at least ``nbytes``, or None if none is free now."""
+        size = -(-max(nbytes, 1) // self._align) * self._align
+        if size > self.capacity:
+            raise InvalidArgument(f"staging request of {nbytes} B exceeds the staging buffer "
+                                  f"({self.capacity} B) — raise transport.staging_bytes")
+        for i, (off, n) in enumerate(self._free):
+            if n >= size:
+                self._free[i:i + 1] = [(off + size, n - size)] if n > size else []
+                self._used[off] = size
+                self.in_use += size
+                self.peak = max(self.peak, self.in_use)
+                self.allocations += 1
+                return off
+        return None
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.buffer[offset:offset + nbytes]
+
+    def free(self, offset: int) -> None:
+        size = self._used.pop(offset)
+        self.in_use -= size
+        self._insert_free(offset, size)
+        if self.on_free is not None:
+            self.on_free()
+
+    def _insert_free(self, off: int, size: int) -> None:
+        free = self._free
+        i = 0
+        while i < len(free) and free[i][0] < off:
+            i += 1
+        free.insert(i, (off, size))
+        if i + 1 < len(free) and off + size == free[i + 1][0]:  # merge with the next
+            free[i:i + 2] = [(off, size + free[i + 1][1])]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == off:    # merge with the previous
+            free[i - 1:i + 1] = [(free[i - 1][0], free[i - 1][1] + free[i][1])]
+
+
+HELLO_BYTES = 512
+HELLO_VERSION = 1
+
+
+class TransferHello(msgspec.Struct, array_like=True, frozen=True):
+    """Identification both sides send on a new endpoint (on ucxx's own endpoint tag).
+
+    Carries the planning limits: peers that cut messages differently must not talk.
+    """
+
+    version: int
+    node_id: str
+    host: str
+    port: int
+    max_message_bytes: int
+    pack_below_bytes: int
+
+
+def encode_hello(hello: TransferHello) -> np.ndarray:
+    """A fixed-size frame: 2-byte little-endian length, msgpack body, zero padding."""
+    body = msgspec.msgpack.encode(hello)
+    if len(body) > HELLO_BYTES - 2:
+        raise InvalidArgument(f"transport hello of {len(body)} B is too long (node id?)")
+    buf = np.zeros(HELLO_BYTES, dtype=np.uint8)
+    buf[:2] = np.frombuffer(len(body).to_bytes(2, "little"), dtype=np.uint8)
+    buf[2:2 + len(body)] = np.frombuffer(body, dtype=np.uint8)
+    return buf
+
+
+def decode_hello(buf: np.ndarray) -> TransferHello:
+    size = int.from_bytes(buf[:2].tobytes(), "little")
+    try:
+        return msgspec.msgpack.decode(buf[2:2 + size].tobytes(), type=TransferHello)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"bad transport hello: {e}") from e
+
+
+def check_same_plan(mine: TransferHello, theirs: TransferHello) -> None:
+    ours = (mine.version, mine.max_message_bytes, mine.pack_below_bytes)
+    peer = (theirs.version, theirs.max_message_bytes, theirs.pack_below_bytes)
+    if ours != peer:
+        raise ProtocolError(f"transport peer {theirs.node_id} plans messages differently: "
+                            f"(version, max_message_bytes, pack_below_bytes) = {peer}, ours "
+                            f"{ours} — use the same [transport] settings on both sides")
+
+
+class SourceMap:
+    """Locates stream byte ranges in the sender's source views (their concatenation)."""
+
+    def __init__(self, views: Sequence) -> None:
+        self.views = list(views)
+        self.starts: list[int] = []
+        pos = 0
+        for v in self.views:
+            self.starts.append(pos)
+            pos += int(v.nbytes)
+        self.nbytes = pos
+
+    def single(self, start: int, nbytes: int):
+        """The zero-copy view of ``[start, start+nbytes)`` if one source view holds it."""
+        i = self._index(start)
+        local = start - self.starts[i]
+        view = self.views[i]
+        if local + nbytes <= view.nbytes:
+            return view[local:local + nbytes]
+        return None
+
+    def gather_into(self, dst: np.ndarray, start: int) -> None:
+        """Copy stream bytes ``[start, start+len(dst))`` from the source views into ``dst``."""
+        i, done, total = self._index(start), 0, dst.nbytes
+        local = start - self.starts[i]
+        while done < total:
+            view = self.views[i]
+            take = min(view.nbytes - local, total - done)
+            dst[done:done + take] = view[local:local + take]
+            done += take
+            i, local = i + 1, 0
+
+    def _index(self, pos: int) -> int:
+        # Last view starting at or before pos; an empty view can only be last of its start.
+        i = bisect.bisect_right(self.starts, pos) - 1
+        while self.starts[i] + self.views[i].nbytes <= pos:
+            i += 1
+        return i
+
+
+def is_device_array(buf: Any) -> bool:
+    return hasattr(buf, "__cuda_array_interface__") and not isinstance(buf, np.ndarray)
+
+
+def check_flat_bytes(buf: Any, what: str, writable: bool = False) -> None:
+    ok = getattr(buf, "ndim", 0) == 1 and str(getattr(buf, "dtype", "")) == "uint8"
+    flags = getattr(buf, "flags", None)
+    ok = ok and flags is not None and flags.c_contiguous
+    if ok and writable and isinstance(buf, np.ndarray):
+        ok = buf.flags.writeable
+    if not ok:
+        raise InvalidArgument(f"{what} must be a flat, contiguous{', writable' if writable else ''}"
+                              " uint8 numpy or cupy array")
+    if is_device_array(buf) and not cuda_available():
+        raise InvalidArgument(f"{what} is a device array but no CUDA device is available")
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:  # cupy missing or broken: no device path
+        return False

@@ -1,0 +1,134 @@
+"""The UCX runtime environment of a process: variables set before ``ucxx`` is imported and
+the event-loop progress driver of a UCX worker (this module does not import ucxx itself).
+
+Measured on the 2-core loopback hosts (docs/performance.md, shared UCX notes):
+
+* Endpoints made by listeners/``create_endpoint`` use error handling; UCX then silently drops
+  the posix/sysv shared-memory transports unless ``UCX_POSIX_ERROR_HANDLING=y`` and
+  ``UCX_SYSV_ERROR_HANDLING=y`` — and everything runs over tcp/lo at a tenth of the speed.
+* ``UCX_WARN_UNUSED_ENV_VARS=n`` silences a harmless warning about variables meant for
+  transports this build lacks.
+
+Variables the user already set always win (operators tune UCX through its environment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+UCX_PREFIX = "UCX_"
+
+
+def ucx_env_defaults(shared_memory: bool) -> dict[str, str]:
+    """The UCX variables dualpath wants (before the user's environment is applied)."""
+    env = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+    if shared_memory:
+        env["UCX_POSIX_ERROR_HANDLING"] = "y"
+        env["UCX_SYSV_ERROR_HANDLING"] = "y"
+    return env
+
+
+def apply_ucx_env(shared_memory: bool,
+                  environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set the defaults that are not set yet; returns what was set (for the start log)."""
+    environ = os.environ if environ is None else environ
+    applied = {}
+    for key, value in ucx_env_defaults(shared_memory).items():
+        if key not in environ:
+            environ[key] = value
+            applied[key] = value
+    return applied
+
+
+def options_overridden_by_env(options: dict[str, str],
+                              environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Traffic-class option names whose ``UCX_<NAME>`` variable the user set (env wins)."""
+    environ = os.environ if environ is None else environ
+    return [name for name in options if UCX_PREFIX + name in environ]
+
+
+class WorkerProgress:
+    """Event-driven progress of one UCX worker on the asyncio loop (0 % CPU when idle).
+
+    Replaces ucxx's ``BlockingMode``, which never re-arms the worker after the first event:
+    once a connection exists, the fd stays readable and the process spins at 100 % of a core
+    (measured: 0.99-1.01 CPU idle, docs/performance.md). A round: progress until idle, wake
+    the waiters, re-arm the worker (if UCX reports pending events, run again) and sleep on
+    its fd. Polling instead of arming was measured slower here (1 MiB x 8: 1.7-8.2 vs
+    9.4-10 GB/s; 42 KB x 1: 2-3x slower), so there is no spin.
+    Posting code calls :meth:`kick`; a timer guards against lost wake-ups (5 ms while
+    someone waits, 1 s when idle: ~0 CPU).
+    """
+
+    FAST_S = 0.005
+    IDLE_S = 1.0
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._worker, self._loop = worker, loop
+        worker.init_blocking_progress_mode()
+        self._fd = worker.epoll_file_descriptor
+        loop.add_reader(self._fd, self._run)
+        self._scheduled = self._closed = False
+        self._waiter: asyncio.Future | None = None
+        self._busy = 0
+        self._timer = loop.call_later(self.IDLE_S, self._on_timer)
+        self.kick()
+
+    def kick(self) -> None:
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self._loop.call_soon(self._run)
+
+    def tick(self) -> asyncio.Future:
+        """A future resolved after the next progress round (shared by all waiters)."""
+        if self._waiter is None:
+            self._waiter = self._loop.create_future()
+            if self._timer.when() - self._loop.time() > self.FAST_S:
+                self._reschedule()
+        return self._waiter
+
+    @contextlib.contextmanager
+    def busy(self):
+        """Fast safety timer while ucxx's own (polling) coroutines run, e.g. a connect."""
+        self._busy += 1
+        self._reschedule()
+        try:
+            yield
+        finally:
+            self._busy -= 1
+
+    def _run(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        self._worker.progress()
+        self._wake()
+        if not self._worker.arm():
+            self.kick()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_timer(self) -> None:
+        self._run()
+        self._reschedule()
+
+    def _reschedule(self) -> None:
+        if self._closed:
+            return
+        self._timer.cancel()
+        fast = self._waiter is not None or self._busy
+        self._timer = self._loop.call_later(self.FAST_S if fast else self.IDLE_S, self._on_timer)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._timer.cancel()
+            self._loop.remove_reader(self._fd)
+            self._wake()

@@ -1,0 +1,490 @@
+"""The storage gateway as a network service: one per node, that node's storage link (SNIC).
+
+``GatewayService`` = ``GatewayStore`` (blocks on the media, read queue, link shaping) +
+``PageTransport`` (Full Block bytes over UCX) + ``RpcServer`` (the ``GatewayRequest`` channel
+of ``common.protocol``) + a preallocated staging ``PagePool``.
+
+Reads (``ReadBlocks``): the requester posted its receives before asking; the gateway checks the
+whole request before any I/O, then for each batch in order takes staging, reads the batch's
+blocks into it (verified; blocks not found are zero-filled and flagged), and sends it into the
+requester's slots — reading batch k+1 while batch k is on the wire, at most
+``pipeline_depth`` batches staged per request. If the request fails part-way (its send failed,
+its deadline passed, the requester left), batches not sent are never sent: the requester's
+client gets the error reply and cancels its receives; a failed send aborts the endpoint, so
+the requester's receive of that batch fails with PeerFailed.
+
+Writes (``WriteBlocks``, a stream): the gateway answers which keys it lacks and where to send
+them (``WriteSlots``; it posted those receives into staging), waits for the bytes, stores the
+blocks durably and ends with ``BlocksWritten``.
+
+``read_q`` (paper §5.1) reported here = the store's queue (batches waiting + being read) plus
+the blocks of accepted read requests whose batches were not handed to the store yet, so a
+long request counts in full from the moment it is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from common.auth import load_secret
+from common.buffers import Allocation, AsyncPagePool, PagePool
+from common.config import DualpathConfig, Section
+from common.errors import ConfigError, DualpathError, InvalidArgument
+from common.kv import KVSpec, spec_from_config, validate_keys
+from common.protocol import (BlocksWritten, GatewayRequest, GatewayTelemetry, GetStats,
+                             GetStatsReply, LookupPrefix, LookupPrefixReply, Ping, Pong,
+                             ReadBatch, ReadBlocks, ReadBlocksReply, WatchTelemetry,
+                             WriteBlocks, WriteSlots)
+from common.rpc import CallContext, RpcServer
+from common.service import Service
+from common.transport import PageTransport
+from common.transport_plan import check_transfer_id, plan_messages
+from storage_gateway.store import GatewayStore
+
+log = structlog.get_logger(__name__)
+
+KiB, MiB = 1024, 1024 * 1024
+SERVICE_NAME = "storage_gateway"
+
+
+class GatewayServiceConfig(Section):
+    """The gateway's network side (``[gateway_service]``): staging and per-request bounds."""
+
+    staging_bytes: int = 256 * MiB          # preallocated once; every batch / write is staged here
+    staging_page_bytes: int = 64 * KiB
+    pipeline_depth: int = 3                 # batches staged per read: reading, queued, sending
+    max_batch_bytes: int = 64 * MiB         # one ReadBatch, or one WriteBlocks' new blocks
+    max_slots_per_batch: int = 65_536       # bounds the planning work one batch can ask for
+    telemetry_min_interval_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("staging_bytes", "staging_page_bytes", "pipeline_depth", "max_batch_bytes",
+                     "max_slots_per_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"gateway_service.{name} must be positive, got {getattr(self, name)}")
+        if self.max_batch_bytes > self.staging_bytes:
+            raise ValueError("gateway_service.max_batch_bytes must not exceed staging_bytes")
+
+
+class GatewayNodeConfig(DualpathConfig):
+    """Config root of a gateway process: every shared section (``[gateway]`` included) plus
+    ``[gateway_service]``, until the shared root carries that section too."""
+
+    gateway_service: GatewayServiceConfig = msgspec.field(default_factory=GatewayServiceConfig)
+
+
+# --------------------------------------------------------------------------- pure checks
+
+@dataclass
+class BatchPlan:
+    """One checked batch: which keys it carries and where they land in staging."""
+
+    batch: ReadBatch
+    first: int                 # index of its first key in the request
+    keys: list[str]
+    nbytes: int
+
+
+def check_read(msg: ReadBlocks, spec: KVSpec, svc: GatewayServiceConfig, max_keys: int,
+               max_bytes: int, max_message_bytes: int, pack_below_bytes: int) -> list[BatchPlan]:
+    """Validate a ReadBlocks before any I/O; InvalidArgument names the first problem."""
+    keys = validate_keys(msg.keys)
+    bb = spec.full_block_bytes
+    if not keys:
+        raise InvalidArgument("ReadBlocks needs at least one key")
+    if len(keys) > max_keys or len(keys) * bb > max_bytes:
+        raise InvalidArgument(f"read of {len(keys)} blocks ({len(keys) * bb} B) is above the limit "
+                              f"of {max_keys} blocks / {max_bytes} B per request — split it")
+    _check_peer(msg.ucx_host, msg.ucx_port)
+    if sum(b.n_keys for b in msg.batches) != len(keys):
+        raise InvalidArgument(f"batches carry {sum(b.n_keys for b in msg.batches)} keys, "
+                              f"the request has {len(keys)}")
+    plans, first, ids = [], 0, set()
+    for j, b in enumerate(msg.batches):
+        plans.append(_check_batch(j, b, keys[first:first + b.n_keys], first, bb, svc))
+        plan_messages(b.slots, max_message_bytes, pack_below_bytes)  # too many messages → raises
+        if b.transfer_id in ids:
+            raise InvalidArgument(f"batch {j}: transfer id {b.transfer_id} used twice")
+        ids.add(b.transfer_id)
+        first += b.n_keys
+    return plans
+
+
+def _check_batch(j: int, b: ReadBatch, keys: list[str], first: int, bb: int,
+                 svc: GatewayServiceConfig) -> BatchPlan:
+    if b.n_keys <= 0:
+        raise InvalidArgument(f"batch {j}: n_keys must be positive, got {b.n_keys}")
+    check_transfer_id(b.transfer_id)
+    nbytes = b.n_keys * bb
+    if nbytes > svc.max_batch_bytes:
+        raise InvalidArgument(f"batch {j}: {nbytes} B above gateway_service.max_batch_bytes "
+                              f"({svc.max_batch_bytes} B) — use smaller batches")
+    if len(b.slots) > svc.max_slots_per_batch:
+        raise InvalidArgument(f"batch {j}: {len(b.slots)} slots above the limit of "
+                              f"{svc.max_slots_per_batch} — coalesce them or use smaller batches")
+    if any(off < 0 or n < 0 for off, n in b.slots):
+        raise InvalidArgument(f"batch {j}: slots need non-negative offsets and lengths")
+    total = sum(n for _, n in b.slots)
+    if total != nbytes:
+        raise InvalidArgument(f"batch {j}: slots hold {total} B, {b.n_keys} Full Blocks are "
+                              f"{nbytes} B")
+    return BatchPlan(b, first, keys, nbytes)
+
+
+def _check_peer(host: str, port: int) -> None:
+    if not host or len(host) > 255 or not 0 < port < 65536:
+        raise InvalidArgument(f"requester UCX address {host!r}:{port} is not valid")
+
+
+def staging_dests(alloc: Allocation, spec: KVSpec, n: int, layer_major: bool) -> list[list[np.ndarray]]:
+    """Where each of ``n`` blocks goes in a batch's staging, in the stream order of the batch.
+
+    Block-major: block i is stream bytes ``[i*bb, (i+1)*bb)``. Layer-major: layer l of block i
+    is at ``(l*n + i) * layer_block_bytes`` (all blocks' layer 0, then layer 1, ...).
+    """
+    bb, lb = spec.full_block_bytes, spec.layer_block_bytes
+    if not layer_major:
+        return [alloc.views(i * bb, bb) for i in range(n)]
+    return [[v for layer in range(spec.num_layers) for v in alloc.views((layer * n + i) * lb, lb)]
+            for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the service
+
+@dataclass
+class _ReadOutcome:
+    found: list[bool]
+    owner: str
+    corrupt: int = 0
+    queued_s: float = 0.0
+    read_s: float = 0.0
+    send_s: float = 0.0
+    pending_tokens: int = 0
+
+
+class GatewayService(Service):
+    """One node's storage gateway; ``async with GatewayService(cfg, "n0") as gw:``."""
+
+    name = SERVICE_NAME
+
+    def __init__(self, cfg: GatewayNodeConfig, node_id: str = "local", *,
+                 spec: KVSpec | None = None, rpc_port: int = 0) -> None:
+        super().__init__(node_id)
+        self.cfg = cfg
+        self.svc = cfg.gateway_service
+        self.spec = spec or spec_from_config(cfg.kv)
+        self.block_bytes = self.spec.full_block_bytes
+        self._rpc_port = rpc_port
+        self.store: GatewayStore | None = None
+        self.transport: PageTransport | None = None
+        self.rpc: RpcServer | None = None
+        self.staging: AsyncPagePool | None = None
+        self._owners = itertools.count(1)
+        self._pending_tokens = 0
+        self._n = dict.fromkeys(("reads_ok", "reads_failed", "read_batches", "blocks_zero_filled",
+                                 "writes_ok", "writes_failed", "write_duplicates", "lookups",
+                                 "telemetry_events"), 0)
+        if self.svc.max_batch_bytes < self.block_bytes:
+            raise ConfigError(f"gateway_service.max_batch_bytes ({self.svc.max_batch_bytes}) "
+                              f"must hold one Full Block ({self.block_bytes} B)")
+
+    # ------------------------------------------------------------------ lifecycle
+    async def on_start(self) -> None:
+        svc = self.svc
+        self.staging = AsyncPagePool(PagePool(
+            svc.staging_page_bytes, -(-svc.staging_bytes // svc.staging_page_bytes), name="staging"))
+        self.store = GatewayStore(self.cfg.gateway, self.spec)
+        await self.store.start()
+        self.transport = PageTransport(self.cfg.transport, self.node_id)
+        await self.transport.start()
+        self.rpc = RpcServer(self.cfg.rpc, service=SERVICE_NAME, node_id=self.node_id,
+                             handlers=self.handlers(), request_type=GatewayRequest,
+                             kv_fingerprint=self.spec.fingerprint(),
+                             auth_secret=load_secret(self.cfg.rpc))
+        await self.rpc.start(port=self._rpc_port)
+        self.log.info("gateway_listening", rpc_port=self.rpc.port, ucx_port=self.transport.address[1],
+                      kv=self.spec.describe(), staging_bytes=self.staging.pool.arena.nbytes)
+
+    async def on_stop(self) -> None:
+        # Stop accepting and drain calls, then the transport (aborts what is left), then the store.
+        if self.rpc is not None:
+            await self.rpc.stop(self.drain_timeout_s)
+        if self.transport is not None:
+            await self.transport.stop()
+        if self.store is not None:
+            await self.store.close()
+
+    def handlers(self) -> dict[type, object]:
+        return {LookupPrefix: self._lookup, ReadBlocks: self._read, WriteBlocks: self._write,
+                WatchTelemetry: self._watch, Ping: self._ping, GetStats: self._get_stats}
+
+    @property
+    def rpc_port(self) -> int:
+        return self.rpc.port
+
+    @property
+    def ucx_address(self) -> tuple[str, int]:
+        return self.transport.address
+
+    @property
+    def read_q(self) -> int:
+        """Tokens queued + being read on this node (paper §5.1)."""
+        return self.store.read_q + self._pending_tokens
+
+    # ------------------------------------------------------------------ small handlers
+    async def _ping(self, msg: Ping, ctx: CallContext) -> Pong:
+        return Pong(msg.payload)
+
+    async def _lookup(self, msg: LookupPrefix, ctx: CallContext) -> LookupPrefixReply:
+        self._n["lookups"] += 1
+        hit = await self.store.lookup_prefix(msg.keys)
+        return LookupPrefixReply(hit, self.read_q)
+
+    async def _get_stats(self, msg: GetStats, ctx: CallContext) -> GetStatsReply:
+        return GetStatsReply(SERVICE_NAME, self.node_id, self.counters())
+
+    def counters(self) -> dict[str, float]:
+        """Store, transport, RPC, staging and service counters in one flat dict."""
+        out = {k: float(v) for k, v in self.store.stats().items()}
+        out.update({f"transport_{k}": float(v) for k, v in self.transport.stats().items()})
+        out.update({f"rpc_{k}": float(v) for k, v in self.rpc.stats().items()})
+        out.update({k: float(v) for k, v in self.staging.pool.counters().items()})
+        out.update({k: float(v) for k, v in self._n.items()})
+        out.update(read_q_tokens=float(self.read_q), pending_read_tokens=float(self._pending_tokens),
+                   rpc_port=float(self.rpc.port), ucx_port=float(self.transport.address[1]),
+                   block_bytes=float(self.block_bytes),
+                   max_batch_bytes=float(self.svc.max_batch_bytes))
+        return out
+
+    def telemetry(self) -> GatewayTelemetry:
+        s = self.store.stats()
+        return GatewayTelemetry(self.node_id, self.read_q, int(s["bytes_read"]),
+                                int(s["bytes_written"]), int(s["blocks_stored"]))
+
+    async def _watch(self, msg: WatchTelemetry, ctx: CallContext) -> AsyncIterator[GatewayTelemetry]:
+        if not math.isfinite(msg.interval_s) or msg.interval_s < 0:
+            raise InvalidArgument(f"telemetry interval must be a finite number >= 0, got {msg.interval_s}")
+        interval = max(msg.interval_s, self.svc.telemetry_min_interval_s)
+        while True:
+            self._n["telemetry_events"] += 1
+            yield self.telemetry()
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ reads
+    async def _read(self, msg: ReadBlocks, ctx: CallContext) -> ReadBlocksReply:
+        with bound_contextvars(request_id=msg.request_id):
+            t0 = time.monotonic()
+            out = _ReadOutcome([False] * len(msg.keys), owner=self._owner("read", msg.request_id))
+            try:
+                plans = self._check_read(msg)
+                out.pending_tokens = len(msg.keys) * self.spec.block_tokens
+                self._pending_tokens += out.pending_tokens
+                await self._pipeline(msg, plans, out, self._deadline_at(ctx))
+            except BaseException as e:
+                self._n["reads_failed"] += 1
+                self._log_read(msg, out, t0, _outcome(e))
+                raise
+            finally:
+                self._pending_tokens -= out.pending_tokens
+                await self.staging.free_owner(out.owner)   # batches read but never sent
+            self._n["reads_ok"] += 1
+            self._log_read(msg, out, t0, "ok")
+            n_found = sum(out.found)
+            return ReadBlocksReply(msg.request_id, out.found, _prefix(out.found), out.corrupt,
+                                   n_found * self.block_bytes, out.queued_s, out.read_s, self.read_q)
+
+    def _check_read(self, msg: ReadBlocks) -> list[BatchPlan]:
+        gw, tc = self.cfg.gateway, self.cfg.transport
+        return check_read(msg, self.spec, self.svc, gw.max_keys_per_request,
+                          gw.max_bytes_per_request, tc.max_message_bytes, tc.pack_below_bytes)
+
+    def _owner(self, kind: str, request_id: str) -> str:
+        """A staging owner unique per call: ``free_owner`` in ``finally`` frees what is left,
+        synchronously, before its first suspension (so even a cancelled cleanup frees)."""
+        return f"{kind}:{request_id}:{next(self._owners)}"
+
+    def _deadline_at(self, ctx: CallContext) -> float:
+        """Monotonic deadline of a call (the transport's default when the caller set none)."""
+        left = ctx.remaining()
+        if not math.isfinite(left):
+            left = self.cfg.transport.transfer_timeout_s
+        return time.monotonic() + left
+
+    async def _pipeline(self, msg: ReadBlocks, plans: list[BatchPlan], out: _ReadOutcome,
+                        deadline_at: float) -> None:
+        """Read batch k+1 while batch k is sent; at most ``pipeline_depth`` batches staged."""
+        staged: asyncio.Queue = asyncio.Queue()
+        room = asyncio.Semaphore(self.svc.pipeline_depth)
+        peer = (msg.ucx_host, msg.ucx_port)
+
+        async def produce() -> None:
+            for plan in plans:
+                await room.acquire()
+                staged.put_nowait((plan, await self._stage_batch(msg.request_id, plan, out, deadline_at)))
+            staged.put_nowait(None)
+
+        async def consume() -> None:
+            while (item := await staged.get()) is not None:
+                plan, alloc = item
+                t = time.monotonic()
+                await self.transport.send(peer, plan.batch.transfer_id, alloc.views(0, plan.nbytes),
+                                          plan.batch.slots, _left(deadline_at))
+                out.send_s += time.monotonic() - t
+                self._n["read_batches"] += 1
+                await self.staging.free(alloc)
+                room.release()
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(produce(), name=f"read-{msg.request_id}-stage")
+                tg.create_task(consume(), name=f"read-{msg.request_id}-send")
+        except BaseExceptionGroup as eg:
+            raise _first_error(eg) from None
+
+    async def _stage_batch(self, rid: str, plan: BatchPlan, out: _ReadOutcome,
+                           deadline_at: float) -> Allocation:
+        """Take staging for one batch and read its blocks into it (missing ones zeroed)."""
+        alloc = await self.staging.alloc(plan.nbytes, out.owner, _left(deadline_at))
+        dests = staging_dests(alloc, self.spec, plan.batch.n_keys, plan.batch.layer_major)
+        tokens = plan.batch.n_keys * self.spec.block_tokens
+        out.pending_tokens -= tokens          # from here the store's read queue counts them
+        self._pending_tokens -= tokens
+        res = await self.store.read_blocks(plan.keys, dests, request_id=rid,
+                                           timeout_s=_left(deadline_at))
+        out.queued_s += res.queued_s
+        out.read_s += res.read_s
+        out.corrupt += len(res.corrupt)
+        for i, found in enumerate(res.found):
+            out.found[plan.first + i] = found
+            if not found:                     # never serve stale staging bytes
+                for view in dests[i]:
+                    view.fill(0)
+                self._n["blocks_zero_filled"] += 1
+        return alloc
+
+    def _log_read(self, msg: ReadBlocks, out: _ReadOutcome, t0: float, outcome: str) -> None:
+        n_found = sum(out.found)
+        (log.info if outcome == "ok" else log.warning)(
+            "read_served", outcome=outcome, blocks=len(msg.keys), found=n_found,
+            prefix_blocks=_prefix(out.found), corrupt=out.corrupt, batches=len(msg.batches),
+            bytes=n_found * self.block_bytes, queued_ms=round(out.queued_s * 1e3, 3),
+            read_ms=round(out.read_s * 1e3, 3), send_ms=round(out.send_s * 1e3, 3),
+            total_ms=round((time.monotonic() - t0) * 1e3, 3), read_q=self.read_q)
+
+    # ------------------------------------------------------------------ writes
+    async def _write(self, msg: WriteBlocks, ctx: CallContext) -> AsyncIterator:
+        with bound_contextvars(request_id=msg.request_id):
+            t0 = time.monotonic()
+            outcome, written = "cancelled", 0
+            try:
+                keys, send = self._check_write(msg)
+                new_keys = [k for k, s in zip(keys, send) if s]
+                if not new_keys:
+                    yield WriteSlots(msg.request_id, send, 0, [])
+                else:
+                    async with contextlib.aclosing(
+                            self._receive_and_store(msg, send, new_keys, ctx)) as events:
+                        async for event in events:
+                            if isinstance(event, WriteSlots):
+                                yield event
+                            else:
+                                written = event
+                outcome = "ok"
+                self._n["writes_ok"] += 1
+                self._n["write_duplicates"] += len(keys) - written
+            except BaseException as e:
+                outcome = _outcome(e)
+                self._n["writes_failed"] += 1
+                raise
+            finally:
+                (log.info if outcome == "ok" else log.warning)(
+                    "write_served", outcome=outcome, blocks=len(msg.keys), written=written,
+                    duplicates=len(msg.keys) - written, bytes=written * self.block_bytes,
+                    total_ms=round((time.monotonic() - t0) * 1e3, 3))
+            yield BlocksWritten(msg.request_id, written, len(msg.keys) - written,
+                                written * self.block_bytes)
+
+    def _check_write(self, msg: WriteBlocks) -> tuple[list[str], list[bool]]:
+        """Validate keys and limits; ``send[i]`` for the first occurrence of each key not stored."""
+        gw = self.cfg.gateway
+        keys = validate_keys(msg.keys, gw.max_keys_per_request)
+        _check_peer(msg.ucx_host, msg.ucx_port)
+        seen: set[str] = set()
+        send = []
+        for k in keys:
+            send.append(k not in seen and not self.store.contains(k))
+            seen.add(k)
+        nbytes = sum(send) * self.block_bytes
+        if nbytes > min(self.svc.max_batch_bytes, gw.max_bytes_per_request):
+            raise InvalidArgument(f"write of {sum(send)} new blocks ({nbytes} B) is above "
+                                  f"gateway_service.max_batch_bytes ({self.svc.max_batch_bytes} B) "
+                                  "— split it into smaller writes")
+        return keys, send
+
+    async def _receive_and_store(self, msg: WriteBlocks, send: list[bool], new_keys: list[str],
+                                 ctx: CallContext) -> AsyncIterator:
+        """Post receives into staging, announce them, store the blocks; yields then the count."""
+        deadline_at = self._deadline_at(ctx)
+        nbytes = len(new_keys) * self.block_bytes
+        owner = self._owner("write", msg.request_id)
+        alloc = await self.staging.alloc(nbytes, owner, _left(deadline_at))
+        try:
+            tid = self.transport.new_transfer_id()
+            slots = alloc.slots(0, nbytes)
+            handle = await self.transport.expect((msg.ucx_host, msg.ucx_port), tid,
+                                                 self.staging.pool.arena, slots, _left(deadline_at))
+            try:
+                yield WriteSlots(msg.request_id, send, tid, slots)
+                await handle.wait()
+            finally:
+                if not handle.done:
+                    await handle.cancel()
+            bb = self.block_bytes
+            results = await self.store.write_blocks(
+                new_keys, [alloc.views(i * bb, bb) for i in range(len(new_keys))],
+                request_id=msg.request_id)
+            yield sum(results)
+        finally:
+            await self.staging.free_owner(owner)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _left(deadline_at: float) -> float:
+    return max(0.0, deadline_at - time.monotonic())
+
+
+def _prefix(found: list[bool]) -> int:
+    for i, f in enumerate(found):
+        if not f:
+            return i
+    return len(found)
+
+
+def _outcome(e: BaseException) -> str:
+    if isinstance(e, DualpathError):
+        return e.code.value
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    return type(e).__name__
+
+
+def _first_error(eg: BaseExceptionGroup) -> BaseException:
+    """The error that broke the pipeline (not the CancelledError of its sibling)."""
+    for e in eg.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            return _first_error(e)
+        if not isinstance(e, asyncio.CancelledError):
+            return e
+    return eg.exceptions[0]

@@ -1,0 +1,501 @@
+"""UCX page transport: pure planning (unit + property), then real UCX on loopback.
+
+Multi-process tests drive ``tests/transport_peer.py`` (a PageTransport in a subprocess) over
+JSON lines; every process started here is stopped (or SIGKILLed) by the end of its test.
+Nothing here asserts a speed: the idle test checks a resource (CPU of an idle transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.config import TrafficClassConfig, TransportConfig
+from common.errors import (Cancelled, DeadlineExceeded, InvalidArgument, PeerFailed,
+                           ProtocolError, Unavailable)
+from common.transport import PageTransport
+from common.transport_plan import (HELLO_BYTES, INDEX_BITS, MAX_TRANSFER_ID, SourceMap,
+                                   StagingPool, TransferHello, TransferIdSource, check_same_plan,
+                                   check_transfer_id, decode_hello, encode_hello, make_tag,
+                                   plan_messages)
+from common.ucx_env import apply_ucx_env, options_overridden_by_env
+from tests.transport_peer import gather, pattern, split_views
+
+ROOT = Path(__file__).resolve().parents[1]
+KIB, MIB = 1024, 1024 * 1024
+LAYER_BLOCK = 41_984  # DeepSeek-V3.2: 64 tokens x 656 B
+CFG = {"staging_bytes": 32 * MIB}
+
+
+# ---------------------------------------------------------------- plan_messages (pure)
+
+def test_plan_merges_contiguous_slots_into_one_message():
+    plan = plan_messages([(0, 100), (100, 50), (150, 10)], 1000, 0)
+    assert [(m.stream_offset, m.nbytes, m.pieces) for m in plan] == [(0, 160, ((0, 160),))]
+
+
+def test_plan_cuts_runs_at_max_message_bytes():
+    plan = plan_messages([(0, 250)], 100, 0)
+    assert [(m.index, m.stream_offset, m.nbytes, m.pieces[0][0]) for m in plan] == [
+        (0, 0, 100, 0), (1, 100, 100, 100), (2, 200, 50, 200)]
+
+
+def test_plan_packs_small_noncontiguous_runs_up_to_max():
+    slots = [(i * 100, 10) for i in range(25)]  # 25 runs of 10 B, not contiguous
+    plan = plan_messages(slots, 100, 50)
+    assert [m.nbytes for m in plan] == [100, 100, 50]
+    assert all(m.packed for m in plan)
+    assert plan[0].pieces == tuple(slots[:10])
+    assert plan[2].stream_offset == 200
+
+
+def test_plan_keeps_large_runs_direct_between_packs():
+    slots = [(0, 10), (100, 10), (1000, 500), (2000, 10)]
+    plan = plan_messages(slots, 1000, 100)
+    assert [(m.packed, m.nbytes) for m in plan] == [(True, 20), (False, 500), (False, 10)]
+    assert [m.stream_offset for m in plan] == [0, 20, 520]
+
+
+def test_plan_empty_and_zero_length_slots():
+    assert plan_messages([], 100, 10) == []
+    assert plan_messages([(5, 0), (7, 0)], 100, 10) == []
+
+
+def test_plan_is_deterministic():
+    rng = np.random.default_rng(3)
+    slots = [(int(o), int(n)) for o, n in
+             zip(rng.integers(0, 10**9, 500), rng.integers(1, 10**5, 500), strict=True)]
+    assert plan_messages(slots, 1 << 20, 1 << 16) == plan_messages(list(slots), 1 << 20, 1 << 16)
+
+
+def test_plan_rejects_bad_input():
+    with pytest.raises(InvalidArgument):
+        plan_messages([(-1, 10)], 100, 10)
+    with pytest.raises(InvalidArgument):
+        plan_messages([(0, 10)], 0, 10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), max_size=60),
+       max_bytes=st.integers(1, 700), pack_below=st.integers(0, 800))
+def test_plan_properties(runs, max_bytes, pack_below):
+    slots, pos = [], 0
+    for gap, n in runs:  # non-overlapping slots in increasing order, some contiguous
+        pos += gap
+        slots.append((pos, n))
+        pos += n
+    plan = plan_messages(slots, max_bytes, pack_below)
+    covered = [b for m in plan for off, n in m.pieces for b in range(off, off + n)]
+    wanted = [b for off, n in slots for b in range(off, off + n)]
+    assert covered == wanted  # every slot byte exactly once, in stream order
+    assert sum(m.nbytes for m in plan) == sum(n for _, n in slots)
+    stream = 0
+    for i, m in enumerate(plan):
+        assert m.index == i and m.stream_offset == stream and 0 < m.nbytes <= max_bytes
+        assert m.nbytes == sum(n for _, n in m.pieces)
+        stream += m.nbytes
+
+
+def test_tags_and_transfer_ids():
+    ids = TransferIdSource()
+    a, b = ids.next(), ids.next()
+    assert a != b and 0 < a <= MAX_TRANSFER_ID and 0 < b <= MAX_TRANSFER_ID
+    assert make_tag(b, 5) >> INDEX_BITS == b and make_tag(b, 5) < 1 << 64
+    for bad in (0, -1, MAX_TRANSFER_ID + 1, "7"):
+        with pytest.raises(InvalidArgument):
+            check_transfer_id(bad)
+    draws = iter([1, 1, 2])
+    wrapping = TransferIdSource(randbits=lambda bits: next(draws))
+    wrapping._counter = (1 << 24) - 1
+    assert wrapping.next() == (2 << 24) | 1  # new epoch, different from the old one
+
+
+def test_staging_pool_first_fit_and_coalescing():
+    freed = []
+    pool = StagingPool(16 * KIB, align=4 * KIB, on_free=lambda: freed.append(1))
+    a, b, c = pool.try_alloc(1), pool.try_alloc(5000), pool.try_alloc(4096)
+    assert (a, b, c) == (0, 4096, 12288) and pool.try_alloc(1) is None
+    pool.free(b)
+    pool.free(a)
+    assert pool.try_alloc(12 * KIB) == 0 and pool.in_use == 16 * KIB and len(freed) == 2
+    with pytest.raises(InvalidArgument):
+        pool.try_alloc(17 * KIB)
+
+
+def test_source_map_single_and_gather():
+    data = pattern(1, 1000)
+    views = [data[:10], data[10:10], data[10:600], data[600:]]
+    src = SourceMap(views)
+    assert src.nbytes == 1000
+    assert np.array_equal(src.single(20, 100), data[20:120])
+    assert src.single(590, 20) is None
+    out = np.empty(700, np.uint8)
+    src.gather_into(out, 5)
+    assert np.array_equal(out, data[5:705])
+
+
+def test_hello_round_trip_and_plan_check():
+    hello = TransferHello(1, "node-a", "127.0.0.1", 4000, 16 * MIB, 256 * KIB)
+    frame = encode_hello(hello)
+    assert frame.nbytes == HELLO_BYTES and decode_hello(frame) == hello
+    check_same_plan(hello, decode_hello(frame))
+    with pytest.raises(ProtocolError, match="plans messages differently"):
+        check_same_plan(hello, TransferHello(1, "node-b", "h", 1, 16 * MIB, 0))
+    with pytest.raises(ProtocolError):
+        decode_hello(np.full(HELLO_BYTES, 255, np.uint8))
+
+
+def test_ucx_env_defaults_never_override_the_user():
+    env = {"UCX_POSIX_ERROR_HANDLING": "n"}
+    applied = apply_ucx_env(True, env)
+    assert env["UCX_POSIX_ERROR_HANDLING"] == "n" and "UCX_POSIX_ERROR_HANDLING" not in applied
+    assert env["UCX_SYSV_ERROR_HANDLING"] == "y" and env["UCX_WARN_UNUSED_ENV_VARS"] == "n"
+    assert "UCX_SYSV_ERROR_HANDLING" not in apply_ucx_env(False, {})
+    assert options_overridden_by_env({"TLS": "tcp", "IB_SL": "1"}, {"UCX_TLS": "tcp"}) == ["TLS"]
+
+
+# ---------------------------------------------------------------- helpers (real UCX)
+
+class PeerProc:
+    """``tests/transport_peer.py`` in a subprocess; ``await request(op, ...)`` → reply."""
+
+    def __init__(self, cfg: dict) -> None:
+        env = {**os.environ, "DUALPATH_TEST_TRANSPORT": json.dumps(cfg)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.transport_peer"], cwd=ROOT,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._lock = threading.Lock()
+        self._futures: dict[tuple[int, str], concurrent.futures.Future] = {}
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._next_id = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        ready = self._ready.result(timeout=60)
+        self.address, self.pid = tuple(ready["address"]), ready["pid"]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            if msg.get("event") == "ready":
+                self._ready.set_result(msg)
+                continue
+            key = (msg["id"], "posted" if msg.get("event") == "posted" else "done")
+            with self._lock:
+                fut = self._futures.pop(key, None)
+            if fut is not None:
+                fut.set_result(msg)
+        with self._lock:
+            pending, self._futures = list(self._futures.values()), {}
+        for fut in [self._ready, *pending]:
+            if not fut.done():
+                fut.set_exception(ConnectionError("transport peer exited"))
+
+    def call(self, op: str, **kw) -> dict[str, concurrent.futures.Future]:
+        with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            futs = {k: concurrent.futures.Future() for k in ("posted", "done")}
+            self._futures.update({(rid, k): f for k, f in futs.items()})
+        self.proc.stdin.write(json.dumps({"id": rid, "op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return futs
+
+    async def request(self, op: str, **kw) -> dict:
+        return await asyncio.wrap_future(self.call(op, **kw)["done"])
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call("exit")
+                self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            pass
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = PeerProc(CFG)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+async def local():
+    t = PageTransport(TransportConfig(**CFG), "local")
+    await t.start()
+    ctx = weakref.ref(t._ctx)
+    try:
+        yield t
+    finally:
+        await t.stop()
+        await t.stop()  # idempotent
+        gc.collect()
+        assert ctx() is None, "UCX context still referenced after stop()"
+
+
+async def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def gapped(count: int, size: int, gap: int = 4096) -> list[tuple[int, int]]:
+    return [(i * (size + gap), size) for i in range(count)]
+
+
+def arena_for(slots) -> np.ndarray:
+    return np.zeros(max((o + n for o, n in slots), default=0) + 4096, np.uint8)
+
+
+async def receive_from(peer: PeerProc, t: PageTransport, slots, seed: int, split: int = 1,
+                       deadline: float = 20.0) -> np.ndarray:
+    arena, tid = arena_for(slots), t.new_transfer_id()
+    handle = await t.expect(peer.address, tid, arena, slots, deadline)
+    reply = await peer.request("send", peer=list(t.address), tid=tid, slots=slots, seed=seed,
+                               split=split, deadline=deadline)
+    assert reply["ok"], reply
+    await handle.wait()
+    return arena
+
+
+# ---------------------------------------------------------------- real UCX, one process
+
+async def test_two_transports_in_one_loop():
+    cfg = TransportConfig(**CFG)
+    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
+        for slots, split in [([(0, 3 * MIB)], 1), (gapped(200, LAYER_BLOCK), 1),
+                             (gapped(6, MIB), 5)]:
+            data = pattern(7, sum(n for _, n in slots))
+            arena, tid = arena_for(slots), a.new_transfer_id()
+            handle = await a.expect(b.address, tid, arena, slots, 10.0)
+            await b.send(a.address, tid, split_views(data, split), slots, 10.0)
+            await handle.wait()
+            assert np.array_equal(gather(arena, slots), data)
+        assert a.stats()["packed_messages"] >= 1 and b.stats()["gathered_bytes"] > 0
+        assert a.stats()["staging_in_use_bytes"] == 0 == b.stats()["staging_in_use_bytes"]
+
+
+async def test_small_staging_flow_controls_packed_and_gathered_messages():
+    cfg = TransportConfig(staging_bytes=MIB, max_message_bytes=MIB)  # one message at a time
+    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
+        slots = gapped(300, LAYER_BLOCK)  # 13 packed messages of <= 1 MiB
+        data = pattern(9, 300 * LAYER_BLOCK)
+        arena, tid = arena_for(slots), a.new_transfer_id()
+        handle = await a.expect(b.address, tid, arena, slots, 20.0)
+        await b.send(a.address, tid, split_views(data, 7), slots, 20.0)
+        await handle.wait()
+        assert np.array_equal(gather(arena, slots), data)
+        assert a.stats()["packed_messages"] == 13 and a.stats()["staging_peak_bytes"] <= MIB
+        assert b.stats()["gathered_bytes"] > 0 and b.stats()["staging_in_use_bytes"] == 0
+
+
+async def test_peers_with_different_plans_refuse_to_talk():
+    async with (PageTransport(TransportConfig(**CFG), "a") as a,
+                PageTransport(TransportConfig(pack_below_bytes=0, **CFG), "b") as b):
+        with pytest.raises(ProtocolError, match="plans messages differently"):
+            await a.expect(b.address, a.new_transfer_id(), np.zeros(8, np.uint8), [(0, 8)], 5.0)
+
+
+async def test_stop_cancels_pending_receives():
+    cfg = TransportConfig(**CFG)
+    async with PageTransport(cfg, "b") as b:
+        a = PageTransport(cfg, "a")
+        await a.start()
+        handle = await a.expect(b.address, a.new_transfer_id(), np.zeros(MIB, np.uint8),
+                                [(0, MIB)], 30.0)
+        await a.stop()
+        with pytest.raises(Cancelled):
+            await handle.wait()
+        with pytest.raises(Unavailable):
+            await a.expect(b.address, a.new_transfer_id(), np.zeros(8, np.uint8), [(0, 8)], 1.0)
+
+
+@pytest.mark.gpu
+async def test_device_arena_direct_messages():
+    cupy = pytest.importorskip("cupy")
+    if not cupy.cuda.is_available():
+        pytest.skip("no CUDA device")
+    options = {"TLS": "tcp,sm,self,cuda_copy,cuda_ipc", "NET_DEVICES": "lo"}
+    cfg = TransportConfig(traffic_classes={"kv": TrafficClassConfig(options=options)}, **CFG)
+    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
+        slots = [(0, 2 * MIB), (3 * MIB, MIB)]
+        data = pattern(13, 3 * MIB)
+        arena, tid = cupy.zeros(4 * MIB, dtype=cupy.uint8), a.new_transfer_id()
+        handle = await a.expect(b.address, tid, arena, slots, 20.0)
+        await b.send(a.address, tid, [cupy.asarray(data)], slots, 20.0)
+        await handle.wait()
+        assert np.array_equal(gather(cupy.asnumpy(arena), slots), data)
+        with pytest.raises(InvalidArgument, match="device arenas need direct messages"):
+            await a.expect(b.address, a.new_transfer_id(), arena, gapped(4, 4 * KIB), 1.0)
+
+
+async def test_send_validates_sizes_and_ids():
+    async with PageTransport(TransportConfig(**CFG), "a") as a:
+        with pytest.raises(InvalidArgument):
+            await a.send(a.address, a.new_transfer_id(), [np.zeros(10, np.uint8)], [(0, 11)], 1.0)
+        with pytest.raises(InvalidArgument):
+            await a.expect(a.address, 0, np.zeros(10, np.uint8), [(0, 10)], 1.0)
+        with pytest.raises(InvalidArgument):
+            await a.expect(a.address, a.new_transfer_id(), np.zeros(10, np.uint8), [(5, 10)], 1.0)
+
+
+async def test_unsupported_option_is_skipped_and_reported():
+    options = {"TLS": "tcp,sm,self", "NET_DEVICES": "lo", "IB_SL": "3"}
+    cfg = TransportConfig(traffic_classes={"kv": TrafficClassConfig(options=options)}, **CFG)
+    with structlog.testing.capture_logs() as logs:
+        async with PageTransport(cfg, "qos") as t:
+            assert t.skipped_options == ["IB_SL"]
+            assert t.stats()["ucx_options_skipped"] == 1.0
+            assert t.address[1] > 0
+    skipped = [e for e in logs if e["event"] == "ucx_options_skipped"]
+    assert len(skipped) == 1 and skipped[0]["options"] == ["IB_SL"]
+
+
+async def test_connect_to_nothing_is_unavailable():
+    async with PageTransport(TransportConfig(**CFG, connect_timeout_s=1.0), "a") as a:
+        with pytest.raises((Unavailable, DeadlineExceeded)):
+            await a.expect(("127.0.0.1", 9), a.new_transfer_id(), np.zeros(8, np.uint8),
+                           [(0, 8)], 1.0)
+
+
+# ---------------------------------------------------------------- real UCX, two processes
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nbytes", [4 * KIB, LAYER_BLOCK, MIB, 16 * MIB])
+async def test_byte_exact_sizes(peer, local, nbytes):
+    slots = [(4096, nbytes)]
+    arena = await receive_from(peer, local, slots, seed=nbytes)
+    assert np.array_equal(gather(arena, slots), pattern(nbytes, nbytes))
+    assert not arena[:4096].any() and not arena[4096 + nbytes:].any()  # nothing outside slots
+
+
+@pytest.mark.slow
+async def test_many_small_noncontiguous_pages_are_packed(peer, local):
+    slots = gapped(300, LAYER_BLOCK)  # 12.6 MB in 300 Layer Blocks with gaps
+    before = local.stats()["packed_messages"]
+    arena = await receive_from(peer, local, slots, seed=11)
+    assert np.array_equal(gather(arena, slots), pattern(11, 300 * LAYER_BLOCK))
+    assert local.stats()["packed_messages"] > before
+
+
+@pytest.mark.slow
+async def test_noncontiguous_source_is_gathered(peer, local):
+    slots = gapped(5, 3 * MIB)
+    arena = await receive_from(peer, local, slots, seed=12, split=9)
+    assert np.array_equal(gather(arena, slots), pattern(12, 15 * MIB))
+    stats = (await peer.request("stats"))["stats"]
+    assert stats["gathered_bytes"] > 0
+
+
+@pytest.mark.slow
+async def test_other_direction(peer, local):
+    for slots, seed in [([(0, 5 * MIB)], 21), (gapped(64, 4 * KIB), 22)]:
+        tid = (await peer.request("new_id"))["tid"]
+        futs = peer.call("expect", peer=list(local.address), tid=tid, arena_bytes=20 * MIB,
+                         slots=slots, deadline=20.0)
+        await asyncio.wrap_future(futs["posted"])
+        data = pattern(seed, sum(n for _, n in slots))
+        await local.send(peer.address, tid, [data], slots, 20.0)
+        reply = await asyncio.wrap_future(futs["done"])
+        assert reply["ok"] and reply["digest"] == hashlib.sha256(data.tobytes()).hexdigest()
+
+
+@pytest.mark.slow
+async def test_sender_killed_mid_transfer_raises_peer_failed(local):
+    victim = PeerProc(CFG)
+    try:
+        slots = gapped(8, MIB)
+        arena, tid = arena_for(slots), local.new_transfer_id()
+        handle = await local.expect(victim.address, tid, arena, slots, 60.0)
+        reply = await victim.request("send", peer=list(local.address), tid=tid, slots=slots[:4],
+                                     seed=3)  # only the first half of the messages
+        assert reply["ok"]
+        await wait_for(lambda: local.stats()["messages_received"] >= 4, what="first half")
+        victim.kill()
+        with pytest.raises(PeerFailed) as info:
+            await asyncio.wait_for(handle.wait(), 30)
+        assert "127.0.0.1" in str(info.value)
+        assert local.stats()["transfers_received_failed"] == 1
+    finally:
+        victim.kill()
+
+
+@pytest.mark.slow
+async def test_deadline_then_arena_is_not_targeted_and_reusable(peer, local):
+    slots = gapped(4, MIB)
+    arena, tid = arena_for(slots), local.new_transfer_id()
+    handle = await local.expect(peer.address, tid, arena, slots, 0.5)
+    reply = await peer.request("send", peer=list(local.address), tid=tid, slots=slots[:2],
+                               seed=4, deadline=5.0)
+    assert reply["ok"]
+    with pytest.raises(DeadlineExceeded):
+        await handle.wait()
+    arena[:] = 0xAB
+    late = await peer.request("send", peer=list(local.address), tid=tid, slots=slots, seed=4,
+                              deadline=1.0)
+    assert not late["ok"]  # its endpoint was aborted, or nothing matches any more
+    assert (arena == 0xAB).all()
+    with pytest.raises(InvalidArgument):  # a half-received id is never reused
+        await local.expect(peer.address, tid, arena, slots, 1.0)
+    tid2 = local.new_transfer_id()
+    handle = await local.expect(peer.address, tid2, arena, slots, 20.0)
+    reply = await peer.request("send", peer=list(local.address), tid=tid2, slots=slots, seed=5)
+    assert reply["ok"]
+    await handle.wait()
+    assert np.array_equal(gather(arena, slots), pattern(5, 4 * MIB))
+
+
+@pytest.mark.slow
+async def test_cancel_then_fresh_transfer(peer, local):
+    slots = gapped(3, MIB)
+    arena = arena_for(slots)
+    handle = await local.expect(peer.address, local.new_transfer_id(), arena, slots, 30.0)
+    await handle.cancel()
+    with pytest.raises(Cancelled):
+        await handle.wait()
+    assert local.stats()["transfers_active"] == 0
+    arena = await receive_from(peer, local, slots, seed=6)
+    assert np.array_equal(gather(arena, slots), pattern(6, 3 * MIB))
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+async def test_idle_transport_uses_almost_no_cpu(peer, local):
+    await receive_from(peer, local, [(0, MIB)], seed=8)  # a live connection, after traffic
+    start_peer, start_self, t0 = _cpu_seconds(peer.pid), time.process_time(), time.monotonic()
+    await asyncio.sleep(2.0)
+    elapsed = time.monotonic() - t0
+    assert (_cpu_seconds(peer.pid) - start_peer) / elapsed < 0.10
+    assert (time.process_time() - start_self) / elapsed < 0.10

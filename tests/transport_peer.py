@@ -1,0 +1,128 @@
+"""A PageTransport in its own process, driven by JSON lines (tests and benchmarks).
+
+stdin: one command per line ``{"id": n, "op": ..., ...}``; stdout: one reply per line with the
+same ``id``. Commands run concurrently. The first line printed is
+``{"event": "ready", "address": [host, port], "pid": pid}``.
+
+ops: ``send`` (peer, tid, slots, seed, nbytes?, split, deadline), ``new_id``, ``expect`` (peer,
+tid, arena_bytes, slots, deadline; replies ``posted`` and later the result with a digest of the
+received stream), ``stats``, ``exit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+from common.config import TrafficClassConfig, TransportConfig
+from common.errors import DualpathError
+from common.logging import configure_logging
+from common.transport import PageTransport
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """Deterministic test bytes (cheap: no RNG), different per seed and position."""
+    x = np.arange(nbytes, dtype=np.uint32)
+    mixed = x * np.uint32(2654435761) + np.uint32(seed * 97 + 13)
+    return (mixed >> np.uint32(11)).astype(np.uint8)
+
+
+def gather(arena: np.ndarray, slots: list[tuple[int, int]]) -> np.ndarray:
+    """The transfer stream as laid out in ``arena`` by ``slots`` (a copy)."""
+    if not slots:
+        return np.empty(0, np.uint8)
+    return np.concatenate([arena[o:o + n] for o, n in slots])
+
+
+def split_views(buf: np.ndarray, parts: int) -> list[np.ndarray]:
+    """``buf`` cut into ``parts`` views of uneven sizes (exercises the gather path)."""
+    if parts <= 1:
+        return [buf]
+    cuts = sorted({int(c) for c in np.linspace(0, buf.nbytes, parts + 1)[1:-1] + 977} - {0})
+    cuts = [c for c in cuts if c < buf.nbytes]
+    return np.split(buf, cuts)
+
+
+def config_from_env() -> TransportConfig:
+    raw = json.loads(os.environ.get("DUALPATH_TEST_TRANSPORT", "{}"))
+    options = raw.pop("options", None)
+    if options is not None:
+        raw["traffic_classes"] = {"kv": TrafficClassConfig(options=options)}
+    return TransportConfig(**raw)
+
+
+class PeerServer:
+    def __init__(self, transport: PageTransport) -> None:
+        self.t = transport
+        self.tasks: set[asyncio.Task] = set()
+        self.done = asyncio.Event()
+
+    def reply(self, msg: dict) -> None:
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+
+    async def handle(self, cmd: dict) -> None:
+        op, rid = cmd["op"], cmd.get("id")
+        try:
+            result = await getattr(self, "op_" + op)(cmd)
+            self.reply({"id": rid, "ok": True, **(result or {})})
+        except DualpathError as e:
+            self.reply({"id": rid, "ok": False, "error": type(e).__name__, "message": e.message})
+
+    async def op_send(self, cmd: dict) -> dict:
+        slots = [tuple(s) for s in cmd["slots"]]
+        nbytes = cmd.get("nbytes", sum(n for _, n in slots))
+        data = pattern(cmd["seed"], nbytes)
+        await self.t.send(tuple(cmd["peer"]), cmd["tid"], split_views(data, cmd.get("split", 1)),
+                          slots, cmd.get("deadline", 10.0))
+        return {}
+
+    async def op_new_id(self, cmd: dict) -> dict:
+        return {"tid": self.t.new_transfer_id()}
+
+    async def op_expect(self, cmd: dict) -> dict:
+        slots = [tuple(s) for s in cmd["slots"]]
+        arena = np.zeros(cmd["arena_bytes"], np.uint8)
+        handle = await self.t.expect(tuple(cmd["peer"]), cmd["tid"], arena, slots,
+                                     cmd.get("deadline", 10.0))
+        self.reply({"id": cmd["id"], "event": "posted"})
+        await handle.wait()
+        return {"digest": hashlib.sha256(gather(arena, slots).tobytes()).hexdigest()}
+
+    async def op_stats(self, cmd: dict) -> dict:
+        return {"stats": self.t.stats()}
+
+    async def op_exit(self, cmd: dict) -> dict:
+        self.done.set()
+        return {}
+
+
+async def serve() -> None:
+    configure_logging(os.environ.get("DUALPATH_TEST_LOG", "warning"), json=False)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 26)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    async with PageTransport(config_from_env(), f"peer-{os.getpid()}") as transport:
+        server = PeerServer(transport)
+        server.reply({"event": "ready", "address": list(transport.address), "pid": os.getpid()})
+        while not server.done.is_set():
+            line = await reader.readline()
+            if not line:
+                break
+            cmd = json.loads(line)
+            task = asyncio.create_task(server.handle(cmd))
+            server.tasks.add(task)
+            task.add_done_callback(server.tasks.discard)
+            if cmd["op"] == "exit":
+                await task
+        for task in list(server.tasks):
+            task.cancel()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve())

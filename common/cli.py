@@ -14,11 +14,16 @@ BENCHMARKS: dict[str, str] = {
     "scheduler": "bench.scheduler_bench",
     "gateway": "bench.gateway_bench",
     "gateway-storage": "bench.gateway_storage_bench",
+    "e2e": "bench.e2e_bench",
 }
 
 COMMANDS: dict[str, str] = {
     "scheduler": "services.scheduler.__main__",
     "gateway": "storage_gateway.__main__",
+    "cluster": "services.cluster.cli",
+    "serve": "services.cluster.serve",
+    "replay": "services.replay.cli",
+    "demo": "services.cluster.demo",
 }
 
 

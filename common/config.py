@@ -112,6 +112,9 @@ class KVConfig(Section):
 import services.scheduler.config as _scheduler_config  # noqa: E402
 import services.scheduler.service_config as _scheduler_service_config  # noqa: E402
 import storage_gateway.config as _gateway_config  # noqa: E402
+import services.arbiter as _arbiter  # noqa: E402
+import services.engine_sim.config as _engine_sim_config  # noqa: E402
+import services.pe_receiver.config as _pe_receiver_config  # noqa: E402
 
 
 class DualpathConfig(Section):
@@ -130,6 +133,15 @@ class DualpathConfig(Section):
     # storage gateway: backend, capacity, read-queue limits, storage-link emulation
     gateway: _gateway_config.GatewayConfig = msgspec.field(
         default_factory=lambda: _gateway_config.GatewayConfig())
+    # data path: PE receiver / DE loader per node, emulated engines, KV egress arbiter
+    pe_receiver: _pe_receiver_config.PEReceiverConfig = msgspec.field(
+        default_factory=lambda: _pe_receiver_config.PEReceiverConfig())
+    de_loader: _pe_receiver_config.DELoaderConfig = msgspec.field(
+        default_factory=lambda: _pe_receiver_config.DELoaderConfig())
+    engine_sim: _engine_sim_config.EngineSimConfig = msgspec.field(
+        default_factory=lambda: _engine_sim_config.EngineSimConfig())
+    arbiter: _arbiter.ArbiterConfig = msgspec.field(
+        default_factory=lambda: _arbiter.ArbiterConfig())
 
 
 T = TypeVar("T", bound=msgspec.Struct)

@@ -18,6 +18,19 @@ Settings (measured, docs/performance.md):
   endpoint (a half-received tag sequence is never reused), waits until every request of the
   transfer has completed (no receive left targeting the caller's buffers) and raises a typed
   error. Other transfers on the same endpoint fail with ``PeerFailed`` (retryable).
+* Single copy (same host): a link is the listener/``create_endpoint`` endpoint pair (error
+  handling on: liveness, handshake, receives, aborts). Under error handling UCX never picks
+  ``cma`` for rendezvous, so bytes would cross as sysv fragments, copied in by the sender and
+  out by the receiver. When both hellos carry a worker address and the same host id, the
+  sender instead sends its messages over a second endpoint made from the peer's worker
+  address without error handling: cma get-zcopy, one copy done by the receiver, ~0 CPU on
+  the sender. Receives stay posted on the link's endpoint (tag matching is worker-wide), so
+  a dead or aborting peer still fails them at once. Because that endpoint cannot be
+  cancelled, the sender ends every transfer with a *commit* (tag index ``COMMIT_INDEX``, on
+  the link's endpoint, sent after every message completed, i.e. after the receiver took
+  every byte) and the receiver's transfer completes only with it: a sender that fails can
+  reuse its buffers at once (a receiver still reading them never gets the commit and fails),
+  and its unfinished sends are abandoned (``sends_abandoned``), not awaited.
 
 Tags: ``transfer_id << 20 | message_index`` (``common.transport_plan``); tag matching is
 worker-wide, so transfer ids come from the *receiving* transport (:meth:`new_transfer_id`).
@@ -39,12 +52,14 @@ import structlog
 from common.config import TransportConfig
 from common.errors import (Cancelled, ConfigError, DeadlineExceeded, DualpathError,
                            InvalidArgument, PeerFailed, ProtocolError, Unavailable)
-from common.transport_plan import (HELLO_BYTES, HELLO_VERSION, INDEX_BITS, MessagePlan,
-                                   SourceMap, StagingPool, TransferHello,
-                                   TransferIdSource, check_flat_bytes, check_same_plan,
-                                   check_transfer_id, decode_hello, encode_hello,
-                                   is_device_array, plan_messages)
-from common.ucx_env import WorkerProgress, apply_ucx_env, options_overridden_by_env
+from common.transport_plan import (COMMIT_BYTES, COMMIT_INDEX, HELLO_BYTES, HELLO_VERSION,
+                                   INDEX_BITS, MessagePlan, SourceMap, StagingPool,
+                                   TransferHello, TransferIdSource, check_flat_bytes,
+                                   check_same_plan, check_transfer_id, decode_hello,
+                                   encode_hello, fit_hello, is_device_array, plan_messages,
+                                   single_copy_link)
+from common.ucx_env import (WorkerProgress, apply_ucx_env, local_host_id,
+                            options_overridden_by_env, single_copy_supported)
 
 log = structlog.get_logger(__name__)
 
@@ -112,12 +127,20 @@ def _probe_options(options: dict[str, str]) -> tuple[dict[str, str], list[str]]:
 
 @dataclass(eq=False)
 class _Link:
-    """One endpoint to a peer's transport (keyed by the peer's listener address)."""
+    """One endpoint to a peer's transport (keyed by the peer's listener address).
+
+    ``ep`` (error handling on) carries hellos, receives, commits and liveness; on a
+    ``single_copy`` link the sender's messages go over ``data_ep``, made lazily from the
+    peer's worker address without error handling (cma single copy).
+    """
 
     addr: Peer
     ep: Any
     node_id: str = ""
     failure: str | None = None
+    single_copy: bool = False
+    peer_worker_address: bytes = b""
+    data_ep: Any = None
 
     @property
     def usable(self) -> bool:
@@ -136,6 +159,7 @@ class _Transfer:
     deferred: collections.deque   # packed messages waiting for staging (receiver)
     arena: Any = None
     task: asyncio.Task | None = None
+    commit: Any = None            # receiver: the posted commit receive (single-copy links)
 
 
 class ReceiveHandle:
@@ -193,7 +217,11 @@ class PageTransport:
         self._ctx: Any = None
         self._listener: Any = None
         self._progress: WorkerProgress | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._staging: StagingPool | None = None
+        self._worker_address = b""
+        self._host_id = ""
+        self.single_copy_reason = ""
         self.skipped_options: list[str] = []
         self._n: collections.Counter[str] = collections.Counter()
 
@@ -209,7 +237,11 @@ class PageTransport:
             _claim_progress(loop)
             options = cfg.traffic_classes[cfg.kv_class].ucx_options()
             self._ctx, self.skipped_options = _create_context(options, cfg.kv_class)
+            single, self.single_copy_reason = single_copy_supported(options.get("TLS"))
+            self._host_id = local_host_id() if single else ""
+            self._worker_address = bytes(self._ctx.worker.address.tobytes()) if single else b""
             self._progress = WorkerProgress(self._ctx.worker, loop)
+            self._loop = loop
             try:
                 self._staging = StagingPool(cfg.staging_bytes, on_free=self._progress.kick)
                 _claim_progress(loop)
@@ -223,7 +255,8 @@ class PageTransport:
             self._state = "running"
             log.info("transport_started", node_id=self.node_id, host=cfg.host,
                      port=self._listener.port, traffic_class=cfg.kv_class,
-                     options=options, skipped=self.skipped_options, env_set=env)
+                     options=options, skipped=self.skipped_options, env_set=env,
+                     single_copy=bool(self._worker_address), single_copy_reason=self.single_copy_reason)
 
     async def stop(self) -> None:
         """Stop accepting, cancel transfers, close endpoints, release UCX (idempotent)."""
@@ -242,6 +275,7 @@ class PageTransport:
             self._listener.close()
             self._progress.close()
             self._listener = self._ctx = self._staging = None
+            self._worker_address = b""
             self._links.clear()
             self._all_links.clear()
             self._state = "closed"
@@ -279,10 +313,13 @@ class PageTransport:
     # ------------------------------------------------------------------ endpoints
 
     async def endpoint(self, peer: Peer, deadline_s: float | None = None) -> Any:
-        """The ucxx endpoint to ``peer`` (connecting if needed) — for baselines/diagnostics."""
+        """The ucxx endpoint page messages to ``peer`` travel on (connecting if needed) — for
+        baselines/diagnostics: on a single-copy link the worker-address endpoint (no error
+        handling: a dead peer is not reported on it), else the link's own endpoint."""
         self._check_running()
         budget = self._cfg.connect_timeout_s if deadline_s is None else deadline_s
-        return (await self._link_to(tuple(peer), asyncio.get_running_loop().time() + budget)).ep
+        link = await self._link_to(tuple(peer), asyncio.get_running_loop().time() + budget)
+        return await self._data_ep(link)
 
     async def _link_to(self, peer: Peer, deadline_at: float) -> _Link:
         link = self._links.get(peer)
@@ -317,7 +354,7 @@ class PageTransport:
             raise Unavailable(f"cannot connect to page transport {peer[0]}:{peer[1]} "
                               f"({type(e).__name__}: {e}) — is the peer started?") from e
         self._n["connects"] += 1
-        return self._register(_Link(peer, ep, hello.node_id))
+        return self._register(self._new_link(peer, ep, hello))
 
     async def _on_accept(self, ep: Any) -> None:
         if self._state != "running":
@@ -330,13 +367,42 @@ class PageTransport:
                     hello = await self._recv_hello(ep)
                     await self._send_hello(ep)  # ours first: the client reports a mismatch
                     self._check_hello(hello)
-            self._register(_Link((hello.host, hello.port), ep, hello.node_id))
+            self._register(self._new_link((hello.host, hello.port), ep, hello))
             self._n["accepts"] += 1
         except (TimeoutError, ProtocolError, Unavailable, _ucxx().Error) as e:
             log.warning("peer_handshake_failed", error=repr(e))
             ep.abort()
         finally:
             self._handshaking.discard(ep)
+
+    def _new_link(self, addr: Peer, ep: Any, hello: TransferHello) -> _Link:
+        single = single_copy_link(self._hello(), hello)
+        return _Link(addr, ep, hello.node_id, single_copy=single,
+                     peer_worker_address=hello.worker_address if single else b"")
+
+    async def _data_ep(self, link: _Link) -> Any:
+        """The endpoint this side sends page messages to ``link`` on (see the module doc)."""
+        if not link.single_copy:
+            return link.ep
+        if link.data_ep is None:
+            if not link.usable:
+                raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
+            u, loop = _ucxx(), asyncio.get_running_loop()
+            _claim_progress(loop)
+            try:
+                ep = await self._ctx.create_endpoint_from_worker_address(
+                    u.lib.UCXAddress.create_from_buffer(link.peer_worker_address),
+                    endpoint_error_handling=False)
+            except u.Error as e:
+                raise PeerFailed(f"single-copy endpoint to {link.addr}: {e}") from e
+            if link.data_ep is not None or not link.usable:  # raced with another sender/abort
+                ep.abort()
+            else:
+                link.data_ep = ep
+                self._n["single_copy_endpoints"] += 1
+            if link.data_ep is None:
+                raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
+        return link.data_ep
 
     def _register(self, link: _Link) -> _Link:
         if self._state != "running":
@@ -355,8 +421,16 @@ class PageTransport:
             link.failure = "endpoint closed (peer failed or left)"
         if self._links.get(link.addr) is link:
             del self._links[link.addr]
+        if link.data_ep is not None and self._loop is not None:  # not inside UCX's callback
+            self._loop.call_soon_threadsafe(self._abort_data_ep, link)
         if self._progress is not None:
             self._progress.kick()
+
+    @staticmethod
+    def _abort_data_ep(link: _Link) -> None:
+        ep, link.data_ep = link.data_ep, None
+        if ep is not None:
+            ep.abort()
 
     def _abort_link(self, link: _Link, reason: str) -> None:
         if link.failure is None:
@@ -364,6 +438,7 @@ class PageTransport:
         if self._links.get(link.addr) is link:
             del self._links[link.addr]
         self._all_links.discard(link)
+        self._abort_data_ep(link)
         if link.ep._ep is not None:
             self._n["endpoint_aborts"] += 1
             log.info("endpoint_aborted", peer=link.addr, reason=reason)
@@ -371,8 +446,10 @@ class PageTransport:
 
     def _hello(self) -> TransferHello:
         cfg = self._cfg
-        return TransferHello(HELLO_VERSION, self.node_id, cfg.host, int(self._listener.port),
-                              cfg.max_message_bytes, cfg.pack_below_bytes)
+        return fit_hello(TransferHello(HELLO_VERSION, self.node_id, cfg.host,
+                                       int(self._listener.port), cfg.max_message_bytes,
+                                       cfg.pack_below_bytes, self._worker_address,
+                                       self._host_id))
 
     async def _send_hello(self, ep: Any) -> None:
         u, buf = _ucxx(), encode_hello(self._hello())
@@ -451,6 +528,9 @@ class PageTransport:
     def _post_receives(self, rx: _Transfer) -> None:
         u, ep, base = _ucxx(), rx.link.ep._ep, rx.transfer_id << INDEX_BITS
         Array, Tag, mask, arena = u.Array, u.Tag, u.Mask, rx.arena
+        if rx.link.single_copy:
+            buf = np.zeros(COMMIT_BYTES, np.uint8)
+            rx.commit = (ep.tag_recv(Array(buf), Tag(base | COMMIT_INDEX), mask), buf)
         for msg in rx.plan:
             if not msg.packed:
                 off = msg.pieces[0][0]
@@ -498,6 +578,15 @@ class PageTransport:
                     staging.free(stg)
                 continue
             await self._progress.tick()
+        if rx.commit is not None:  # the sender saw every message taken: the bytes are good
+            req, buf = rx.commit
+            while not req.completed:
+                await self._progress.tick()
+            req.check_error()
+            rx.commit = None
+            if int(buf.view(np.uint64)[0]) != rx.nbytes:
+                raise ProtocolError(f"transfer {rx.transfer_id}: the sender committed "
+                                    f"{int(buf.view(np.uint64)[0])} B, expected {rx.nbytes} B")
 
     def _scatter(self, arena: np.ndarray, msg: MessagePlan, stg: int) -> None:
         src, pos = self._staging.buffer, stg
@@ -538,8 +627,12 @@ class PageTransport:
         self._active.add(tx)
         try:
             async with asyncio.timeout_at(deadline_at):
-                await self._send_loop(tx, source, any(is_device_array(v) for v in src),
+                device = any(is_device_array(v) for v in src)
+                ep = link.ep if device else await self._data_ep(link)
+                await self._send_loop(tx, ep, source, device,
                                       inflight or self._cfg.max_inflight_messages)
+                if link.single_copy:
+                    await self._send_commit(tx)
             self._n["transfers_sent_ok"] += 1
             self._n["bytes_sent"] += total
         except BaseException as e:
@@ -551,14 +644,14 @@ class PageTransport:
         finally:
             self._active.discard(tx)
 
-    async def _send_loop(self, tx: _Transfer, source: SourceMap, device: bool,
+    async def _send_loop(self, tx: _Transfer, ep: Any, source: SourceMap, device: bool,
                          limit: int) -> None:
-        u, staging, window = _ucxx(), self._staging, tx.posted
-        ep, base = tx.link.ep._ep, tx.transfer_id << INDEX_BITS
-        if not tx.link.usable:
-            raise PeerFailed(f"endpoint to {tx.link.addr} is down: {tx.link.failure}")
+        u, staging, window, link = _ucxx(), self._staging, tx.posted, tx.link
+        ep, base = ep._ep, tx.transfer_id << INDEX_BITS
         Array, Tag, plan, i, count = u.Array, u.Tag, tx.plan, 0, len(tx.plan)
         while i < count or window:
+            if not link.usable:  # a data endpoint never reports its peer: the link does
+                raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
             posted = reaped = 0
             while i < count and len(window) < limit:
                 msg, stg = plan[i], None
@@ -588,6 +681,22 @@ class PageTransport:
             if not posted and not reaped:
                 await self._progress.tick()
 
+    async def _send_commit(self, tx: _Transfer) -> None:
+        """After every message completed (the receiver took every byte): the commit."""
+        u, link = _ucxx(), tx.link
+        if not link.usable:
+            raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
+        buf = np.array([tx.nbytes], np.uint64).view(np.uint8)
+        req = link.ep._ep.tag_send(u.Array(buf), u.Tag((tx.transfer_id << INDEX_BITS) | COMMIT_INDEX))
+        tx.posted.append((req, None, None))
+        self._progress.kick()
+        while not req.completed:
+            if not link.usable:
+                raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
+            await self._progress.tick()
+        tx.posted.clear()
+        req.check_error()
+
     # ------------------------------------------------------------------ failure
 
     async def _fail(self, t: _Transfer, exc: BaseException, side: str,
@@ -596,8 +705,10 @@ class PageTransport:
         err = self._classify(t, exc, side, deadline_s)
         if side == "receive":
             self._retire(t.transfer_id)
-        if t.posted or t.deferred:
+        if t.posted or t.deferred or t.commit is not None:
             self._abort_link(t.link, f"{side} of transfer {t.transfer_id} failed: {err.code}")
+        if side == "send" and t.link.single_copy:
+            self._abandon(t)   # the receiver fails without our commit: buffers are free now
         await self._settle(t)
         log.warning("transfer_failed", side=side, transfer_id=t.transfer_id, peer=t.link.addr,
                     error=err.code.value, detail=err.message)
@@ -625,8 +736,22 @@ class PageTransport:
         while len(self._retired) > _RETIRED_IDS:
             self._retired.popitem(last=False)
 
+    def _abandon(self, t: _Transfer) -> None:
+        """Drop a failed single-copy send's requests: the data endpoint cannot cancel them
+        (they complete only if the receiver takes the bytes), and without the commit no
+        receiver counts bytes read from these buffers, so they go back to the caller now."""
+        for req, _, stg in t.posted:
+            if not req.completed:
+                self._n["sends_abandoned"] += 1
+            if stg is not None:
+                self._staging.free(stg)
+        t.posted = collections.deque()
+
     async def _settle(self, t: _Transfer) -> None:
         """Cancelled/aborted requests must complete before buffers go back to the caller."""
+        if t.commit is not None:  # posted on the link's endpoint: the abort cancels it
+            t.posted.append((t.commit[0], None, None))
+            t.commit = None
         end = time.monotonic() + _SETTLE_S
         while self._ctx is not None:
             self._ctx.worker.progress()
@@ -654,12 +779,15 @@ class PageTransport:
             "bytes_sent", "bytes_received", "messages_sent", "messages_received",
             "transfers_sent_ok", "transfers_sent_failed", "transfers_received_ok",
             "transfers_received_failed", "packed_messages", "packed_bytes", "gathered_bytes",
-            "connects", "accepts", "endpoint_aborts")}
+            "connects", "accepts", "endpoint_aborts", "single_copy_endpoints",
+            "sends_abandoned")}
         staging = self._staging
         out["staging_in_use_bytes"] = float(staging.in_use if staging else 0)
         out["staging_peak_bytes"] = float(staging.peak if staging else 0)
         out["staging_capacity_bytes"] = float(staging.capacity if staging else 0)
         out["endpoints"] = float(sum(1 for link in self._all_links if link.usable))
+        out["single_copy_links"] = float(sum(1 for link in self._all_links
+                                             if link.usable and link.single_copy))
         out["transfers_active"] = float(len(self._active))
         out["ucx_options_skipped"] = float(len(self.skipped_options))
         return out

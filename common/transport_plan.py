@@ -26,9 +26,13 @@ from common.errors import InvalidArgument, ProtocolError
 # Tag layout (64-bit UCX tag): ``transfer_id << INDEX_BITS | message_index``.
 # 20 index bits allow 1,048,575 messages per transfer (4 GiB even at 4 KiB messages);
 # the remaining 44 bits hold the transfer id: 20 random epoch bits + 24 counter bits.
+# The last index (never a message's: indices stop at MAX_MESSAGES - 1) tags the transfer's
+# *commit*, the sender's "every message was taken" note on single-copy links.
 INDEX_BITS = 20
 TRANSFER_ID_BITS = 64 - INDEX_BITS
 MAX_MESSAGES = (1 << INDEX_BITS) - 1
+COMMIT_INDEX = MAX_MESSAGES
+COMMIT_BYTES = 8
 MAX_TRANSFER_ID = (1 << TRANSFER_ID_BITS) - 1
 EPOCH_BITS = 20
 COUNTER_BITS = TRANSFER_ID_BITS - EPOCH_BITS
@@ -229,6 +233,10 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     """Identification both sides send on a new endpoint (on ucxx's own endpoint tag).
 
     Carries the planning limits: peers that cut messages differently must not talk.
+    ``worker_address`` (the UCX worker address, empty when single copy is off on that side)
+    and ``host_id`` (boot id + pid/ipc namespaces) decide whether the link moves data over a
+    single-copy endpoint (:func:`single_copy_link`). Both are trailing fields with defaults:
+    a peer without them decodes ours (msgspec ignores extra trailing fields) and vice versa.
     """
 
     version: int
@@ -237,6 +245,8 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     port: int
     max_message_bytes: int
     pack_below_bytes: int
+    worker_address: bytes = b""
+    host_id: str = ""
 
 
 def encode_hello(hello: TransferHello) -> np.ndarray:
@@ -248,6 +258,21 @@ def encode_hello(hello: TransferHello) -> np.ndarray:
     buf[:2] = np.frombuffer(len(body).to_bytes(2, "little"), dtype=np.uint8)
     buf[2:2 + len(body)] = np.frombuffer(body, dtype=np.uint8)
     return buf
+
+
+def fit_hello(hello: TransferHello) -> TransferHello:
+    """``hello`` if it fits one frame, else without its worker address (no single copy)."""
+    if len(msgspec.msgpack.encode(hello)) <= HELLO_BYTES - 2:
+        return hello
+    return msgspec.structs.replace(hello, worker_address=b"")
+
+
+def single_copy_link(mine: TransferHello, theirs: TransferHello) -> bool:
+    """Whether a link moves data over a single-copy endpoint: both sides offer it (a worker
+    address) and run on the same host, pid and ipc namespaces. Symmetric: both ends of a
+    link compute the same answer from the same two hellos."""
+    return bool(mine.worker_address and theirs.worker_address and mine.host_id
+                and mine.host_id == theirs.host_id)
 
 
 def decode_hello(buf: np.ndarray) -> TransferHello:

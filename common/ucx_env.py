@@ -8,6 +8,13 @@ Measured on the 2-core loopback hosts (docs/performance.md, shared UCX notes):
   ``UCX_SYSV_ERROR_HANDLING=y`` — and everything runs over tcp/lo at a tenth of the speed.
 * ``UCX_WARN_UNUSED_ENV_VARS=n`` silences a harmless warning about variables meant for
   transports this build lacks.
+* Under endpoint error handling UCX never selects ``cma`` for rendezvous (it demands memory
+  invalidation, which cma lacks), so large messages go "fragmented copy-in copy-out" through
+  sysv in 8 KiB pieces: two copies and a progress round per fragment on both sides. Endpoints
+  without error handling, made from the peer's worker address, get cma get-zcopy: one copy,
+  by the receiver. :func:`single_copy_supported` says whether this process may use them
+  (``DUALPATH_UCX_SINGLE_COPY=0`` turns them off); :func:`local_host_id` whether a peer
+  shares the host (docs/performance.md, "Single copy").
 
 Variables the user already set always win (operators tune UCX through its environment).
 """
@@ -21,6 +28,9 @@ from collections.abc import MutableMapping
 from typing import Any
 
 UCX_PREFIX = "UCX_"
+SINGLE_COPY_ENV = "DUALPATH_UCX_SINGLE_COPY"
+_OFF = ("0", "n", "no", "false", "off")
+_YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 def ucx_env_defaults(shared_memory: bool) -> dict[str, str]:
@@ -49,6 +59,46 @@ def options_overridden_by_env(options: dict[str, str],
     """Traffic-class option names whose ``UCX_<NAME>`` variable the user set (env wins)."""
     environ = os.environ if environ is None else environ
     return [name for name in options if UCX_PREFIX + name in environ]
+
+
+def single_copy_supported(tls: str | None,
+                          environ: MutableMapping[str, str] | None = None,
+                          yama_path: str = _YAMA) -> tuple[bool, str]:
+    """``(allowed, reason)``: may this process move data over cma single-copy endpoints?
+
+    ``tls`` is the traffic class's ``TLS`` option; ``UCX_TLS`` in the environment wins. Off
+    when the user says so, when the transports exclude cma, or when Yama restricts ptrace
+    (cma's ``process_vm_readv`` would then be refused between unrelated processes).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(SINGLE_COPY_ENV, "").strip().lower() in _OFF:
+        return False, f"{SINGLE_COPY_ENV} is off"
+    tls = environ.get(UCX_PREFIX + "TLS", tls) or "all"
+    names = {t.strip().lower() for t in tls.lstrip("^").split(",")}
+    if tls.startswith("^"):
+        if names & {"sm", "cma"}:
+            return False, f"UCX_TLS={tls} excludes cma"
+    elif not names & {"all", "sm", "cma"}:
+        return False, f"UCX_TLS={tls} has no cma"
+    try:
+        with open(yama_path) as f:
+            scope = f.read().strip()
+    except OSError:
+        scope = "0"
+    if scope != "0":
+        return False, f"kernel.yama.ptrace_scope={scope} refuses cma between processes"
+    return True, "cma single copy between processes of this host"
+
+
+def local_host_id() -> str:
+    """Boot id + pid and ipc namespaces: equal for two processes that can use cma and shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = [str(os.stat(f"/proc/self/ns/{name}").st_ino) for name in ("pid", "ipc")]
+    except OSError:
+        return ""  # not Linux: no single copy
+    return "/".join([boot, *ns])
 
 
 class WorkerProgress:

@@ -62,6 +62,7 @@ class Submission(msgspec.Struct, frozen=True):
     keys: tuple[str, ...]
     hit_tokens: int | None          # None: look it up
     deadline_s: float | None
+    tail_token_ids: tuple[int, ...] | None = None   # the partial last block, from token_ids
 
 
 def check_submit(msg: SubmitRequest, cfg: SchedulerServiceConfig,
@@ -82,8 +83,11 @@ def check_submit(msg: SubmitRequest, cfg: SchedulerServiceConfig,
     if msg.deadline_s is not None and not (msg.deadline_s > 0 and math.isfinite(msg.deadline_s)):
         raise InvalidArgument(f"request {rid!r}: deadline_s={msg.deadline_s} must be a positive "
                               f"number of seconds (or omitted)")
+    tail = None
+    if msg.token_ids is not None:
+        tail = tuple(msg.token_ids[len(keys) * block_tokens:])
     return Submission(rid, msg.session_id, msg.prompt_tokens, msg.gen_tokens, tuple(keys),
-                      msg.hit_tokens, msg.deadline_s)
+                      msg.hit_tokens, msg.deadline_s, tail)
 
 
 def _check_id(name: str, value: str, limit: int) -> None:
@@ -191,13 +195,15 @@ class RequestState:
         return FirstToken(self.request_id, first - submit, placed - submit, alloc - placed,
                           read - alloc, first - read, self.attempt)
 
-    def finished_event(self, tokens: int, now: float) -> RequestFinished:
+    def finished_event(self, tokens: int, now: float,
+                       output_token_ids: list[int] | None = None) -> RequestFinished:
         first = self.t_first if self.t_first is not None else now
         tokens = tokens if tokens > 0 else self.sub.gen_tokens
         ttst = None if self.t_second is None else max(self.t_second - first, 0.0)
         tpot = (now - first) / (tokens - 1) if tokens > 1 else 0.0
         return RequestFinished(self.request_id, tokens, first - self.t_submit, ttst, tpot,
-                               now - self.t_submit, self.hit_tokens, self.attempt)
+                               now - self.t_submit, self.hit_tokens, self.attempt,
+                               output_token_ids)
 
     def failed_event(self, code: str, message: str, retryable: bool,
                      retry_after_s: float | None = None) -> RequestFailed:

@@ -34,7 +34,8 @@ from common.auth import load_secret
 from common.config import DualpathConfig
 from common.errors import (AlreadyExists, DualpathError, ErrorCode, InvalidArgument, NotFound,
                            Overloaded, Unavailable)
-from common.kv import spec_from_config
+from common.kv import ROOT_KEY, block_keys_from_tokens, spec_from_config
+from common.metrics import observe_request
 from common.protocol import (CancelRequest, CancelRequestReply, ClusterStatus, DecodeBinding,
                              EngineStatus, FetchWork, FetchWorkReply, GetClusterStatus,
                              GetStats, GetStatsReply, Heartbeat, HeartbeatReply, Ping, Pong,
@@ -434,7 +435,8 @@ class SchedulerService(Service):
             a.de_node, a.read_side.value, a.read_node or "", a.hit_tokens, a.new_tokens,
             a.gen_tokens, rs.hbm_bytes, list(sub.keys[:hit_blocks]), list(sub.keys[hit_blocks:]),
             de_loader.endpoint() if de_loader else None,
-            gateway.endpoint() if gateway else None, rs.remaining(self._now()))
+            gateway.endpoint() if gateway else None, rs.remaining(self._now()),
+            list(sub.tail_token_ids) if sub.tail_token_ids is not None else None)
 
     def _delivered(self, rs: RequestState, kind: str) -> None:
         if kind == "binding":
@@ -499,9 +501,10 @@ class SchedulerService(Service):
         self.core.complete(rs.request_id)
         rs.in_core = False
         self._st_first(rs, msg, now)
-        self.hits.finished(rs.sub.session_id, rs.sub.keys)
+        self.hits.finished(rs.sub.session_id, _stored_keys(rs.sub, msg.output_token_ids,
+                                                           self.kv.block_tokens))
         self.counters["finished"] += 1
-        self._end(rs, State.FINISHED, rs.finished_event(msg.tokens, now))
+        self._end(rs, State.FINISHED, rs.finished_event(msg.tokens, now, msg.output_token_ids))
 
     def _st_failed(self, rs: RequestState, msg: ReportProgress, now: float) -> None:
         code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value
@@ -555,6 +558,8 @@ class SchedulerService(Service):
         if rs.timer is not None:
             rs.timer.cancel()
         self._set_state(rs, state)
+        if state is State.FINISHED:
+            observe_request(event)          # TTFT/TTST/TPOT histograms (common.metrics)
         rs.events.put_nowait(event)
         if self._reqs.get(rs.request_id) is rs:
             del self._reqs[rs.request_id]
@@ -577,6 +582,19 @@ class SchedulerService(Service):
         self._states[rs.state] -= 1
         self._states[state] += 1
         rs.state = state
+
+
+def _stored_keys(sub, output_token_ids: list[int] | None, block_tokens: int) -> tuple[str, ...]:
+    """Prompt keys plus the generated blocks the decode side wrote back (data path rule:
+    full blocks of prompt + output without its last token, whose KV is not computed yet)."""
+    if not output_token_ids or sub.tail_token_ids is None:
+        return sub.keys
+    parent = sub.keys[-1] if sub.keys else ROOT_KEY
+    more = list(sub.tail_token_ids) + list(output_token_ids[:-1])
+    try:
+        return sub.keys + tuple(block_keys_from_tokens(more, block_tokens, parent))
+    except DualpathError:       # out-of-range ids from a node: keep what is certain
+        return sub.keys
 
 
 def _revocation(rs: RequestState, reason: str) -> Revocation:

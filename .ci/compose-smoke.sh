@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Compose smoke test (CI, before pytest): build the one image, start the 1P2D cluster of
+# docker-compose.yml, replay a few multi-turn requests through the frontend RPC from inside the
+# compose network (the `smoke` service: every request finished, hits as predicted, storage bytes
+# = hits, every prompt byte verified), stop everything. Docker that cannot run here → a loud
+# SKIPPED line and exit 0 (../shared/ci/docker-env.sh exit 3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+rc=0
+out=$(bash ../shared/ci/docker-env.sh up) || rc=$?
+if [ "$rc" -eq 3 ]; then
+    echo "=================================================================="
+    echo "SKIPPED: docker unavailable — compose smoke test did not run"
+    echo "=================================================================="
+    exit 0
+elif [ "$rc" -ne 0 ]; then
+    echo "compose smoke: docker-env.sh up failed with status $rc" >&2
+    exit "$rc"
+fi
+eval "$out"
+project="dualpath-smoke-$$"
+dc() { docker compose -p "$project" "$@"; }
+cleanup() {
+    status=$?
+    if [ "$status" -ne 0 ]; then
+        dc logs --no-color --tail 40 >&2 || true
+    fi
+    dc --profile smoke down -v --remove-orphans --timeout 10 >/dev/null 2>&1 || true
+    bash ../shared/ci/docker-env.sh down || true
+    exit "$status"
+}
+trap cleanup EXIT
+echo "== compose smoke: build (BASE_IMAGE=${BASE_IMAGE:-default})"
+dc build --quiet
+echo "== compose smoke: up --wait"
+dc up -d --wait --wait-timeout 240
+echo "== compose smoke: replay through the frontend RPC"
+dc --profile smoke run --rm smoke
+echo "compose smoke passed in $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,261 @@
+"""Prometheus metrics of a dualpath process: one registry, one HTTP endpoint, pull-based.
+
+Services already keep flat counter dicts (``GatewayService.counters()``, ``NodeBase.stats()``,
+the scheduler's counters); this module turns them into Prometheus metrics **at scrape time**
+instead of instrumenting every code path twice:
+
+* :func:`register_source` — ``(service, node, fn)`` where ``fn() -> dict[str, float]``; the
+  event loop snapshots every source each ``refresh_s`` (the HTTP thread never touches live
+  service state), and a collector maps known keys onto the standard families below; every
+  other key is exported as ``dualpath_stat{service, node, name}``.
+* :func:`observe_request` — TTFT / TTST / TPOT / end-to-end histograms, fed by the scheduler
+  with each ``RequestFinished`` (thread-safe, cheap; a no-op cost when nobody scrapes).
+* :class:`MetricsEndpoint` — ``await start(port, host)`` serves ``/metrics`` (port 0: any free
+  port, read ``.port``), ``await stop()``.
+
+Standard families (labels):
+
+==========================================  ===================================================
+``dualpath_storage_bytes_total``            node, direction = read | write (gateway)
+``dualpath_link_bytes_total``               node, link = storage (SNIC bucket) | compute (KV egress)
+``dualpath_kv_sent_bytes_total``            node, service: KV bytes a PE receiver / DE loader sent
+                                            (PE→DE on prefill nodes; DE→PE + write-back on decode)
+``dualpath_read_queue_tokens``              node (the gateway's read queue, paper §5.1)
+``dualpath_requests``                       state (scheduler: live requests by state)
+``dualpath_requests_ended_total``           outcome = finished | failed | cancelled
+``dualpath_buffer_pages``                   node, pool, kind = used | total
+``dualpath_ttft_seconds`` / ``_ttst_`` / ``_tpot_`` / ``_e2e_``  histograms (scheduler)
+==========================================  ===================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+Source = Callable[[], dict[str, float]]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0,
+                    8.0, 16.0, 32.0, 64.0, 128.0)
+
+
+class _Registry:
+    """The process's registry, its sources and their last snapshot."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.sources: dict[tuple[str, str], Source] = {}
+        self.snapshot: dict[tuple[str, str], dict[str, float]] = {}
+        self.lock = threading.Lock()
+        self.registry.register(_StatsCollector(self))
+        self.ttft = self._hist("dualpath_ttft_seconds", "Submit to first token")
+        self.ttst = self._hist("dualpath_ttst_seconds", "First to second token")
+        self.tpot = self._hist("dualpath_tpot_seconds", "Time per output token after the first")
+        self.e2e = self._hist("dualpath_e2e_seconds", "Submit to finished")
+
+    def _hist(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def refresh(self) -> None:
+        """Snapshot every source (call from the thread that owns the services: the loop)."""
+        snap = {}
+        for key, fn in list(self.sources.items()):
+            try:
+                snap[key] = {k: float(v) for k, v in fn().items()}
+            except Exception:        # a source that fails keeps its previous snapshot
+                snap[key] = self.snapshot.get(key, {})
+        with self.lock:
+            self.snapshot = snap
+
+
+_R: _Registry | None = None
+
+
+def registry() -> _Registry:
+    """The process-wide registry (created on first use)."""
+    global _R
+    if _R is None:
+        _R = _Registry()
+    return _R
+
+
+def register_source(service: str, node: str, fn: Source) -> None:
+    """Export ``fn()``'s counters as metrics of ``service`` on ``node``."""
+    r = registry()
+    r.sources[(service, node)] = fn
+    r.refresh()
+
+
+def unregister_source(service: str, node: str) -> None:
+    r = registry()
+    r.sources.pop((service, node), None)
+    with r.lock:
+        r.snapshot.pop((service, node), None)
+
+
+def observe_request(ev: Any) -> None:
+    """Record a ``RequestFinished`` in the latency histograms."""
+    r = registry()
+    r.ttft.observe(ev.ttft_s)
+    if getattr(ev, "ttst_s", None) is not None:
+        r.ttst.observe(ev.ttst_s)
+    if getattr(ev, "tokens", 0) > 1:
+        r.tpot.observe(ev.tpot_s)
+    r.e2e.observe(ev.e2e_s)
+
+
+# --------------------------------------------------------------------------- mapping
+
+_STORAGE = {"bytes_read": "read", "bytes_written": "write"}
+_POOLS = ("pe_buffer", "de_buffer", "staging")
+_REQUEST_STATE_PREFIX = "requests_state_"
+_ENDED = {"finished": "finished", "failed": "failed", "cancelled": "cancelled"}
+
+
+class _StatsCollector:
+    """Maps snapshots onto the standard families (see the module docstring)."""
+
+    def __init__(self, r: _Registry) -> None:
+        self.r = r
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        with self.r.lock:
+            snap = dict(self.r.snapshot)
+        fams = {
+            "storage": CounterMetricFamily("dualpath_storage_bytes", "Bytes read from / written "
+                                           "to storage by the node's gateway",
+                                           labels=["node", "direction"]),
+            "link": CounterMetricFamily("dualpath_link_bytes", "Bytes charged to the node's "
+                                        "emulated links", labels=["node", "link"]),
+            "kv": CounterMetricFamily("dualpath_kv_sent_bytes", "KV bytes a node service sent "
+                                      "over the compute network", labels=["node", "service"]),
+            "rq": GaugeMetricFamily("dualpath_read_queue_tokens", "Tokens waiting to be read "
+                                    "on the node's storage link", labels=["node"]),
+            "req": GaugeMetricFamily("dualpath_requests", "Live requests by state",
+                                     labels=["state"]),
+            "ended": CounterMetricFamily("dualpath_requests_ended", "Requests that ended, by "
+                                         "outcome", labels=["outcome"]),
+            "pages": GaugeMetricFamily("dualpath_buffer_pages", "Pages of the node's page "
+                                       "pools", labels=["node", "pool", "kind"]),
+            "stat": GaugeMetricFamily("dualpath_stat", "Every other counter of a service",
+                                      labels=["service", "node", "name"]),
+        }
+        for (service, node), stats in sorted(snap.items()):
+            _map(service, node, stats, fams)
+        yield from fams.values()
+
+
+def _map(service: str, node: str, stats: dict[str, float], f: dict[str, Any]) -> None:
+    used: set[str] = set()
+    for key, direction in _STORAGE.items():
+        if service == "storage_gateway" and key in stats:
+            f["storage"].add_metric([node, direction], stats[key])
+            used.add(key)
+    if "link_bytes_charged" in stats:
+        f["link"].add_metric([node, "storage"], stats["link_bytes_charged"])
+        used.add("link_bytes_charged")
+    if "arbiter_kv_bytes" in stats:
+        f["link"].add_metric([node, "compute"], stats["arbiter_kv_bytes"])
+        used.add("arbiter_kv_bytes")
+    if "tx_bytes_sent" in stats:
+        f["kv"].add_metric([node, service], stats["tx_bytes_sent"])
+        used.add("tx_bytes_sent")
+    if "read_q_tokens" in stats:
+        f["rq"].add_metric([node], stats["read_q_tokens"])
+        used.add("read_q_tokens")
+    for pool in _POOLS:
+        total, free = stats.get(f"{pool}_pages_total"), stats.get(f"{pool}_pages_free")
+        if total is not None and free is not None:
+            f["pages"].add_metric([node, pool, "total"], total)
+            f["pages"].add_metric([node, pool, "used"], total - free)
+            used.update((f"{pool}_pages_total", f"{pool}_pages_free"))
+    if service == "scheduler":
+        for key, value in stats.items():
+            if key.startswith(_REQUEST_STATE_PREFIX):
+                f["req"].add_metric([key[len(_REQUEST_STATE_PREFIX):]], value)
+                used.add(key)
+        for key, outcome in _ENDED.items():
+            if key in stats:
+                f["ended"].add_metric([outcome], stats[key])
+                used.add(key)
+    for key, value in stats.items():
+        if key not in used:
+            f["stat"].add_metric([service, node, key], value)
+
+
+# --------------------------------------------------------------------------- endpoint
+
+class MetricsEndpoint:
+    """``/metrics`` over HTTP (prometheus-client's threaded server) + a snapshot task."""
+
+    def __init__(self, refresh_s: float = 1.0) -> None:
+        self.refresh_s = refresh_s
+        self.port: int | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        r = registry()
+        r.refresh()
+        self._server, self._thread = start_http_server(port, host, r.registry)
+        self.port = self._server.server_port
+        self._task = asyncio.get_running_loop().create_task(self._refresh_loop(),
+                                                            name="metrics-refresh")
+        return self.port
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            registry().refresh()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._server is not None:
+            server, self._server = self._server, None
+            await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
+            server.server_close()
+
+    async def __aenter__(self) -> MetricsEndpoint:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def scheduler_stats(svc: Any) -> Source:
+    """A source for a ``SchedulerService``: its counters, live requests by state, nodes."""
+    def fn() -> dict[str, float]:
+        out = {k: float(v) for k, v in svc.counters.items()}
+        states = getattr(svc, "_states", {})
+        for state, n in list(states.items()):
+            name = getattr(state, "value", str(state))
+            if name not in ("finished", "failed", "cancelled"):
+                out[f"{_REQUEST_STATE_PREFIX}{name}"] = float(n)
+        out["requests_live"] = float(svc.active_requests)
+        out["nodes"] = float(len(svc.leases))
+        return out
+    return fn
+
+
+def gateway_stats(svc: Any) -> Source:
+    """A source for a ``GatewayService`` (counters + its read queue in tokens)."""
+    def fn() -> dict[str, float]:
+        out = dict(svc.counters())
+        with contextlib.suppress(Exception):
+            out["read_q_tokens"] = float(svc.read_q)
+        return out
+    return fn

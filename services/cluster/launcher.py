@@ -1,0 +1,375 @@
+"""Local launcher: every service of a cluster as a subprocess on loopback, then stop by pid.
+
+``up``: preflight (fixed ports free, memory fits, P/D window warning), write the effective
+cluster file (mode applied, paths absolute) to ``<data_dir>/<name>/cluster.toml``, then start
+in three waves, each waited for before the next (a ready file per service, process alive):
+
+1. one storage gateway per node (they share ``storage_root``);
+2. the scheduler, its hit lookup pointed at the first gateway;
+3. per node the PE receiver / DE loader with its emulated engines, given the scheduler's and
+   its gateway's ports;
+
+and finally polls the scheduler until every node service holds a lease. The state file
+(``state.json``: pids with their kernel start times, ports, log paths) is rewritten after each
+wave, so ``down`` can stop a half-started cluster. A service that fails to start makes ``up``
+stop the others and raise :class:`LaunchError` carrying that service's log tail.
+
+``down``: SIGTERM every live pid of the state file (node services, scheduler, gateways), wait
+``stop_grace_s``, SIGKILL what is left, remove the state file. A pid whose start time differs
+from the recorded one belongs to someone else now and is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError, DualpathError
+
+from .config import (ROLE_SERVICE, Cluster, check_local_resources, check_ports_free,
+                     free_port, pd_warning)
+from .toml_write import dumps
+
+STATE_FILE = "state.json"
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
+
+
+class LaunchError(DualpathError):
+    """A service did not start; ``log_tail`` holds the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+@dataclass
+class Proc:
+    """One started service (what the state file records)."""
+
+    name: str
+    service: str
+    node: str
+    pid: int
+    start_ticks: int
+    log: str
+    ready_file: str
+    host: str = "127.0.0.1"
+    rpc_port: int | None = None
+    ucx_port: int | None = None
+    metrics_port: int | None = None
+    engines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class State:
+    cluster: str
+    config: str
+    mode: str | None
+    state_dir: str
+    storage_root: str
+    started_at: float
+    procs: list[Proc] = field(default_factory=list)
+    ready: bool = False
+
+    @property
+    def scheduler(self) -> tuple[str, int]:
+        p = self.proc("scheduler")
+        return p.host, int(p.rpc_port)
+
+    def proc(self, name: str) -> Proc:
+        for p in self.procs:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def gateways(self) -> dict[str, tuple[str, int]]:
+        return {p.node: (p.host, int(p.rpc_port)) for p in self.procs if p.service == "gateway"}
+
+    def node_services(self) -> dict[str, tuple[str, int]]:
+        return {p.node: (p.host, int(p.rpc_port)) for p in self.procs
+                if p.service in ("pe_receiver", "de_loader")}
+
+    def save(self) -> None:
+        path = Path(self.state_dir) / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, state_dir: str | Path) -> State | None:
+        path = Path(state_dir) / STATE_FILE
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise DualpathError(f"unreadable state file {path}: {e}") from e
+        d["procs"] = [Proc(**p) for p in d.get("procs", [])]
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------- process identity
+
+def proc_start_ticks(pid: int) -> int | None:
+    """The kernel start time of ``pid`` (clock ticks since boot), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def alive(p: Proc) -> bool:
+    return proc_start_ticks(p.pid) == p.start_ticks
+
+
+# --------------------------------------------------------------------------- up
+
+class Launcher:
+    """Starts and stops the services of one cluster as subprocesses."""
+
+    def __init__(self, cluster: Cluster, *, python: str | None = None,
+                 echo: Any = None) -> None:
+        self.cluster = cluster
+        self.python = python or sys.executable
+        self.echo = echo or (lambda msg: None)
+        c = cluster.spec
+        self.state_dir = c.state_dir().resolve()
+        self.log_dir = self.state_dir / "logs"
+        self._popen: dict[str, subprocess.Popen] = {}
+        self.state: State | None = None
+
+    def is_local(self) -> bool:
+        return {self.cluster.spec.node_host(n) for n in self.cluster.spec.nodes} <= LOCAL_HOSTS
+
+    def preflight(self) -> None:
+        """Everything checkable before a process starts; ConfigError names the problem."""
+        old = State.load(self.state_dir)
+        if old is not None and any(alive(p) for p in old.procs):
+            raise ConfigError(f"cluster {old.cluster!r} is already running (state file "
+                              f"{self.state_dir / STATE_FILE}); run `dualpath cluster down"
+                              f" -c ...` first")
+        hosts = {self.cluster.spec.node_host(n) for n in self.cluster.spec.nodes}
+        if not hosts <= LOCAL_HOSTS:
+            raise ConfigError(f"{self.cluster.source}: `cluster up` starts every service on "
+                              f"this machine, but nodes name hosts {sorted(hosts - LOCAL_HOSTS)}"
+                              " — run `dualpath serve` on each node instead (docs/deploy.md)")
+        check_ports_free(self.cluster)
+        check_local_resources(self.cluster)
+        warning = pd_warning(self.cluster)
+        if warning:
+            self.echo(f"warning: {warning}")
+
+    def up(self) -> State:
+        self.preflight()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        c = self.cluster.spec
+        cfg_path = self._write_effective()
+        self.state = State(c.name, str(cfg_path), self.cluster.mode, str(self.state_dir),
+                           str(c.storage_dir().resolve()), time.time())
+        try:
+            self._wave([self._argv("gateway", n.id) for n in c.nodes])
+            first = self.state.proc(f"gateway:{c.nodes[0].id}")
+            self._wave([self._argv("scheduler", None,
+                                   ["--lookup-gateway", f"{first.host}:{first.rpc_port}"])])
+            sched = self.state.proc("scheduler")
+            self._wave([self._argv(ROLE_SERVICE[n.role], n.id,
+                                   ["--scheduler", f"{sched.host}:{sched.rpc_port}",
+                                    "--gateway-port",
+                                    str(self.state.proc(f"gateway:{n.id}").rpc_port)])
+                        for n in c.nodes])
+            self._wait_registered()
+        except BaseException:
+            self.down()
+            raise
+        self.state.ready = True
+        self.state.save()
+        return self.state
+
+    def _write_effective(self) -> Path:
+        """The cluster file every child reads: mode applied, relative paths made absolute."""
+        c = self.cluster.spec
+        data = json.loads(json.dumps(self.cluster.data))      # deep copy of plain data
+        sect = data.setdefault("cluster", {})
+        sect["data_dir"] = str(Path(c.data_dir).resolve())
+        sect["storage_root"] = str(c.storage_dir().resolve())
+        if "name" not in sect:
+            sect["name"] = c.name
+        c.storage_dir().resolve().mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / "cluster.toml"
+        path.write_text(f"# effective config of cluster {c.name!r} (mode: "
+                        f"{self.cluster.mode or 'as configured'}), from {self.cluster.source}\n"
+                        + dumps(data))
+        return path
+
+    def _argv(self, service: str, node: str | None, extra: list[str] | None = None
+              ) -> tuple[str, str, list[str]]:
+        c = self.cluster.spec
+        name = service if node is None else f"{service}:{node}"
+        argv = [self.python, "-m", "services.cluster.serve", service, "-c", self.state.config]
+        if node is not None:
+            argv += ["--node", node]
+        if c.metrics and _metrics_port(self.cluster, service, node) is None:
+            argv += ["--metrics-port", str(free_port(c.host))]
+        return name, service, argv + (extra or [])
+
+    def _wave(self, items: list[tuple[str, str, list[str]]]) -> None:
+        started = [self._spawn(name, service, argv) for name, service, argv in items]
+        self.state.save()
+        deadline = time.monotonic() + self.cluster.spec.start_timeout_s
+        pending = list(started)
+        while pending:
+            for p in list(pending):
+                if self._ready(p):
+                    pending.remove(p)
+                    self.echo(f"  {p.name:<22} pid {p.pid:<7} rpc {p.host}:{p.rpc_port}"
+                              + (f"  metrics :{p.metrics_port}" if p.metrics_port else ""))
+            if pending and time.monotonic() > deadline:
+                p = pending[0]
+                raise LaunchError(f"{p.name} did not become ready within "
+                                  f"{self.cluster.spec.start_timeout_s:.0f} s (log: {p.log})",
+                                  tail(p.log))
+            if pending:
+                time.sleep(0.05)
+        self.state.save()
+
+    def _spawn(self, name: str, service: str, argv: list[str]) -> Proc:
+        safe = name.replace(":", "-")
+        log = self.log_dir / f"{safe}.log"
+        ready = self.state_dir / f"{safe}.ready"
+        ready.unlink(missing_ok=True)
+        argv = argv + ["--ready-file", str(ready)]
+        with open(log, "ab") as out:
+            out.write(f"\n==== {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True, cwd=os.getcwd())
+        self._popen[name] = proc
+        ticks = proc_start_ticks(proc.pid) or 0
+        node = name.split(":", 1)[1] if ":" in name else "scheduler"
+        p = Proc(name, service, node, proc.pid, ticks, str(log), str(ready))
+        self.state.procs.append(p)
+        return p
+
+    def _ready(self, p: Proc) -> bool:
+        popen = self._popen.get(p.name)
+        if popen is not None and popen.poll() is not None:
+            raise LaunchError(f"{p.name} exited with status {popen.returncode} while starting "
+                              f"(log: {p.log})", tail(p.log))
+        try:
+            info = json.loads(Path(p.ready_file).read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        p.host = info.get("host") or p.host
+        p.rpc_port, p.ucx_port = info.get("rpc_port"), info.get("ucx_port")
+        p.metrics_port, p.engines = info.get("metrics_port"), info.get("engines") or []
+        return True
+
+    def _wait_registered(self) -> None:
+        """Poll the scheduler until every PE receiver / DE loader holds a lease."""
+        from services.scheduler.client import SyncSchedulerClient
+        want = {p.node for p in self.state.procs if p.service in ("pe_receiver", "de_loader")}
+        host, port = self.state.scheduler
+        deadline = time.monotonic() + self.cluster.spec.start_timeout_s
+        with SyncSchedulerClient(host, port, rpc=self.cluster.cfg.rpc,
+                                 client_id="launcher") as client:
+            while True:
+                status = client.cluster_status(timeout=5.0)
+                have = {n.node_id for n in status.nodes if n.engines}
+                if want <= have:
+                    return
+                for p in self.state.procs:
+                    self._ready(p)               # a node that died while registering
+                if time.monotonic() > deadline:
+                    missing = sorted(want - have)
+                    p = self.state.proc(next(x.name for x in self.state.procs
+                                             if x.node == missing[0] and x.service != "gateway"))
+                    raise LaunchError(f"node services {missing} did not register with the "
+                                      f"scheduler within {self.cluster.spec.start_timeout_s:.0f}"
+                                      f" s (log: {p.log})", tail(p.log))
+                time.sleep(0.05)
+
+    def down(self) -> list[str]:
+        state = self.state or State.load(self.state_dir)
+        if state is None:
+            return []
+        stopped = stop_procs(state.procs, self.cluster.spec.stop_grace_s)
+        for p in self._popen.values():
+            if p.poll() is None:      # pragma: no cover - stop_procs killed it already
+                p.kill()
+            p.wait()
+        (Path(state.state_dir) / STATE_FILE).unlink(missing_ok=True)
+        for p in state.procs:
+            Path(p.ready_file).unlink(missing_ok=True)
+        self.state = None
+        return stopped
+
+
+def _metrics_port(cluster: Cluster, service: str, node: str | None) -> int | None:
+    c = cluster.spec
+    if service == "scheduler":
+        return c.scheduler_metrics_port
+    n = c.node(node)
+    return n.gateway_metrics_port if service == "gateway" else n.metrics_port
+
+
+_STOP_ORDER = {"pe_receiver": 0, "de_loader": 0, "scheduler": 1, "gateway": 2}
+
+
+def stop_procs(procs: list[Proc], grace_s: float) -> list[str]:
+    """SIGTERM in order (node services, scheduler, gateways), SIGKILL after ``grace_s``."""
+    live = [p for p in sorted(procs, key=lambda p: _STOP_ORDER.get(p.service, 3)) if alive(p)]
+    for p in live:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in live:
+        if alive(p):
+            _signal(p, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while any(alive(p) for p in live) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [p.name for p in live]
+
+
+def _signal(p: Proc, sig: signal.Signals) -> None:
+    try:
+        os.kill(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: str | Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a service log's latest run (after its ``====`` header)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    run = text.rsplit("\n==== ", 1)[-1]
+    return "\n".join(run.splitlines()[-lines:])
+
+
+def load_state_or_none(cluster: Cluster) -> State | None:
+    return State.load(cluster.spec.state_dir().resolve())
+
+
+def endpoints_table(state: State) -> str:
+    rows = [f"cluster {state.cluster} (mode {state.mode or 'as configured'}); "
+            f"state {Path(state.state_dir) / STATE_FILE}; storage {state.storage_root}"]
+    for p in state.procs:
+        extra = f" metrics http://{p.host}:{p.metrics_port}/metrics" if p.metrics_port else ""
+        rows.append(f"  {p.name:<22} pid {p.pid:<7} {p.host}:{p.rpc_port}{extra}")
+    host, port = state.scheduler
+    rows.append(f"frontend RPC: {host}:{port}  (services.scheduler.client.SchedulerClient)")
+    return "\n".join(rows)

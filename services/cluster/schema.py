@@ -1,0 +1,145 @@
+"""The ``[cluster]`` section: nodes, roles, emulated links, where state and storage live.
+
+Imports only ``common.config.Section`` (like every section module), so the shared config root
+may import it while it is itself being imported. Loading, validation across sections and
+rendering per service: :mod:`services.cluster.config`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from common.config import Section
+from common.errors import ConfigError
+
+Role = Literal["prefill", "decode"]
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class NodeSpec(Section):
+    """One node: a storage gateway plus a PE receiver (prefill) or DE loader (decode)."""
+
+    id: str
+    role: Role
+    engines: int | None = None                      # None: cluster.engines_per_node
+    host: str | None = None                         # None: cluster.host
+    storage_link_bytes_per_s: float | None = None   # None: cluster default
+    compute_link_bytes_per_s: float | None = None
+    gateway_port: int = 0                           # 0: any free port (local launcher)
+    rpc_port: int = 0                               # the PE receiver's / DE loader's port
+    metrics_port: int | None = None                 # node service's Prometheus endpoint
+    gateway_metrics_port: int | None = None
+
+
+class ClusterSection(Section):
+    """``[cluster]``: shape, emulated hardware, where state and storage live."""
+
+    name: str = "local-1p2d"
+    host: str = "127.0.0.1"                  # bind + advertised address of every service
+    data_dir: str = "data/cluster"           # <data_dir>/<name>/: state file, logs
+    storage_root: str = ""                   # "": data/storage/<name> (shared by all gateways)
+    engines_per_node: int = 2
+    time_scale: float = 1.0                  # engine emulators: × every cost-model second
+    slo_scale: float | None = None           # SLO thresholds × this (None: time_scale)
+    storage_link_bytes_per_s: float = 0.0    # emulated SNIC per node; 0 = unlimited
+    compute_link_bytes_per_s: float = 0.0    # emulated CNIC egress per node; 0 = unlimited
+    scheduler_host: str | None = None        # None: host
+    scheduler_port: int = 0
+    scheduler_metrics_port: int | None = None
+    metrics: bool = False                    # Prometheus endpoint per service (free ports)
+    start_timeout_s: float = 60.0
+    stop_grace_s: float = 5.0
+    sim_config: str | None = None            # simulator config mirroring this cluster
+    nodes: list[NodeSpec] = msgspec.field(default_factory=lambda: [
+        NodeSpec(id="p0", role="prefill"), NodeSpec(id="d0", role="decode"),
+        NodeSpec(id="d1", role="decode")])
+
+    def __post_init__(self) -> None:
+        for name in ("time_scale", "start_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"cluster.{name} must be positive, got {getattr(self, name)}")
+        for name in ("storage_link_bytes_per_s", "compute_link_bytes_per_s", "stop_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cluster.{name} must be >= 0, got {getattr(self, name)}")
+        if self.slo_scale is not None and not self.slo_scale > 0:
+            raise ValueError(f"cluster.slo_scale must be positive, got {self.slo_scale}")
+        if not _ID_RE.fullmatch(self.name):
+            raise ValueError(f"cluster.name {self.name!r} must be 1-64 characters of "
+                             "letters, digits, '_', '.', '-'")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        seen: set[str] = set()
+        for i, n in enumerate(self.nodes):
+            where = f"cluster.nodes[{i}]"
+            if not _ID_RE.fullmatch(n.id):
+                raise ValueError(f"{where}.id {n.id!r} must be 1-64 characters of letters, "
+                                 "digits, '_', '.', '-'")
+            if n.id in seen or n.id == "scheduler":
+                raise ValueError(f"{where}.id {n.id!r} is used twice (or reserved)")
+            seen.add(n.id)
+            if n.engines is not None and n.engines < 1:
+                raise ValueError(f"{where}.engines must be >= 1, got {n.engines}")
+            for f in ("storage_link_bytes_per_s", "compute_link_bytes_per_s"):
+                v = getattr(n, f)
+                if v is not None and v < 0:
+                    raise ValueError(f"{where}.{f} must be >= 0, got {v}")
+            for f in ("gateway_port", "rpc_port", "metrics_port", "gateway_metrics_port"):
+                v = getattr(n, f)
+                if v is not None and not 0 <= v < 65536:
+                    raise ValueError(f"{where}.{f} must be in [0, 65535], got {v}")
+        roles = [n.role for n in self.nodes]
+        if "prefill" not in roles or "decode" not in roles:
+            raise ValueError(f"cluster.nodes needs at least one prefill and one decode node "
+                             f"(got {roles.count('prefill')}P{roles.count('decode')}D): "
+                             "the data path moves KV from a PE to a DE")
+        if self.engines_per_node < 1:
+            raise ValueError(f"cluster.engines_per_node must be >= 1, got {self.engines_per_node}")
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def prefill(self) -> list[NodeSpec]:
+        return [n for n in self.nodes if n.role == "prefill"]
+
+    @property
+    def decode(self) -> list[NodeSpec]:
+        return [n for n in self.nodes if n.role == "decode"]
+
+    def node(self, node_id: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise ConfigError(f"no node {node_id!r} in cluster {self.name!r}; nodes: "
+                          f"{', '.join(n.id for n in self.nodes)}")
+
+    def engines(self, n: NodeSpec) -> int:
+        return n.engines if n.engines is not None else self.engines_per_node
+
+    def node_host(self, n: NodeSpec) -> str:
+        return n.host or self.host
+
+    def storage_link(self, n: NodeSpec) -> float:
+        return self.storage_link_bytes_per_s if n.storage_link_bytes_per_s is None \
+            else n.storage_link_bytes_per_s
+
+    def compute_link(self, n: NodeSpec) -> float:
+        return self.compute_link_bytes_per_s if n.compute_link_bytes_per_s is None \
+            else n.compute_link_bytes_per_s
+
+    @property
+    def slo(self) -> float:
+        return self.slo_scale if self.slo_scale is not None else self.time_scale
+
+    @property
+    def shape(self) -> str:
+        return f"{len(self.prefill)}P{len(self.decode)}D"
+
+    def state_dir(self) -> Path:
+        return Path(self.data_dir) / self.name
+
+    def storage_dir(self) -> Path:
+        return Path(self.storage_root) if self.storage_root else Path("data/storage") / self.name

@@ -1,0 +1,340 @@
+"""Emulated prefill and decode engines: real KV bytes through the engine API, cost-model time.
+
+* :class:`PrefillEngineSim` — FIFO forward batches under the compute quota
+  (``services.scheduler.batching.PrefillBatcher``); per layer it awaits the hit KV (layer-wise
+  mode: layer ``l+1`` loads while ``l`` computes; whole mode: every layer first), checks it
+  against the stored pattern, spends ``prefill_s / L`` of the cost model (× ``time_scale``),
+  writes the new tokens' KV (``kv_pattern``) and puts the layer.
+* :class:`DecodeEngineSim` — checks the full prompt KV, copies it ("H2D"), then decodes all
+  its requests together, one step per ``decode_step_s``; token ids are deterministic
+  (``kv_pattern.token_id``); every block of prompt tail + generated tokens that has KV goes
+  back through ``new_block``/``put_block``.
+* :class:`EngineHost` — runs one emulated engine per port of a PE receiver or DE loader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from common.errors import ChecksumMismatch, DualpathError, InvalidArgument
+from common.kv import KVSpec
+from services.engine_api.decode import DecodePort, DecodeRequest
+from services.engine_api.prefill import PrefillHandle, PrefillPort
+from services.scheduler.batching import PrefillBatcher
+from services.scheduler.cost_model import ModelCost, cost_model
+
+from .config import EngineSimConfig
+from .kv_pattern import check_tokens, fill_tokens, layer_pattern, token_id
+
+log = structlog.get_logger(__name__)
+_KEEP = 4096
+
+
+def _cost(spec: KVSpec, cfg: EngineSimConfig) -> ModelCost:
+    return cost_model(cfg.model or spec.name)
+
+
+@dataclass
+class PrefillTiming:
+    """Where one request's prefill time went (the overlap benchmark reads these)."""
+
+    request_id: str
+    hit_tokens: int
+    new_tokens: int
+    start: float = 0.0
+    end: float = 0.0
+    wait_s: float = 0.0          # waiting for hit KV (load not hidden behind compute)
+    compute_s: float = 0.0
+
+
+class PrefillEngineSim:
+    """One emulated prefill engine on a :class:`PrefillPort`."""
+
+    def __init__(self, port: PrefillPort, spec: KVSpec, cfg: EngineSimConfig,
+                 cost: ModelCost | None = None) -> None:
+        self.port, self.spec, self.cfg = port, spec, cfg
+        self.cost = cost or _cost(spec, cfg)
+        self.batcher = PrefillBatcher(self.cost.attention_s, cfg.quota_s, cfg.max_batch_tokens)
+        self.handles: dict[str, PrefillHandle] = {}
+        self.timings: collections.deque[PrefillTiming] = collections.deque(maxlen=_KEEP)
+        self._timing: dict[str, PrefillTiming] = {}
+        self._verified: set[str] = set()
+        self._finishing: set[asyncio.Task] = set()
+        self.counters = collections.Counter()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._admit(await self.port.next_request())
+                while self.batcher.pending_tokens or len(self.batcher):
+                    while (h := self.port.try_next()) is not None:
+                        self._admit(h)
+                    batch = self.batcher.next_batch()
+                    if batch is None:
+                        break
+                    await self._forward(batch)
+        finally:
+            for h in list(self.handles.values()):
+                await h.fail(None)
+            for t in list(self._finishing):
+                t.cancel()
+
+    def _admit(self, h: PrefillHandle) -> None:
+        self.handles[h.request_id] = h
+        self._timing[h.request_id] = PrefillTiming(h.request_id, h.hit_tokens, h.new_tokens,
+                                                   time.monotonic())
+        self.batcher.add(h.request_id, h.hit_tokens, h.new_tokens)
+
+    async def _forward(self, batch) -> None:
+        items = [(self.handles[it.request_id], it) for it in batch.items
+                 if it.request_id in self.handles]
+        scale = self.cfg.time_scale / self.spec.num_layers
+        per_layer = sum(self.cost.prefill_s(it.cached, it.new) for _, it in items) * scale
+        if self.cfg.mode == "whole":
+            for layer in range(self.spec.num_layers):
+                items = [x for x in items if await self._load(x[0], layer)]
+        for layer in range(self.spec.num_layers):
+            if self.cfg.mode == "layerwise":
+                items = [x for x in items if await self._load(x[0], layer)]
+            t0 = time.monotonic()
+            if per_layer > 0:
+                await asyncio.sleep(per_layer)
+            for h, _ in items:
+                self._timing[h.request_id].compute_s += time.monotonic() - t0
+            items = [x for x in items if not x[1].last or await self._produce(x[0], layer)]
+        for h, it in items:
+            if it.last:
+                self._done(h)
+
+    async def _load(self, h: PrefillHandle, layer: int) -> bool:
+        """Await layer ``layer``'s hit KV (and check it once); False: the request is gone."""
+        t0 = time.monotonic()
+        try:
+            hit_kv = await h.layer(layer)
+            self._timing[h.request_id].wait_s += time.monotonic() - t0
+            key = (h.request_id, layer)
+            if self.cfg.verify and h.hit_tokens and key not in self._verified:
+                self._verify(h, hit_kv, layer)
+                self._verified.add(key)
+            return True
+        except DualpathError as e:
+            await self._drop(h, e)
+            return False
+
+    def _verify(self, h: PrefillHandle, hit_kv: np.ndarray, layer: int) -> None:
+        info = h.info
+        bad = check_tokens(hit_kv, self.spec, info.block_keys, info.tail_key, layer, 0,
+                           h.hit_tokens)
+        if bad is not None:
+            self.counters["hit_mismatches"] += 1
+            raise ChecksumMismatch(f"prefill engine {self.port.engine_id}: hit KV of "
+                                   f"{h.request_id} layer {layer} differs from storage at "
+                                   f"token {bad}")
+        self.counters["verified_layers"] += 1
+        self.counters["verified_bytes"] += hit_kv.nbytes
+
+    async def _produce(self, h: PrefillHandle, layer: int) -> bool:
+        info = h.info
+        try:
+            fill_tokens(h.output(layer), self.spec, info.block_keys, info.tail_key, layer,
+                        h.hit_tokens, info.prompt_tokens)
+            await h.put_layer(layer)
+            return True
+        except DualpathError as e:
+            await self._drop(h, e)
+            return False
+
+    def _done(self, h: PrefillHandle) -> None:
+        rid = h.request_id
+        self.handles.pop(rid, None)
+        timing = self._timing.pop(rid)
+        timing.end = time.monotonic()
+        self.timings.append(timing)
+        for layer in range(self.spec.num_layers):
+            self._verified.discard((rid, layer))
+        first = token_id(h.info.session_id, h.info.prompt_tokens, self.cfg.vocab)
+        task = asyncio.get_running_loop().create_task(self._finish(h, first))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, h: PrefillHandle, first: int) -> None:
+        try:
+            await h.finish(first)
+            self.counters["prefilled"] += 1
+        except DualpathError as e:
+            self.counters["finish_failed"] += 1
+            log.info("prefill_finish_failed", request_id=h.request_id, error=repr(e))
+
+    async def _drop(self, h: PrefillHandle, e: DualpathError) -> None:
+        rid = h.request_id
+        self.counters["dropped"] += 1
+        self.handles.pop(rid, None)
+        self._timing.pop(rid, None)
+        self.batcher.cancel(rid)
+        for layer in range(self.spec.num_layers):
+            self._verified.discard((rid, layer))
+        await h.fail(e)
+
+
+@dataclass
+class _Seq:
+    req: DecodeRequest
+    out: list[int]
+    hbm: list[np.ndarray] = field(default_factory=list)
+    blocks_done: int = 0
+
+    @property
+    def info(self):
+        return self.req.info
+
+
+class DecodeEngineSim:
+    """One emulated decode engine on a :class:`DecodePort`."""
+
+    def __init__(self, port: DecodePort, spec: KVSpec, cfg: EngineSimConfig,
+                 cost: ModelCost | None = None) -> None:
+        self.port, self.spec, self.cfg = port, spec, cfg
+        self.cost = cost or _cost(spec, cfg)
+        self.active: dict[str, _Seq] = {}
+        self.counters = collections.Counter()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                if not self.active:
+                    await self._admit(await self.port.next_ready())
+                while len(self.active) < self.cfg.decode_max_batch and \
+                        (req := self.port.try_next()) is not None:
+                    await self._admit(req)
+                if self.active:
+                    await self._step()
+        finally:
+            for s in list(self.active.values()):
+                await self.port.fail(s.req, None)
+
+    async def _admit(self, req: DecodeRequest) -> None:
+        info = req.info
+        try:
+            if self.cfg.verify:
+                self._verify(req)
+            hbm = [req.layer(layer).copy() for layer in range(self.spec.num_layers)] \
+                if self.cfg.hbm_copy else []
+            await self.port.took_kv(req)
+        except DualpathError as e:
+            await self.port.fail(req, e)
+            self.counters["dropped"] += 1
+            return
+        first = req.first_token_id if req.first_token_id is not None else \
+            token_id(info.session_id, info.prompt_tokens, self.cfg.vocab)
+        seq = _Seq(req, [first], hbm)
+        self.active[req.request_id] = seq
+        if info.gen_tokens == 1:
+            await self._end(seq)
+
+    def _verify(self, req: DecodeRequest) -> None:
+        info = req.info
+        for layer in range(self.spec.num_layers):
+            bad = check_tokens(req.layer(layer), self.spec, info.block_keys, info.tail_key,
+                               layer, 0, info.prompt_tokens)
+            if bad is not None:
+                self.counters["prompt_mismatches"] += 1
+                raise ChecksumMismatch(f"decode engine {self.port.engine_id}: prompt KV of "
+                                       f"{req.request_id} layer {layer} is wrong at token {bad} "
+                                       f"(hit {req.hit_tokens})")
+        self.counters["verified_requests"] += 1
+
+    async def _step(self) -> None:
+        seqs = list(self.active.values())
+        ctx = sum(s.info.prompt_tokens + len(s.out) for s in seqs)
+        delay = self.cost.decode_step_s(len(seqs), ctx) * self.cfg.time_scale
+        if delay > 0:
+            await asyncio.sleep(delay)
+        else:
+            await asyncio.sleep(0)
+        for s in seqs:
+            if s.req.request_id not in self.active:
+                continue
+            info = s.info
+            s.out.append(token_id(info.session_id, info.prompt_tokens + len(s.out), self.cfg.vocab))
+            try:
+                if len(s.out) == 2:
+                    await self.port.second_token(s.req)
+                await self._blocks(s)
+                if len(s.out) >= info.gen_tokens:
+                    await self._end(s)
+            except DualpathError as e:
+                self.active.pop(s.req.request_id, None)
+                self.counters["dropped"] += 1
+                await self.port.fail(s.req, e)
+
+    async def _blocks(self, s: _Seq) -> None:
+        """Persist each block of prompt tail + generated tokens whose KV now exists."""
+        info, bt = s.info, self.spec.block_tokens
+        if info.tail_tokens and info.tail_token_ids is None:
+            return                           # the tail's ids are unknown: cannot key blocks
+        known = list(info.tail_token_ids or ()) + s.out[:-1]   # the last token has no KV yet
+        while len(known) >= (s.blocks_done + 1) * bt:
+            ids = known[s.blocks_done * bt:(s.blocks_done + 1) * bt]
+            blk = await self.port.new_block(s.req, ids)
+            for layer in range(self.spec.num_layers):
+                layer_pattern(blk.key, layer, self.spec.layer_block_bytes, blk.view[layer])
+            await self.port.put_block(s.req, blk)
+            s.blocks_done += 1
+            self.counters["blocks_generated"] += 1
+
+    async def _end(self, s: _Seq) -> None:
+        self.active.pop(s.req.request_id, None)
+        await self.port.finish(s.req, s.out)
+        self.counters["finished"] += 1
+
+
+class EngineHost:
+    """Runs one emulated engine per port of a node service (``service.ports``)."""
+
+    def __init__(self, service: Any, cfg: EngineSimConfig, spec: KVSpec | None = None) -> None:
+        self.service, self.cfg = service, cfg
+        self.spec = spec or service.spec
+        self.engines: list[Any] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        for port in self.service.ports.values():
+            if isinstance(port, PrefillPort):
+                eng: Any = PrefillEngineSim(port, self.spec, self.cfg)
+            elif isinstance(port, DecodePort):
+                eng = DecodeEngineSim(port, self.spec, self.cfg)
+            else:
+                raise InvalidArgument(f"unknown port type {type(port).__name__}")
+            self.engines.append(eng)
+            self._tasks.append(asyncio.get_running_loop().create_task(
+                eng.run(), name=f"engine-{port.engine_id}"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+        for t in self._tasks:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("engine_failed", task=t.get_name(), exc_info=t.exception())
+        self._tasks.clear()
+
+    def counters(self) -> dict[str, float]:
+        total: collections.Counter = collections.Counter()
+        for e in self.engines:
+            total.update(e.counters)
+        return {k: float(v) for k, v in total.items()}
+
+    async def __aenter__(self) -> EngineHost:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

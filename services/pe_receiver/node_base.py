@@ -1,0 +1,287 @@
+"""What a PE receiver and a DE loader share: the node's buffer, transport, arbiter, gateway
+clients, its registration with the scheduler (group leader of its engines) and progress reports.
+
+A node service runs with a scheduler (``scheduler_port`` set: register, heartbeat, pull work
+with ``FetchWork``, report stages) or standalone (work is handed in by ``submit_plan`` /
+``bind``; reports are kept in ``self.reports``) — the second is what tests and benchmarks of
+the data path alone use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+import structlog
+
+from common.auth import load_secret
+from common.buffers import PagePool
+from common.config import DualpathConfig
+from common.errors import DualpathError, InvalidArgument
+from common.kv import KVSpec, spec_from_config
+from common.protocol import (EngineInfo, EngineLoad, Endpoint, FetchWorkReply, GetStats,
+                             GetStatsReply, Ping, Pong, ReportProgress, Revocation)
+from common.rpc import CallContext, RpcServer
+from common.service import Service
+from common.transport import PageTransport
+from services.arbiter import EgressArbiter
+from services.engine_api.kv_region import RegionPool
+from services.scheduler.node_client import NodeSession
+from storage_gateway.client import GatewayClient
+
+from .config import NodeServiceConfig
+
+log = structlog.get_logger(__name__)
+
+_REPORT_KEEP = 10_000
+
+
+class NodeBase(Service):
+    """Base of the PE receiver and the DE loader (see the module docstring)."""
+
+    name = "node"
+    role = ""
+    request_union: Any = None
+
+    def __init__(self, cfg: DualpathConfig, node_id: str, settings: NodeServiceConfig, *,
+                 spec: KVSpec | None = None, engines: int | None = None,
+                 pool_name: str = "buffer") -> None:
+        super().__init__(node_id, drain_timeout_s=1.0)
+        self.cfg, self.settings = cfg, settings
+        self.spec = spec or spec_from_config(cfg.kv)
+        n = settings.engines if engines is None else engines
+        if n <= 0:
+            raise InvalidArgument(f"a node needs at least one engine, got {n}")
+        self.engine_ids = [f"{node_id}.e{i}" for i in range(n)]
+        self.pool = PagePool(settings.page_bytes, settings.num_pages, settings.device, pool_name)
+        self.regions = RegionPool(self.pool)
+        self.arbiter = EgressArbiter(cfg.arbiter)
+        self.transport: PageTransport | None = None
+        self.rpc: RpcServer | None = None
+        self.session: NodeSession | None = None
+        self.read_q: int | None = None
+        self.reports: collections.deque[ReportProgress] = collections.deque(maxlen=_REPORT_KEEP)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._gateways: dict[tuple[str, int], GatewayClient] = {}
+        self._closing = False
+        self.extra_stats = None           # () -> dict: e.g. the attached engines' counters
+
+    # ------------------------------------------------------------------ lifecycle
+    async def on_start(self) -> None:
+        s = self.settings
+        self.transport = PageTransport(self.cfg.transport, self.node_id)
+        await self.transport.start()
+        self.rpc = RpcServer(self.cfg.rpc, service=self.name, node_id=self.node_id,
+                             handlers=self.handlers(), request_type=self.request_union,
+                             kv_fingerprint=self.spec.fingerprint(),
+                             auth_secret=load_secret(self.cfg.rpc))
+        await self.rpc.start(s.host, s.rpc_port)
+        if s.scheduler_port:
+            infos = [EngineInfo(e, self.role, self.engine_hbm()) for e in self.engine_ids]
+            self.session = NodeSession(
+                self.cfg.rpc, s.scheduler_host, s.scheduler_port, node_id=self.node_id,
+                service=self.name, role=self.role, control=(s.host, self.rpc.port),
+                ucx=self.transport.address, engines=infos,
+                kv_fingerprint=self.spec.fingerprint(), auth_secret=load_secret(self.cfg.rpc),
+                on_lease_lost=self._on_lease_lost)
+            await self.session.start()
+        self.log.info("node_service_listening", rpc_port=self.rpc.port,
+                      ucx_port=self.transport.address[1], engines=len(self.engine_ids),
+                      buffer_bytes=self.pool.arena.nbytes, kv=self.spec.describe(),
+                      scheduler=bool(self.session))
+
+    def loops(self):
+        out = []
+        if self.session is not None:
+            out.append(self._fetch_loop)
+        if self.settings.gateway_port:
+            out.append(self._read_q_loop)
+        return out
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self.status.value == "running":
+            await self.drop_all("service stopping")
+        await super().stop()
+
+    async def on_stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        if self.rpc is not None:
+            await self.rpc.stop(grace_s=0.5)
+        for client in self._gateways.values():
+            await client.close()
+        if self.transport is not None:
+            await self.transport.stop()
+
+    @property
+    def rpc_port(self) -> int:
+        return self.rpc.port
+
+    @property
+    def ucx_address(self) -> tuple[str, int]:
+        return self.transport.address
+
+    # ------------------------------------------------------------------ to override
+    def handlers(self) -> dict[type, Any]:
+        return {Ping: self._ping, GetStats: self._stats}
+
+    def engine_hbm(self) -> int:
+        return 0
+
+    def engine_loads(self) -> list[EngineLoad]:
+        return []
+
+    async def apply(self, reply: FetchWorkReply) -> None:
+        """Work pulled from the scheduler (revocations were applied already)."""
+
+    def revoke(self, r: Revocation) -> None:
+        """Drop one attempt (scheduler revocation)."""
+
+    async def drop_all(self, reason: str) -> None:
+        """Drop every attempt (lease lost, stopping)."""
+
+    def node_counters(self) -> dict[str, float]:
+        return {}
+
+    # ------------------------------------------------------------------ scheduler
+    async def _fetch_loop(self) -> None:
+        s = self.session
+        while True:
+            try:
+                reply = await s.fetch(self.engine_loads(), self.read_q)
+            except asyncio.CancelledError:
+                raise
+            except DualpathError as e:
+                log.warning("fetch_failed", node=self.node_id, error=repr(e))
+                await asyncio.sleep(max(s.fetch_interval_s, 0.1))
+                continue
+            for r in reply.revoked:
+                self.revoke(r)
+            await self.apply(reply)
+            if not reply.more:
+                await asyncio.sleep(s.fetch_interval_s)
+
+    async def _on_lease_lost(self) -> None:
+        await self.drop_all("scheduler lease lost (the scheduler re-planned our work)")
+
+    async def report(self, request_id: str, attempt: int, stage: str, **kw: Any) -> bool:
+        """Report a stage; False when the scheduler says the attempt is no longer current."""
+        self.counters[f"reported_{stage}"] += 1
+        if self.session is None:
+            self.reports.append(ReportProgress(request_id, attempt, stage, node_id=self.node_id,
+                                               **kw))
+            return True
+        try:
+            reply = await self.session.report(request_id, attempt, stage, **kw)
+        except DualpathError as e:
+            log.warning("report_failed", request_id=request_id, attempt=attempt, stage=stage,
+                        error=repr(e))
+            return True        # unknown: carry on; leases and revocations settle it
+        return reply.current
+
+    async def _read_q_loop(self) -> None:
+        """Follow this node's gateway read queue (sent with each FetchWork)."""
+        client = self.gateway(None)
+        interval = self.settings.telemetry_interval_s
+        while True:
+            try:
+                async for t in client.watch_telemetry(interval):
+                    self.read_q = t.read_q_tokens
+            except asyncio.CancelledError:
+                raise
+            except DualpathError as e:
+                log.debug("gateway_telemetry_lost", error=repr(e))
+            self.read_q = None
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ gateways
+    def gateway(self, endpoint: Endpoint | None) -> GatewayClient | None:
+        """A client of ``endpoint``'s gateway (None: this node's configured one, if any)."""
+        s = self.settings
+        if endpoint is not None:
+            addr, ucx = (endpoint.control_host, endpoint.control_port), \
+                (endpoint.ucx_host, endpoint.ucx_port)
+        elif s.gateway_port:
+            addr, ucx = (s.gateway_host, s.gateway_port), None
+        else:
+            return None
+        client = self._gateways.get(addr)
+        if client is None:
+            client = GatewayClient.connect(self.cfg.rpc, addr[0], addr[1], self.transport,
+                                           self.pool.arena, self.spec, node_id=self.node_id,
+                                           role=self.name, auth_secret=load_secret(self.cfg.rpc))
+            if ucx is not None:
+                client._gateway_ucx = ucx
+            self._gateways[addr] = client
+        return client
+
+    # ------------------------------------------------------------------ admin
+    async def _ping(self, msg: Ping, ctx: CallContext) -> Pong:
+        return Pong(msg.payload)
+
+    async def _stats(self, msg: GetStats, ctx: CallContext) -> GetStatsReply:
+        return GetStatsReply(self.name, self.node_id, self.stats())
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.pool.counters().items()}
+        out.update({f"transport_{k}": v for k, v in self.transport.stats().items()})
+        out.update(self.arbiter.stats())
+        out.update({k: float(v) for k, v in self.counters.items()})
+        out.update(self.node_counters())
+        if self.extra_stats is not None:
+            out.update({f"engine_{k}": float(v) for k, v in self.extra_stats().items()})
+        out.update(rpc_port=float(self.rpc.port), ucx_port=float(self.transport.address[1]),
+                   regions_live=float(self.regions.live))
+        return out
+
+
+async def cancel_and_wait(tasks) -> None:
+    """Cancel ``tasks`` (not the caller's own) and wait until every one has ended."""
+    me = asyncio.current_task()
+    tasks = [t for t in tasks if t is not me]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()       # retrieved: the owner reported what mattered
+
+
+class OrderedReports:
+    """Progress reports of one attempt, sent in order by one background task.
+
+    ``on_stale(stage)`` runs when the scheduler answers that the attempt is no longer
+    current. ``flush()`` waits (bounded) until everything queued was sent, then stops.
+    """
+
+    def __init__(self, svc: NodeBase, request_id: str, attempt: int, on_stale) -> None:
+        self._svc, self._rid, self._attempt, self._on_stale = svc, request_id, attempt, on_stale
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    def send(self, stage: str, **kw: Any) -> None:
+        self._queue.put_nowait((stage, kw))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            stage, kw = await self._queue.get()
+            try:
+                if not await self._svc.report(self._rid, self._attempt, stage, **kw) \
+                        and stage not in ("failed", "finished"):
+                    self._on_stale(stage)
+            finally:
+                self._queue.task_done()
+
+    async def flush(self, timeout_s: float) -> None:
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout_s)
+        except TimeoutError:
+            log.warning("reports_not_delivered", request_id=self._rid, attempt=self._attempt)
+        await cancel_and_wait([self._task])

@@ -1,0 +1,140 @@
+"""``dualpath cluster up/down``: real subprocesses on loopback, stopped by pid, none left."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import structlog
+
+from common.protocol import RequestFinished
+from services.cluster import cli
+from services.cluster.config import load_cluster
+from services.cluster.launcher import STATE_FILE, Launcher, LaunchError, State, proc_start_ticks
+from services.cluster.toml_write import dumps
+from services.scheduler.client import SyncSchedulerClient
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _keep_logging():
+    """CLI entry points configure logging onto the (captured) stderr; put it back after."""
+    saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
+    yield
+    structlog.configure(**saved)
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
+
+MiB = 1 << 20
+
+
+def small_cluster(tmp: Path, **extra) -> dict:
+    d = {"cluster": {"name": "t1p1d", "data_dir": str(tmp / "cluster"),
+                     "storage_root": str(tmp / "storage"), "start_timeout_s": 60.0, "metrics": True,
+                     "storage_link_bytes_per_s": 50e6, "compute_link_bytes_per_s": 400e6,
+                     "nodes": [{"id": "p0", "role": "prefill", "engines": 1},
+                               {"id": "d0", "role": "decode", "engines": 1}]},
+         "kv": {"preset": "test-small"}, "transport": {"staging_bytes": 16 * MiB},
+         "gateway": {"io_threads": 2},
+         "gateway_service": {"staging_bytes": 8 * MiB, "max_batch_bytes": 4 * MiB},
+         "pe_receiver": {"buffer_bytes": 8 * MiB}, "de_loader": {"buffer_bytes": 8 * MiB},
+         "scheduler_service": {"fetch_interval_s": 0.01, "heartbeat_s": 0.5},
+         "logging": {"level": "warning"}}
+    for k, v in extra.items():
+        d.setdefault(k, {}).update(v)
+    return d
+
+
+def scrape(p) -> str:
+    """The service's /metrics page."""
+    with urllib.request.urlopen(f"http://{p.host}:{p.metrics_port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
+
+
+def gone(pids: list[int], timeout: float = 5.0) -> bool:
+    """Every pid has exited (zombies count as exited)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if all(proc_start_ticks(p) is None for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_up_serves_two_turns_and_down_leaves_no_process(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(dumps(small_cluster(tmp_path)))
+    assert cli.main(["up", "-c", str(cfg)]) == 0
+    state = State.load(tmp_path / "cluster" / "t1p1d")
+    pids = [p.pid for p in state.procs]
+    try:
+        assert len(pids) == 5 and all(proc_start_ticks(p) for p in pids)
+        assert "frontend RPC: 127.0.0.1:" in capsys.readouterr().out
+        assert cli.main(["up", "-c", str(cfg)]) == 2          # already running: refused
+        assert "already running" in capsys.readouterr().err
+        with SyncSchedulerClient(*state.scheduler) as sched:
+            toks = list(range(200))
+            first = sched.run("t0", "s", len(toks), 70, token_ids=toks, deadline_s=30)
+            assert isinstance(first, RequestFinished), first
+            toks = toks + first.output_token_ids + list(range(500, 530))
+            second = sched.run("t1", "s", len(toks), 8, token_ids=toks, deadline_s=30)
+            assert isinstance(second, RequestFinished), second
+            # the second turn hits what the first wrote back: prompt + output[:-1], full blocks
+            assert second.hit_tokens == (200 + 70 - 1) // 64 * 64
+        assert cli.main(["status", "-c", str(cfg)]) == 0
+        time.sleep(1.1)                     # services refresh their snapshot each second
+        sched = scrape(state.proc("scheduler"))
+        assert metric(sched, "dualpath_ttft_seconds_count") == 2.0
+        gw = scrape(state.proc("gateway:p0"))
+        assert metric(gw, 'dualpath_storage_bytes_total{direction="read",node="p0"}') > 0
+        de = scrape(state.proc("de_loader:d0"))
+        assert 'dualpath_buffer_pages{kind="used",node="d0",pool="de_buffer"}' in de
+    finally:
+        assert cli.main(["down", "-c", str(cfg)]) == 0
+    assert gone(pids), "a service outlived `cluster down`"
+    assert not (tmp_path / "cluster" / "t1p1d" / STATE_FILE).exists()
+    assert cli.main(["status", "-c", str(cfg)]) == 3
+
+
+def test_a_service_that_fails_to_start_stops_the_others(tmp_path):
+    d = small_cluster(tmp_path, transport={"kv_class": "nosuch"})   # transports refuse it
+    from services.cluster.config import load_data
+    launcher = Launcher(load_data(d, "bad.toml", environ={}))
+    with pytest.raises(LaunchError) as e:
+        launcher.up()
+    assert "exited with status 1 while starting" in e.value.message
+    assert "kv_class 'nosuch'" in e.value.log_tail
+    logs = sorted((tmp_path / "cluster" / "t1p1d" / "logs").glob("*.log"))
+    pids = []
+    for log in logs:
+        for line in log.read_text().splitlines():
+            if line.startswith('{"event": "ready"'):
+                pids.append(json.loads(line)["pid"])
+    assert gone(pids)
+    assert not (tmp_path / "cluster" / "t1p1d" / STATE_FILE).exists()
+
+
+def test_the_embedded_cluster_checks_without_starting(capsys):
+    assert cli.main(["check"]) == 0
+    assert "1P2D" in capsys.readouterr().out
+    assert load_cluster(None).spec.shape == "1P2D"
+
+
+def test_serve_refuses_bad_arguments(capsys):
+    from services.cluster import serve
+    assert serve.main(["gateway"]) == 2
+    assert "needs --node" in capsys.readouterr().err
+    assert serve.main(["pe_receiver", "--node", "d0"]) == 2     # d0 is a decode node
+    assert "runs de_loader, not pe_receiver" in capsys.readouterr().err

@@ -1,0 +1,345 @@
+"""Data path in one process: gateways, scheduler, PE receiver, DE loader and engines on
+loopback with real UCX (``services.engine_sim.local_cluster``).
+
+Checks the issue's claims: the prefill engine sees exactly the stored hit KV on both read
+paths; the DE's full prompt KV is stored hit + computed new KV; write-back makes the next
+turn hit exactly the expected prefix; a missing block shortens the hit; deadline, bad input
+and revocation leave every page pool empty. Conditions are polled, never slept for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, KVSpecMismatch,
+                           NotFound)
+from common.kv import block_keys_from_tokens
+from common.protocol import (AbortDecode, DataPathReply, Endpoint, LayerSlots, PrepareDecode,
+                             PullLayers, RequestFinished, RequestPlan, Revocation)
+from common.rpc import RpcClient
+from services.engine_api.decode import DecodePort
+from services.engine_api.prefill import PrefillPort
+from services.engine_sim.kv_pattern import fill_tokens, token_id
+from services.engine_sim.local_cluster import local_datapath
+from services.scheduler.client import SchedulerClient
+
+BT = 64
+
+
+async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50_000 for i in range(n)]
+
+
+def endpoint(svc) -> Endpoint:
+    return Endpoint(svc.node_id, svc.name, "127.0.0.1", svc.rpc_port, *svc.ucx_address)
+
+
+def plan(c, rid: str, toks: list[int], hit_blocks: int, read_side: str, *, gen: int = 3,
+         deadline: float = 10.0, attempt: int = 0) -> RequestPlan:
+    keys = block_keys_from_tokens(toks, BT)
+    n_full = len(toks) // BT
+    de = c.de["d0"]
+    read_node = {"pe": "p0", "de": "d0"}.get(read_side, "")
+    return RequestPlan(rid, attempt, "sess", "p0.e0", "p0", "d0.e0", "d0", read_side, read_node,
+                       hit_blocks * BT, len(toks) - hit_blocks * BT, gen, 1 << 20,
+                       keys[:hit_blocks], keys[hit_blocks:], endpoint(de), None, deadline,
+                       toks[n_full * BT:])
+
+
+def report(svc, rid: str, stage: str):
+    return next((r for r in svc.reports if r.request_id == rid and r.stage == stage), None)
+
+
+async def no_leaks(c) -> None:
+    await until(lambda: not any(c.leaks().values()) and not c.pe["p0"].attempts
+                and not c.de["d0"].attempts, what=f"pools empty (used pages {c.leaks()})")
+
+
+# ---------------------------------------------------------------- through the scheduler
+
+async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path):
+    """Two sessions x 3 turns (``dpl``: read sides alternate): every hit is measured from
+    storage and equals the prefix the earlier turns' write-back predicts, byte-checked."""
+    async with local_datapath(tmp_path, overrides={"pe_receiver": {"engines": 2},
+                                                   "de_loader": {"engines": 2}}) as c, \
+            SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
+        prompts = {s: tokens(300 + 40 * s, s) for s in range(2)}
+        stored: dict[int, int] = {s: 0 for s in prompts}     # blocks the test expects stored
+        sides = set()
+        for turn in range(3):
+            async def one(s: int):
+                toks = prompts[s]
+                keys = block_keys_from_tokens(toks, BT)
+                expect_hit = min(stored[s], (len(toks) - 1) // BT) * BT
+                assert await c.stored_prefix(keys) >= stored[s]
+                ev = await sched.run(f"s{s}t{turn}", f"sess{s}", len(toks), 70, token_ids=toks,
+                                     deadline_s=30)
+                assert isinstance(ev, RequestFinished), ev
+                assert ev.hit_tokens == expect_hit
+                out = ev.output_token_ids
+                assert len(out) == 70 and out[0] == token_id(f"sess{s}", len(toks))
+                # stored now: the prompt's full blocks + blocks of (tail + output[:-1])
+                stored[s] = (len(toks) + len(out) - 1) // BT
+                assert await c.stored_prefix(
+                    block_keys_from_tokens(toks + out, BT)) == stored[s]
+                prompts[s] = toks + out + tokens(50, 100 * turn + s)
+            await asyncio.gather(*(one(s) for s in prompts))
+        for svc in c.pe.values():
+            sides.update(r.stage for r in svc.reports)
+        counters = c.engine_counters()
+        assert counters["verified_requests"] == 6 and counters.get("prompt_mismatches", 0) == 0
+        assert counters["verified_layers"] > 0 and counters.get("hit_mismatches", 0) == 0
+        assert c.de["d0"].counters["layers_pulled"] > 0          # the DE path ran
+        assert c.gateways["p0"].store.stats()["bytes_read"] > 0  # the PE path ran
+        await no_leaks(c)
+
+
+# ---------------------------------------------------------------- byte-exact, engine API level
+
+class RecordingEngines:
+    """A prefill and a decode engine written against the engine API that keep every byte."""
+
+    def __init__(self, c) -> None:
+        self.c, self.spec = c, c.spec
+        self.seen: dict[int, np.ndarray] = {}
+        self.written: dict[int, np.ndarray] = {}
+        self.prompt_kv: list[np.ndarray] = []
+        self.hit = None
+        self.tasks = [asyncio.ensure_future(self.prefill(c.pe["p0"].ports["p0.e0"])),
+                      asyncio.ensure_future(self.decode(c.de["d0"].ports["d0.e0"]))]
+
+    async def prefill(self, port: PrefillPort) -> None:
+        h = await port.next_request()
+        self.hit, info = h.hit_tokens, h.info
+        for layer in range(self.spec.num_layers):
+            self.seen[layer] = (await h.layer(layer)).copy()
+            fill_tokens(h.output(layer), self.spec, info.block_keys, info.tail_key, layer,
+                        h.hit_tokens, info.prompt_tokens)
+            self.written[layer] = h.output(layer).copy()
+            await h.put_layer(layer)
+        await h.finish(first_token_id=11)
+
+    async def decode(self, port: DecodePort) -> None:
+        req = await port.next_ready()
+        self.prompt_kv = [req.layer(layer).copy() for layer in range(self.spec.num_layers)]
+        await port.took_kv(req)
+        await port.second_token(req)
+        await port.finish(req, [req.first_token_id, 12, 13])
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def stored_bytes(c, keys: list[str]) -> np.ndarray:
+    """The Full Blocks as the store holds them, read back ``[n, L, T, B]``."""
+    spec = c.spec
+    buf = np.zeros((len(keys), spec.full_block_bytes), np.uint8)
+    res = await c.gateways["p0"].store.read_blocks(keys, [buf[i] for i in range(len(keys))])
+    assert all(res.found)
+    return buf.reshape(len(keys), spec.num_layers, BT, spec.kv_bytes_per_token_per_layer)
+
+
+@pytest.mark.parametrize("side", ["pe", "de"])
+async def test_engines_see_stored_hit_and_decode_gets_hit_plus_new(tmp_path, side):
+    async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
+        toks = tokens(3 * BT + 40, 5)
+        keys = block_keys_from_tokens(toks, BT)
+        await c.store_blocks(keys[:3])
+        eng = RecordingEngines(c)
+        try:
+            c.pe["p0"].submit_plan(plan(c, "r1", toks, 3, side))
+            await asyncio.wait_for(asyncio.gather(*eng.tasks), 10)
+        finally:
+            await eng.close()
+        stored = await stored_bytes(c, keys[:3])
+        assert eng.hit == 3 * BT
+        for layer in range(c.spec.num_layers):
+            want_hit = stored[:, layer].reshape(3 * BT, -1)
+            assert np.array_equal(eng.seen[layer], want_hit)                 # PE saw storage
+            assert np.array_equal(eng.prompt_kv[layer][:3 * BT], want_hit)   # DE: stored hit
+            assert np.array_equal(eng.prompt_kv[layer][3 * BT:], eng.written[layer])  # + new
+        await until(lambda: report(c.de["d0"], "r1", "finished") is not None, what="finished")
+        fin = report(c.de["d0"], "r1", "finished")
+        assert fin.tokens == 3 and fin.output_token_ids == [11, 12, 13]
+        assert report(c.pe["p0"], "r1", "prefill_done") is not None
+        assert report(c.pe["p0"], "r1", "read_done") is not None
+        assert (c.de["d0"].counters["layers_pulled"] > 0) == (side == "de")
+        await no_leaks(c)
+
+
+@pytest.mark.parametrize("side", ["pe", "de"])
+async def test_missing_block_shortens_the_hit_and_is_recomputed(tmp_path, side):
+    async with local_datapath(tmp_path, scheduler=False) as c:
+        toks = tokens(5 * BT + 10, 9)
+        keys = block_keys_from_tokens(toks, BT)
+        await c.store_blocks(keys[:4])
+        assert await c.gateways["p0"].store.delete(keys[2])           # evicted since lookup
+        c.pe["p0"].submit_plan(plan(c, "r2", toks, 4, side))
+        await until(lambda: report(c.de["d0"], "r2", "finished") is not None, what="finished")
+        svc = c.pe["p0"] if side == "pe" else c.de["d0"]
+        assert svc.counters["hit_shortened"] == 1
+        counters = c.engine_counters()
+        assert counters["verified_requests"] == 1 and counters.get("prompt_mismatches", 0) == 0
+        assert counters["verified_layers"] == c.spec.num_layers          # 2 blocks, checked
+        assert await c.stored_prefix(keys) == 5                          # rewritten from 2 on
+        await no_leaks(c)
+
+
+# ---------------------------------------------------------------- failures and bad input
+
+async def test_deadline_during_the_de_read_fails_retryable_and_frees_both(tmp_path):
+    async with local_datapath(tmp_path, scheduler=False) as c:
+        stuck = asyncio.Event()
+
+        async def never(region, info):
+            stuck.set()
+            await asyncio.Event().wait()
+
+        c.de["d0"].hit_source = never
+        toks = tokens(3 * BT + 1, 3)
+        c.pe["p0"].submit_plan(plan(c, "r3", toks, 3, "de", deadline=0.5))
+        await until(stuck.is_set, what="DE read started")
+        await until(lambda: report(c.pe["p0"], "r3", "failed") is not None, what="failure")
+        failed = report(c.pe["p0"], "r3", "failed")
+        assert failed.code == "DEADLINE_EXCEEDED" and failed.retryable
+        assert failed.hop == "de_loader"
+        await no_leaks(c)
+
+
+async def test_bad_plans_and_calls_allocate_nothing(tmp_path):
+    async with local_datapath(tmp_path, scheduler=False) as c:
+        pe, de = c.pe["p0"], c.de["d0"]
+        toks = tokens(2 * BT + 5, 4)
+        good = plan(c, "r4", toks, 1, "de")
+        import msgspec
+        with pytest.raises(InvalidArgument, match="engine"):
+            pe.submit_plan(msgspec.structs.replace(good, pe_engine="p0.e9"))
+        with pytest.raises(InvalidArgument, match="DE loader"):
+            pe.submit_plan(msgspec.structs.replace(good, de_loader=None))
+        with pytest.raises(InvalidArgument):
+            pe.submit_plan(msgspec.structs.replace(good, hit_tokens=70))
+        assert pe.pool.used_pages == 0 and not pe.attempts
+
+        keys = block_keys_from_tokens(toks, BT)
+        prep = PrepareDecode("r5", 0, "s", "d0.e0", "p0", "de", len(toks), BT, 3, keys[:1],
+                             keys[1:], *pe.ucx_address, toks[2 * BT:], None, 5.0)
+        async with RpcClient(c.cfg.rpc, "127.0.0.1", de.rpc_port, role="test", node_id="t",
+                             reply_type=DataPathReply, kv_fingerprint=c.spec.fingerprint()) as rpc:
+            with pytest.raises(InvalidArgument, match="engine"):
+                await rpc.call(msgspec.structs.replace(prep, de_engine="d0.e7"))
+            with pytest.raises(InvalidArgument):
+                await rpc.call(msgspec.structs.replace(prep, hit_tokens=5 * BT))
+            with pytest.raises(NotFound):
+                await rpc.call(PullLayers("nope", 0, []))
+            assert de.pool.used_pages == 0
+            await c.store_blocks(keys[:1])
+            await rpc.call(prep)
+            assert de.pool.used_pages > 0
+            att = de.attempts[("r5", 0)]
+            await until(att._read_done.is_set, what="DE read done")
+            with pytest.raises(InvalidArgument, match="out of range"):
+                await rpc.call(PullLayers("r5", 0, [LayerSlots(99, 1, [(0, BT * 256)])]))
+            with pytest.raises(InvalidArgument, match="hit"):
+                await rpc.call(PullLayers("r5", 0, [LayerSlots(0, 1, [(0, 10)])]))
+            assert (await rpc.call(AbortDecode("r5", 0, "test"))).aborted
+        other = "0" * 16                                 # another model's KV layout
+        bad = RpcClient(c.cfg.rpc, "127.0.0.1", de.rpc_port, role="test", node_id="t2",
+                        reply_type=DataPathReply, kv_fingerprint=other)
+        with pytest.raises(KVSpecMismatch):
+            await bad.call(msgspec.structs.replace(prep, request_id="r8"))
+        await bad.close()
+        assert ("r8", 0) not in de.attempts
+        await no_leaks(c)
+
+
+async def test_revocation_drops_both_sides_without_reporting(tmp_path):
+    async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
+        toks = tokens(2 * BT + 5, 6)
+        keys = block_keys_from_tokens(toks, BT)
+        await c.store_blocks(keys[:2])
+        c.pe["p0"].submit_plan(plan(c, "r6", toks, 2, "pe"))
+        await until(lambda: len(c.pe["p0"].ports["p0.e0"]) == 1, what="queued for the engine")
+        assert c.de["d0"].pool.used_pages > 0 and c.pe["p0"].pool.used_pages > 0
+        for svc in (c.pe["p0"], c.de["d0"]):
+            svc.revoke(Revocation("r6", 0, "re-planned"))
+        await no_leaks(c)
+        assert report(c.pe["p0"], "r6", "failed") is None
+        assert report(c.de["d0"], "r6", "failed") is None
+
+
+async def test_engine_failure_is_reported_with_its_hop(tmp_path):
+    async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
+        toks = tokens(BT + 5, 8)
+        c.pe["p0"].submit_plan(plan(c, "r7", toks, 0, "none"))
+        h = await asyncio.wait_for(c.pe["p0"].ports["p0.e0"].next_request(), 5)
+        await h.layer(0)
+        await h.fail(DeadlineExceeded("engine ran out of time"))
+        await until(lambda: report(c.pe["p0"], "r7", "failed") is not None, what="failure")
+        failed = report(c.pe["p0"], "r7", "failed")
+        assert failed.hop == "engine" and failed.retryable
+        with pytest.raises(DualpathError):
+            await h.put_layer(0)
+        await no_leaks(c)
+
+
+async def test_decode_engine_failure_is_reported_and_frees_the_de(tmp_path):
+    async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
+        eng = RecordingEngines(c)
+        eng.tasks[1].cancel()
+
+        async def give_up():
+            port = c.de["d0"].ports["d0.e0"]
+            req = await port.next_ready()
+            await port.fail(req, DeadlineExceeded("decode engine out of HBM time"))
+            with pytest.raises(DualpathError):
+                await port.took_kv(req)
+        eng.tasks[1] = asyncio.ensure_future(give_up())
+        try:
+            c.pe["p0"].submit_plan(plan(c, "r9", tokens(BT + 9, 2), 0, "none"))
+            await asyncio.wait_for(asyncio.gather(*eng.tasks), 10)
+        finally:
+            await eng.close()
+        await until(lambda: report(c.de["d0"], "r9", "failed") is not None, what="failure")
+        failed = report(c.de["d0"], "r9", "failed")
+        assert failed.hop == "engine" and failed.code == "DEADLINE_EXCEEDED"
+        await no_leaks(c)
+
+
+async def test_scheduler_replans_a_failed_attempt_and_the_request_finishes(tmp_path,
+                                                                          monkeypatch):
+    """A retryable node-side failure re-plans: the next attempt finishes the request."""
+    from common.errors import Unavailable
+    from services.de_loader.attempt import DecodeAttempt
+
+    real, calls = DecodeAttempt.prepare, []
+
+    async def flaky(self, msg, info):
+        calls.append(msg.attempt)
+        if len(calls) == 1:
+            raise Unavailable("DE buffer briefly unavailable (injected)")
+        return await real(self, msg, info)
+
+    monkeypatch.setattr(DecodeAttempt, "prepare", flaky)
+    async with local_datapath(tmp_path) as c, \
+            SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
+        toks = tokens(3 * BT + 9, 12)
+        ev = await sched.run("w0", "sw", len(toks), 3, token_ids=toks, deadline_s=20)
+        assert isinstance(ev, RequestFinished) and ev.attempt == 1, ev
+        assert calls == [0, 1]
+        failed = report(c.pe["p0"], "w0", "failed")
+        assert failed is None          # reports went to the scheduler, not kept locally
+        await no_leaks(c)

@@ -23,15 +23,15 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dualpath demo
 
+BENCHES := transport gateway datapath scheduler sim e2e
+
 bench: $(STAMP)
 	mkdir -p results
-	$(VENV)/bin/dualpath bench transport --out results/transport.json
-	$(VENV)/bin/dualpath bench scheduler --out results/scheduler.json
+	for b in $(BENCHES); do $(VENV)/bin/dualpath bench $$b --out results/$$b.json || exit 1; done
 
 bench-quick: $(STAMP)
 	mkdir -p results
-	$(VENV)/bin/dualpath bench transport --quick --out results/transport-quick.json
-	$(VENV)/bin/dualpath bench scheduler --quick --out results/scheduler-quick.json
+	for b in $(BENCHES); do $(VENV)/bin/dualpath bench $$b --quick --out results/$$b-quick.json || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis results data

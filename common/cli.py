@@ -15,6 +15,8 @@ BENCHMARKS: dict[str, str] = {
     "gateway": "bench.gateway_bench",
     "gateway-storage": "bench.gateway_storage_bench",
     "e2e": "bench.e2e_bench",
+    "datapath": "bench.datapath_bench",
+    "sim": "bench.sim_bench",
 }
 
 COMMANDS: dict[str, str] = {
@@ -24,6 +26,10 @@ COMMANDS: dict[str, str] = {
     "serve": "services.cluster.serve",
     "replay": "services.replay.cli",
     "demo": "services.cluster.demo",
+    "simulate": "sim.cli",
+    "check-config": "sim.check",
+    "pe-receiver": "services.pe_receiver.cli",
+    "de-loader": "services.de_loader.cli",
 }
 
 

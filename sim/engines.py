@@ -293,7 +293,7 @@ class DEGpu:
 
     __slots__ = ("engine_id", "node", "cnic_rd", "cnic_wr", "h2d_links", "wb_links", "cl", "loop",
                  "V", "tV", "step", "heap", "n", "sp", "svj", "due", "seq", "step_fn", "ts",
-                 "_remote", "h2d_q", "h2d_busy")
+                 "_remote", "h2d_q", "h2d_busy", "ev")
 
     def __init__(self, engine_id: str, node: Node, cnic_cap: float, cl: Cluster) -> None:
         self.engine_id = engine_id
@@ -318,6 +318,7 @@ class DEGpu:
         self.sp = 0           # Σ prompt tokens of members
         self.svj = 0.0        # Σ V at join of members
         self.due = math.inf
+        self.ev = math.inf    # time of the pending completion event (≤ due; re-armed when early)
         self.seq = 0
         self._remote: dict = {}
         self.h2d_q: deque = deque()
@@ -370,12 +371,19 @@ class DEGpu:
         n = self.n
         ctx = self.sp + n * self.V - self.svj
         self.step = self.step_fn(n, ctx) * self.ts
-        self.due = now + (self.heap[0][0] - self.V) * self.step
-        self.loop.at(self.due, self._fire, None)
+        self.due = due = now + (self.heap[0][0] - self.V) * self.step
+        if due < self.ev:        # a later due keeps the pending event, which re-arms itself
+            self.ev = due
+            self.loop.at(due, self._fire, due)
 
-    def _fire(self, _) -> None:
+    def _fire(self, t: float) -> None:
+        if t != self.ev:
+            return               # superseded by an earlier event
+        self.ev = math.inf
         now = self.loop.now
-        if now != self.due:
+        if now < self.due:
+            self.ev = self.due
+            self.loop.at(self.due, self._fire, self.due)
             return
         self.V += (now - self.tV) / self.step
         self.tV = now

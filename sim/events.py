@@ -9,6 +9,7 @@ which is cheaper than deleting from the heap.
 from __future__ import annotations
 
 from heapq import heappop, heappush
+from itertools import count
 from typing import Any, Callable
 
 
@@ -18,14 +19,13 @@ class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
         self.heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
-        self.seq = 0
+        self.seq = count()
         self.events = 0
         self.stopped = False
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         """Run ``fn(arg)`` at simulated time ``t`` (never earlier than now)."""
-        self.seq += 1
-        heappush(self.heap, (t if t > self.now else self.now, self.seq, fn, arg))
+        heappush(self.heap, (t if t > self.now else self.now, next(self.seq), fn, arg))
 
     def after(self, dt: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         self.at(self.now + dt, fn, arg)

@@ -151,31 +151,35 @@ class FlowNet:
             if fn is not None:
                 loop.at(loop.now, fn, arg)
             return f
-        for link, w in links:
-            link.flows[c][f] = w
         # Fast path: the new flow takes the greedy rate (the least residual along its links) and
         # nobody else moves — unless a link it shares is, or becomes, saturated while carrying a
         # flow at least as fast (closure rule (a) of ``_resolve``), which needs the full solve.
         best = INF if cap is None else cap
+        shared = False
         for link, w in links:
+            flows = link.flows[c]
+            if flows:
+                shared = True
+            flows[f] = w
             tot = link.tot
             v = ((link.cap if c == 0 else link.cap - tot[0]) - tot[c]) / w
             if v < best:
                 best = v
         if best < 0.0:
             best = 0.0
-        lim = best * (1.0 - 1e-9)
-        for link, w in links:
-            flows = link.flows[c]
-            if len(flows) > 1:
-                tot = link.tot[c]
-                sat = link.avail(c) - TOL * link.cap
-                if tot >= sat or tot + w * best >= sat:
-                    for g in flows:
-                        if g.rate >= lim and g is not f:
-                            self._resolve({f: None}, [lw[0] for lw in links], f, c)
-                            self._flush_bulk()
-                            return f
+        if shared:
+            lim = best * (1.0 - 1e-9)
+            for link, w in links:
+                flows = link.flows[c]
+                if len(flows) > 1:
+                    tot = link.tot[c]
+                    sat = link.avail(c) - TOL * link.cap
+                    if tot >= sat or tot + w * best >= sat:
+                        for g in flows:
+                            if g.rate >= lim and g is not f:
+                                self._resolve({f: None}, [lw[0] for lw in links], f, c)
+                                self._flush_bulk()
+                                return f
         now = loop.now
         for link, w in links:
             tot = link.tot

@@ -30,8 +30,7 @@ def plot_runs(clusters: list, runs: dict[str, dict], path: Path) -> str:
     envelope for big clusters) and SNIC max/avg per window; JCT per mode; TTFT and TPOT CDFs."""
     plt = _pyplot()
     if plt is None:
-        return ("PNG skipped: matplotlib is not installed (add it to the project's dependencies, "
-                "e.g. an optional 'plots' extra, to get plots)")
+        return "PNG skipped: matplotlib is not installed (pip install matplotlib to get plots)"
     n = len(clusters)
     fig, axes = plt.subplots(n + 1, 2, figsize=(13, 3.2 * (n + 1)), squeeze=False)
     for row, (cl, (mode, r)) in enumerate(zip(clusters, runs.items())):

@@ -52,7 +52,7 @@ NIXL = {"per_block_gbps": (3.4, 3.6), "coalesced_gbps": (4.3, 5.1)}
 MiB = 1 << 20
 
 
-def config(max_tokens: int, lookahead: int, per_pull: int) -> DualpathConfig:
+def config(max_tokens: int, lookahead: int, per_pull: int, in_flight: int = 2) -> DualpathConfig:
     region = (max_tokens + 64) * SPEC.bytes_per_token
     buffer = region + 64 * MiB
     node = {"buffer_bytes": buffer, "page_bytes": 1 * MiB, "engines": 1,
@@ -60,7 +60,8 @@ def config(max_tokens: int, lookahead: int, per_pull: int) -> DualpathConfig:
     return build_config({
         "kv": {"preset": "deepseek-v3.2"},
         "transport": {"staging_bytes": 32 * MiB},
-        "pe_receiver": {**node, "lookahead_layers": lookahead, "layers_per_pull": per_pull},
+        "pe_receiver": {**node, "lookahead_layers": lookahead, "layers_per_pull": per_pull,
+                        "pulls_in_flight": in_flight},
         "de_loader": {**node, "writeback": False},
         "engine_sim": {"verify": False, "hbm_copy": False, "time_scale": 0.0},
         "logging": {"level": "warning"},
@@ -133,7 +134,8 @@ class Bench:
         self.reps = 3 if args.quick else 7
         self.sizes = SIZES
         self.lookahead, self.per_pull = args.lookahead, args.layers_per_pull
-        self.cfg = config(max(self.sizes), self.lookahead, self.per_pull)
+        self.in_flight = getattr(args, "pulls_in_flight", 2)
+        self.cfg = config(max(self.sizes), self.lookahead, self.per_pull, self.in_flight)
         self.n = 0
 
     async def __aenter__(self) -> Bench:
@@ -284,6 +286,12 @@ class Bench:
         out["load_per_layer_in_run_s"] = load / L      # the condition: <= compute per layer
         out["compute_per_layer_in_run_s"] = out["whole_compute_s"] / L
         out["hidden_fraction"] = 1 - out["layerwise_load_not_hidden_s"] / load if load > 0 else 0
+        # Wall clock, for transparency: here the receiver's cma copies run inside UCX progress
+        # on the same event loop as the emulated engine and stretch its "compute" (on real
+        # hardware the NIC writes the layers), so this undercounts what the engine overlaps.
+        nominal = L * compute
+        out["wallclock_saving_fraction"] = (out["whole_s"] - out["layerwise_s"]) / \
+            max(out["whole_s"] - nominal, 1e-9)
         return out
 
 
@@ -316,7 +324,8 @@ async def bench_main(args) -> tuple[list[dict], dict, dict]:
         hit = b.sizes[0]
         load = rows[0]["layer_bytes"] / (rows[0]["pull_gbps_median"] * 1e9)
         overlap = await b.overlap(hit, load)
-    return rows, overlap, {"lookahead_layers": b.lookahead, "layers_per_pull": b.per_pull}
+    return rows, overlap, {"lookahead_layers": b.lookahead, "layers_per_pull": b.per_pull,
+                           "pulls_in_flight": b.in_flight}
 
 
 COLUMNS = ["hit_tokens", "pull_gbps", "raw_gbps", "ratio", "memcpy_gbps", "vs_nixl_coalesced",
@@ -339,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=max(SIZES), help=argparse.SUPPRESS)
     parser.add_argument("--lookahead", type=int, default=16, help="PE look-ahead in layers")
     parser.add_argument("--layers-per-pull", type=int, default=4, help="layers per PullLayers")
+    parser.add_argument("--pulls-in-flight", type=int, default=3,
+                        help="PullLayers calls outstanding at once")
     args = parser.parse_args(argv)
     if args.child:
         _run(child_main(args.max_tokens, args.lookahead, args.layers_per_pull))
@@ -353,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{overlap['whole_s'] * 1e3:.1f} ms, layer-wise {overlap['layerwise_s'] * 1e3:.1f} ms; "
           f"load not hidden {overlap['whole_load_not_hidden_s'] * 1e3:.1f} -> "
           f"{overlap['layerwise_load_not_hidden_s'] * 1e3:.1f} ms: "
-          f"{overlap['hidden_fraction']:.1%} of load time hidden (goal >= 90%)")
+          f"{overlap['hidden_fraction']:.1%} of load time hidden (goal >= 90%); wall clock: "
+          f"{overlap['wallclock_saving_fraction']:.1%} of whole-prompt load time saved")
     head_row = rows[-1]
     print(f"NIXL 1.5.1 reference: {NIXL['per_block_gbps']} GB/s per block, "
           f"{NIXL['coalesced_gbps']} coalesced; ours {head_row['pull_gbps']:.2f} GB/s = "

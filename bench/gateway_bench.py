@@ -210,6 +210,8 @@ async def bench_spec(name: str, workdir: Path, total_bytes: int, repeats: int) -
                 g0, s0 = gw.cpu_s(), _self_cpu_s()
                 secs = await req.read_all(keys)
                 pairs.append((pread, (secs, gw.cpu_s() - g0, _self_cpu_s() - s0)))
+            # which UCX path the bytes took: cma single copy, or sysv fragments (two copies)
+            row["single_copy"] = req.transport.stats()["single_copy_links"] > 0
     finally:
         gw.stop()
     best_p = min(p for p, _ in pairs)
@@ -291,7 +293,7 @@ async def run(quick: bool) -> tuple[dict, dict]:
                        "odirect_gateway_GBps", "write_GBps"])
     print()
     print_table(rows, ["spec", "pread_cpu_s_per_GB", "gw_cpu_s_per_GB", "req_cpu_s_per_GB",
-                       "load_avg_1m"])
+                       "single_copy", "load_avg_1m"])
     index_bpb = measure_bytes_per_block(100_000 if quick else 1_000_000)
     print(f"\nindex memory: {index_bpb:.1f} B per block")
     print(f"shaped link: configured {shaped['configured_MBps']:.0f} MB/s, delivered "
@@ -301,7 +303,8 @@ async def run(quick: bool) -> tuple[dict, dict]:
     results = {"specs": rows, "index_bytes_per_block": index_bpb, "shaped_link": shaped,
                "gateway_vs_pread_all_specs_min": min(r["gateway_vs_pread"] for r in rows),
                "settings": {"request_bytes": REQUEST_BYTES, "batch_bytes": BATCH_BYTES,
-                            "requests_in_flight": INFLIGHT, "io_threads": 2, "cpus": os.cpu_count()}}
+                            "requests_in_flight": INFLIGHT, "io_threads": 2, "cpus": os.cpu_count(),
+                            "single_copy_env": os.environ.get("DUALPATH_UCX_SINGLE_COPY", "")}}
     return headline("gateway_vs_pread", ratio, 0.80), results
 
 

@@ -28,8 +28,8 @@ COMMANDS: dict[str, str] = {
     "demo": "services.cluster.demo",
     "simulate": "sim.cli",
     "check-config": "sim.check",
-    "pe-receiver": "services.pe_receiver.cli",
-    "de-loader": "services.de_loader.cli",
+    "pe_receiver": "services.pe_receiver.cli",
+    "de_loader": "services.de_loader.cli",
 }
 
 

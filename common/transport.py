@@ -31,6 +31,11 @@ Settings (measured, docs/performance.md):
   every byte) and the receiver's transfer completes only with it: a sender that fails can
   reuse its buffers at once (a receiver still reading them never gets the commit and fails),
   and its unfinished sends are abandoned (``sends_abandoned``), not awaited.
+  There is one such endpoint per peer *worker*, made when the first link to it registers and
+  kept until ``stop()`` or until that peer's process is gone: UCX pairs endpoints made from
+  worker addresses by a per-peer sequence number (the second side adopts the endpoint the
+  first side's wireup created), so closing one side while the other lives would pair a later
+  endpoint with a dead one.
 
 Tags: ``transfer_id << 20 | message_index`` (``common.transport_plan``); tag matching is
 worker-wide, so transfer ids come from the *receiving* transport (:meth:`new_transfer_id`).
@@ -58,14 +63,15 @@ from common.transport_plan import (COMMIT_BYTES, COMMIT_INDEX, HELLO_BYTES, HELL
                                    check_same_plan, check_transfer_id, decode_hello,
                                    encode_hello, fit_hello, is_device_array, plan_messages,
                                    single_copy_link)
-from common.ucx_env import (WorkerProgress, apply_ucx_env, local_host_id,
-                            options_overridden_by_env, single_copy_supported)
+from common.ucx_env import (WorkerProgress, apply_ucx_env, local_host_id, local_process_id,
+                            options_overridden_by_env, process_gone, single_copy_supported)
 
 log = structlog.get_logger(__name__)
 
 Peer = tuple[str, int]
 _RETIRED_IDS = 4096          # failed transfer ids remembered (never reused)
 _SETTLE_S = 5.0              # bound on waiting for cancelled requests to complete
+_GONE_CHECKS, _GONE_RECHECK_S = 5, 2.0  # is a failed single-copy peer's process gone?
 _OWN_PROGRESS = "dualpath.transport progress driver"
 _ucx: SimpleNamespace | None = None
 _reported_skips: set[tuple[str, tuple[str, ...]]] = set()  # warn once per process
@@ -130,8 +136,8 @@ class _Link:
     """One endpoint to a peer's transport (keyed by the peer's listener address).
 
     ``ep`` (error handling on) carries hellos, receives, commits and liveness; on a
-    ``single_copy`` link the sender's messages go over ``data_ep``, made lazily from the
-    peer's worker address without error handling (cma single copy).
+    ``single_copy`` link the sender's messages go over the transport's endpoint to the peer's
+    worker (``PageTransport._data_eps``), made without error handling (cma single copy).
     """
 
     addr: Peer
@@ -140,7 +146,7 @@ class _Link:
     failure: str | None = None
     single_copy: bool = False
     peer_worker_address: bytes = b""
-    data_ep: Any = None
+    peer_process: str = ""
 
     @property
     def usable(self) -> bool:
@@ -221,6 +227,8 @@ class PageTransport:
         self._staging: StagingPool | None = None
         self._worker_address = b""
         self._host_id = ""
+        self._process_id = local_process_id()
+        self._data_eps: dict[bytes, Any] = {}   # peer worker address -> endpoint (single copy)
         self.single_copy_reason = ""
         self.skipped_options: list[str] = []
         self._n: collections.Counter[str] = collections.Counter()
@@ -272,6 +280,9 @@ class PageTransport:
             for ep in list(self._handshaking):
                 ep.abort()
             await self._drain(self._cfg.connect_timeout_s)
+            for ep in self._data_eps.values():
+                ep.abort()
+            self._data_eps.clear()
             self._listener.close()
             self._progress.close()
             self._listener = self._ctx = self._staging = None
@@ -354,7 +365,9 @@ class PageTransport:
             raise Unavailable(f"cannot connect to page transport {peer[0]}:{peer[1]} "
                               f"({type(e).__name__}: {e}) — is the peer started?") from e
         self._n["connects"] += 1
-        return self._register(self._new_link(peer, ep, hello))
+        link = self._register(self._new_link(peer, ep, hello))
+        await self._open_data_ep(link)
+        return link
 
     async def _on_accept(self, ep: Any) -> None:
         if self._state != "running":
@@ -367,7 +380,8 @@ class PageTransport:
                     hello = await self._recv_hello(ep)
                     await self._send_hello(ep)  # ours first: the client reports a mismatch
                     self._check_hello(hello)
-            self._register(self._new_link((hello.host, hello.port), ep, hello))
+            link = self._register(self._new_link((hello.host, hello.port), ep, hello))
+            await self._open_data_ep(link)
             self._n["accepts"] += 1
         except (TimeoutError, ProtocolError, Unavailable, _ucxx().Error) as e:
             log.warning("peer_handshake_failed", error=repr(e))
@@ -378,31 +392,52 @@ class PageTransport:
     def _new_link(self, addr: Peer, ep: Any, hello: TransferHello) -> _Link:
         single = single_copy_link(self._hello(), hello)
         return _Link(addr, ep, hello.node_id, single_copy=single,
-                     peer_worker_address=hello.worker_address if single else b"")
+                     peer_worker_address=hello.worker_address if single else b"",
+                     peer_process=hello.process)
+
+    async def _open_data_ep(self, link: _Link) -> None:
+        """Make the single-copy endpoint to the link's peer worker now (see the module doc)."""
+        if not link.single_copy or link.peer_worker_address in self._data_eps:
+            return
+        u = _ucxx()
+        _claim_progress(asyncio.get_running_loop())
+        try:
+            ep = await self._ctx.create_endpoint_from_worker_address(
+                u.lib.UCXAddress.create_from_buffer(link.peer_worker_address),
+                endpoint_error_handling=False)
+        except u.Error as e:  # the link still works: data then goes over link.ep
+            log.warning("single_copy_endpoint_failed", peer=link.addr, error=repr(e))
+            return
+        if self._state != "running" or link.peer_worker_address in self._data_eps:
+            ep.abort()
+            return
+        self._data_eps[link.peer_worker_address] = ep
+        self._n["single_copy_endpoints"] += 1
 
     async def _data_ep(self, link: _Link) -> Any:
-        """The endpoint this side sends page messages to ``link`` on (see the module doc)."""
+        """The endpoint this side sends page messages to ``link`` on."""
         if not link.single_copy:
             return link.ep
-        if link.data_ep is None:
+        ep = self._data_eps.get(link.peer_worker_address)
+        if ep is None:
             if not link.usable:
                 raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
-            u, loop = _ucxx(), asyncio.get_running_loop()
-            _claim_progress(loop)
-            try:
-                ep = await self._ctx.create_endpoint_from_worker_address(
-                    u.lib.UCXAddress.create_from_buffer(link.peer_worker_address),
-                    endpoint_error_handling=False)
-            except u.Error as e:
-                raise PeerFailed(f"single-copy endpoint to {link.addr}: {e}") from e
-            if link.data_ep is not None or not link.usable:  # raced with another sender/abort
-                ep.abort()
-            else:
-                link.data_ep = ep
-                self._n["single_copy_endpoints"] += 1
-            if link.data_ep is None:
-                raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
-        return link.data_ep
+            await self._open_data_ep(link)
+            ep = self._data_eps.get(link.peer_worker_address)
+        return link.ep if ep is None else ep
+
+    def _forget_if_gone(self, link: _Link, checks_left: int = _GONE_CHECKS) -> None:
+        """Close the single-copy endpoint of a failed link's peer once its process has ended
+        (a process that just closed its endpoints may still be exiting: look again later)."""
+        addr = link.peer_worker_address
+        if not link.single_copy or addr not in self._data_eps or self._state != "running":
+            return
+        if any(other.usable and other.peer_worker_address == addr for other in self._all_links):
+            return  # the peer is connected again: it is alive
+        if process_gone(link.peer_process):
+            self._data_eps.pop(addr).abort()
+        elif checks_left > 1 and self._loop is not None:
+            self._loop.call_later(_GONE_RECHECK_S, self._forget_if_gone, link, checks_left - 1)
 
     def _register(self, link: _Link) -> _Link:
         if self._state != "running":
@@ -421,16 +456,10 @@ class PageTransport:
             link.failure = "endpoint closed (peer failed or left)"
         if self._links.get(link.addr) is link:
             del self._links[link.addr]
-        if link.data_ep is not None and self._loop is not None:  # not inside UCX's callback
-            self._loop.call_soon_threadsafe(self._abort_data_ep, link)
+        if link.single_copy and self._loop is not None:  # not inside UCX's callback
+            self._loop.call_soon_threadsafe(self._forget_if_gone, link)
         if self._progress is not None:
             self._progress.kick()
-
-    @staticmethod
-    def _abort_data_ep(link: _Link) -> None:
-        ep, link.data_ep = link.data_ep, None
-        if ep is not None:
-            ep.abort()
 
     def _abort_link(self, link: _Link, reason: str) -> None:
         if link.failure is None:
@@ -438,7 +467,7 @@ class PageTransport:
         if self._links.get(link.addr) is link:
             del self._links[link.addr]
         self._all_links.discard(link)
-        self._abort_data_ep(link)
+        self._forget_if_gone(link)
         if link.ep._ep is not None:
             self._n["endpoint_aborts"] += 1
             log.info("endpoint_aborted", peer=link.addr, reason=reason)
@@ -449,7 +478,7 @@ class PageTransport:
         return fit_hello(TransferHello(HELLO_VERSION, self.node_id, cfg.host,
                                        int(self._listener.port), cfg.max_message_bytes,
                                        cfg.pack_below_bytes, self._worker_address,
-                                       self._host_id))
+                                       self._host_id, self._process_id))
 
     async def _send_hello(self, ep: Any) -> None:
         u, buf = _ucxx(), encode_hello(self._hello())
@@ -788,6 +817,7 @@ class PageTransport:
         out["endpoints"] = float(sum(1 for link in self._all_links if link.usable))
         out["single_copy_links"] = float(sum(1 for link in self._all_links
                                              if link.usable and link.single_copy))
+        out["single_copy_endpoints_open"] = float(len(self._data_eps))
         out["transfers_active"] = float(len(self._active))
         out["ucx_options_skipped"] = float(len(self.skipped_options))
         return out

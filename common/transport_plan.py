@@ -235,8 +235,9 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     Carries the planning limits: peers that cut messages differently must not talk.
     ``worker_address`` (the UCX worker address, empty when single copy is off on that side)
     and ``host_id`` (boot id + pid/ipc namespaces) decide whether the link moves data over a
-    single-copy endpoint (:func:`single_copy_link`). Both are trailing fields with defaults:
-    a peer without them decodes ours (msgspec ignores extra trailing fields) and vice versa.
+    single-copy endpoint (:func:`single_copy_link`); ``process`` (``pid:start time``) lets a
+    peer tell later whether this process still exists. Trailing fields with defaults: a peer
+    without them decodes ours (msgspec ignores extra trailing fields) and vice versa.
     """
 
     version: int
@@ -247,6 +248,7 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     pack_below_bytes: int
     worker_address: bytes = b""
     host_id: str = ""
+    process: str = ""
 
 
 def encode_hello(hello: TransferHello) -> np.ndarray:

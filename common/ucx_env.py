@@ -67,8 +67,10 @@ def single_copy_supported(tls: str | None,
     """``(allowed, reason)``: may this process move data over cma single-copy endpoints?
 
     ``tls`` is the traffic class's ``TLS`` option; ``UCX_TLS`` in the environment wins. Off
-    when the user says so, when the transports exclude cma, or when Yama restricts ptrace
-    (cma's ``process_vm_readv`` would then be refused between unrelated processes).
+    when the user says so, when the transports exclude cma, when CUDA transports are in play
+    (device arenas would then meet an endpoint without error handling: not tested), or when
+    Yama restricts ptrace (cma's ``process_vm_readv`` would be refused between unrelated
+    processes).
     """
     environ = os.environ if environ is None else environ
     if environ.get(SINGLE_COPY_ENV, "").strip().lower() in _OFF:
@@ -80,6 +82,8 @@ def single_copy_supported(tls: str | None,
             return False, f"UCX_TLS={tls} excludes cma"
     elif not names & {"all", "sm", "cma"}:
         return False, f"UCX_TLS={tls} has no cma"
+    elif any(n.startswith("cuda") for n in names) or (names & {"all"} and cuda_present()):
+        return False, f"UCX_TLS={tls} moves device memory: single copy is host-only"
     try:
         with open(yama_path) as f:
             scope = f.read().strip()
@@ -88,6 +92,12 @@ def single_copy_supported(tls: str | None,
     if scope != "0":
         return False, f"kernel.yama.ptrace_scope={scope} refuses cma between processes"
     return True, "cma single copy between processes of this host"
+
+
+def cuda_present() -> bool:
+    """Whether this process sees a CUDA device (cupy; False without it)."""
+    from common.transport_plan import cuda_available
+    return cuda_available()
 
 
 def local_host_id() -> str:
@@ -99,6 +109,32 @@ def local_host_id() -> str:
     except OSError:
         return ""  # not Linux: no single copy
     return "/".join([boot, *ns])
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """Fields of ``/proc/<pid>/stat`` after the command name (state first), or []."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def local_process_id(pid: int | None = None) -> str:
+    """``pid:start time`` of a process (start time in clock ticks since boot), or ""."""
+    pid = os.getpid() if pid is None else pid
+    fields = _proc_stat(pid)
+    return f"{pid}:{fields[19]}" if len(fields) > 19 else ""
+
+
+def process_gone(process_id: str) -> bool:
+    """True only when the process ``local_process_id`` named is known to have ended
+    (no such pid, another process under that pid, or a zombie)."""
+    pid, _, start = process_id.partition(":")
+    if not pid.isdigit() or not start:
+        return False
+    fields = _proc_stat(int(pid))
+    return len(fields) <= 19 or fields[19] != start or fields[0] in ("Z", "X")
 
 
 class WorkerProgress:

@@ -199,6 +199,27 @@ async def test_missing_block_shortens_the_hit_and_is_recomputed(tmp_path, side):
         await no_leaks(c)
 
 
+async def test_de_path_pulls_stay_within_the_lookahead_of_the_engine(tmp_path):
+    """DE→PE streaming is paced by consumption: never more than lookahead layers ahead."""
+    cfg = {"pe_receiver": {"lookahead_layers": 1, "layers_per_pull": 1, "pulls_in_flight": 1}}
+    async with local_datapath(tmp_path, scheduler=False, engines=False, overrides=cfg) as c:
+        toks = tokens(2 * BT + 3, 13)
+        keys = block_keys_from_tokens(toks, BT)
+        await c.store_blocks(keys[:2])
+        att = c.pe["p0"].submit_plan(plan(c, "la", toks, 2, "de"))
+        h = await asyncio.wait_for(c.pe["p0"].ports["p0.e0"].next_request(), 5)
+        await h.layer(0)                                    # consumed: layer 0
+        await until(lambda: att.layer_arrival[1] is not None, what="layer 1 (look-ahead)")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert att.layer_requested[2] is None               # 1 consumed + 1 ahead, no more
+        await h.layer(1)
+        await until(lambda: att.layer_requested[2] is not None, what="layer 2 pulled")
+        assert att.layer_requested[3] is None
+        await h.fail(None)
+        await no_leaks(c)
+
+
 # ---------------------------------------------------------------- failures and bad input
 
 async def test_deadline_during_the_de_read_fails_retryable_and_frees_both(tmp_path):

@@ -21,6 +21,7 @@ import time
 import weakref
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import structlog
@@ -31,11 +32,13 @@ from common.config import TrafficClassConfig, TransportConfig
 from common.errors import (Cancelled, DeadlineExceeded, InvalidArgument, PeerFailed,
                            ProtocolError, Unavailable)
 from common.transport import PageTransport
-from common.transport_plan import (HELLO_BYTES, INDEX_BITS, MAX_TRANSFER_ID, SourceMap,
-                                   StagingPool, TransferHello, TransferIdSource, check_same_plan,
-                                   check_transfer_id, decode_hello, encode_hello, make_tag,
-                                   plan_messages)
-from common.ucx_env import apply_ucx_env, options_overridden_by_env
+from common.transport_plan import (COMMIT_INDEX, HELLO_BYTES, INDEX_BITS, MAX_MESSAGES,
+                                   MAX_TRANSFER_ID, SourceMap, StagingPool, TransferHello,
+                                   TransferIdSource, check_same_plan, check_transfer_id,
+                                   decode_hello, encode_hello, fit_hello, make_tag,
+                                   plan_messages, single_copy_link)
+from common.ucx_env import (apply_ucx_env, local_host_id, options_overridden_by_env,
+                            single_copy_supported)
 from tests.transport_peer import gather, pattern, split_views
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,6 +163,42 @@ def test_hello_round_trip_and_plan_check():
         check_same_plan(hello, TransferHello(1, "node-b", "h", 1, 16 * MIB, 0))
     with pytest.raises(ProtocolError):
         decode_hello(np.full(HELLO_BYTES, 255, np.uint8))
+
+
+def test_hello_carries_single_copy_fields_and_stays_compatible():
+    old = TransferHello(1, "a", "127.0.0.1", 4000, 16 * MIB, 256 * KIB)
+    new = TransferHello(1, "b", "127.0.0.1", 4001, 16 * MIB, 256 * KIB, b"\x01" * 200, "h/1/2")
+    assert decode_hello(encode_hello(new)) == new
+    # a peer without the trailing fields decodes ours, and we decode its hello
+    legacy = np.zeros(HELLO_BYTES, np.uint8)
+    body = msgspec.msgpack.encode([1, "a", "127.0.0.1", 4000, 16 * MIB, 256 * KIB])
+    legacy[:2] = np.frombuffer(len(body).to_bytes(2, "little"), np.uint8)
+    legacy[2:2 + len(body)] = np.frombuffer(body, np.uint8)
+    assert decode_hello(legacy) == old and not single_copy_link(new, old)
+    assert single_copy_link(new, msgspec.structs.replace(old, worker_address=b"x", host_id="h/1/2"))
+    assert not single_copy_link(new, msgspec.structs.replace(old, worker_address=b"x", host_id="o"))
+    huge = msgspec.structs.replace(new, worker_address=b"\x02" * HELLO_BYTES)
+    assert fit_hello(huge).worker_address == b"" and fit_hello(new) == new
+    encode_hello(fit_hello(huge))  # fits one frame
+    assert COMMIT_INDEX == MAX_MESSAGES and make_tag(1, COMMIT_INDEX) >> INDEX_BITS == 1
+
+
+def test_single_copy_supported_rules(tmp_path):
+    yama = tmp_path / "ptrace_scope"
+    yama.write_text("0\n")
+    assert single_copy_supported("tcp,sm,self", {}, str(yama))[0]
+    assert single_copy_supported(None, {}, str(yama))[0]                 # UCX default: all
+    assert single_copy_supported("tcp,cma", {}, str(yama))[0]
+    assert not single_copy_supported("tcp,self", {}, str(yama))[0]
+    assert not single_copy_supported("^sm", {}, str(yama))[0]
+    assert not single_copy_supported("tcp,sm", {"UCX_TLS": "tcp"}, str(yama))[0]  # env wins
+    assert not single_copy_supported("sm", {"DUALPATH_UCX_SINGLE_COPY": "0"}, str(yama))[0]
+    assert not single_copy_supported("tcp,sm,cuda_copy,cuda_ipc", {}, str(yama))[0]
+    yama.write_text("1\n")
+    ok, reason = single_copy_supported("sm", {}, str(yama))
+    assert not ok and "ptrace" in reason
+    assert single_copy_supported("sm", {}, str(tmp_path / "absent"))[0]   # no Yama
+    assert local_host_id() == local_host_id() and local_host_id().count("/") == 2
 
 
 def test_ucx_env_defaults_never_override_the_user():
@@ -484,6 +523,111 @@ async def test_cancel_then_fresh_transfer(peer, local):
     assert local.stats()["transfers_active"] == 0
     arena = await receive_from(peer, local, slots, seed=6)
     assert np.array_equal(gather(arena, slots), pattern(6, 3 * MIB))
+
+
+# ---------------------------------------------------------------- single copy (same host)
+
+async def test_single_copy_receiver_needs_the_commit(monkeypatch):
+    """Data over the worker-address endpoint completes only with the sender's commit."""
+    cfg = TransportConfig(**CFG)
+    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
+        if not a._worker_address:
+            pytest.skip(f"no single copy here: {a.single_copy_reason}")
+        slots = [(0, 3 * MIB), (4 * MIB, 64 * KIB)]
+        data = pattern(41, 3 * MIB + 64 * KIB)
+        arena, tid = arena_for(slots), a.new_transfer_id()
+        handle = await a.expect(b.address, tid, arena, slots, 10.0)
+        await b.send(a.address, tid, split_views(data, 2), slots, 10.0)
+        await handle.wait()
+        assert np.array_equal(gather(arena, slots), data)
+        assert a.stats()["single_copy_links"] == 1 and b.stats()["single_copy_endpoints"] == 1
+
+        async def no_commit(tx):
+            return None
+        monkeypatch.setattr(b, "_send_commit", no_commit)
+        arena, tid = arena_for(slots), a.new_transfer_id()
+        handle = await a.expect(b.address, tid, arena, slots, 1.0)
+        before = a.stats()["messages_received"]
+        await b.send(a.address, tid, [data], slots, 5.0)  # every message taken by the receiver
+        with pytest.raises(DeadlineExceeded):
+            await handle.wait()
+        assert a.stats()["messages_received"] == before + 2  # all bytes, but no commit
+
+
+@pytest.mark.slow
+async def test_same_host_peers_use_single_copy(peer, local):
+    if not local._worker_address:
+        pytest.skip(f"no single copy here: {local.single_copy_reason}")
+    slots = [(0, 5 * MIB)]
+    arena = await receive_from(peer, local, slots, seed=32)
+    assert np.array_equal(gather(arena, slots), pattern(32, 5 * MIB))
+    assert local.stats()["single_copy_links"] >= 1
+    assert (await peer.request("stats"))["stats"]["single_copy_endpoints"] >= 1
+
+
+@pytest.mark.slow
+async def test_single_copy_off_on_one_side_falls_back(local, monkeypatch):
+    monkeypatch.setenv("DUALPATH_UCX_SINGLE_COPY", "0")
+    other = PeerProc(CFG)
+    try:
+        arena = await receive_from(other, local, gapped(3, MIB), seed=33)
+        assert np.array_equal(gather(arena, gapped(3, MIB)), pattern(33, 3 * MIB))
+        tid = (await other.request("new_id"))["tid"]
+        futs = other.call("expect", peer=list(local.address), tid=tid, arena_bytes=4 * MIB,
+                          slots=[(0, 2 * MIB)], deadline=20.0)
+        await asyncio.wrap_future(futs["posted"])
+        await local.send(other.address, tid, [pattern(34, 2 * MIB)], [(0, 2 * MIB)], 20.0)
+        assert (await asyncio.wrap_future(futs["done"]))["ok"]
+        assert local.stats()["single_copy_links"] == 0
+        assert (await other.request("stats"))["stats"]["single_copy_endpoints"] == 0
+    finally:
+        other.close()
+
+
+@pytest.mark.slow
+async def test_receiver_killed_fails_a_pending_send_fast(local):
+    """Sends the receiver never takes (nothing expected) fail as soon as it dies; the
+    transport's gather staging comes back (abandoned single-copy sends are not awaited)."""
+    victim = PeerProc(CFG)
+    try:
+        tid = (await victim.request("new_id"))["tid"]
+        slots = gapped(4, MIB)
+        send = asyncio.create_task(local.send(victim.address, tid,
+                                              split_views(pattern(35, 4 * MIB), 3), slots, 60.0))
+        await wait_for(lambda: local.stats()["staging_in_use_bytes"] > 0, what="sends posted")
+        await asyncio.sleep(0.2)
+        assert not send.done()
+        t0 = time.monotonic()
+        victim.kill()
+        with pytest.raises(PeerFailed):
+            await asyncio.wait_for(send, 30)
+        assert time.monotonic() - t0 < 4.0
+        stats = local.stats()
+        assert stats["staging_in_use_bytes"] == 0 and stats["transfers_active"] == 0
+        if stats["single_copy_endpoints"]:
+            assert stats["sends_abandoned"] > 0
+            # the dead peer's single-copy endpoint is closed (its process is gone)
+            await wait_for(lambda: local.stats()["single_copy_endpoints_open"] == 0, 15.0,
+                           "the dead peer's single-copy endpoint to close")
+    finally:
+        victim.kill()
+
+
+@pytest.mark.slow
+async def test_send_deadline_fails_fast_then_link_recovers(peer, local):
+    tid = (await peer.request("new_id"))["tid"]  # the peer never expects it
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await local.send(peer.address, tid, split_views(pattern(36, 3 * MIB), 2),
+                         gapped(3, MIB), 0.5)
+    assert time.monotonic() - t0 < 3.0  # abandoned, not settled for seconds
+    assert local.stats()["staging_in_use_bytes"] == 0
+    for _ in range(200):  # the peer has seen the abort (else its next send may pick the old link)
+        if (await peer.request("stats"))["stats"]["endpoints"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    arena = await receive_from(peer, local, gapped(3, MIB), seed=37)
+    assert np.array_equal(gather(arena, gapped(3, MIB)), pattern(37, 3 * MIB))
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -72,6 +72,7 @@ class PrefillAttempt:
         self.fwd_known = [asyncio.Event() for _ in range(layers)]
         self.put_done = [asyncio.Event() for _ in range(layers)]
         self.put = self.sent = self.consumed = 0
+        self._pulls = 0                          # PullLayers calls in flight
         self.first_token_id: int | None = None
         self.tasks: set[asyncio.Task] = set()
         self.receives: list[Any] = []
@@ -286,14 +287,18 @@ class PrefillAttempt:
         self.t_pull_start = time.monotonic()
         try:
             while nxt < L:
-                while nxt >= self.consumed + k:
+                # Bounded in flight too: concurrent transfers interleave on the wire, so
+                # fewer of them at once make layers arrive in the order the engine needs.
+                while nxt >= self.consumed + k or self._pulls >= s.pulls_in_flight:
                     await self._wait_pulse()
-                # The first call asks for one layer: its reply (the usable hit) is what hands
-                # the request to the engine, so it should come back as early as possible.
-                end = min(L, nxt + (1 if nxt == 0 else per), self.consumed + k)
+                # Calls ramp up 1, 1, 2, 4, ... layers: the first reply (the usable hit) hands
+                # the request to the engine, and the next layers should follow it closely.
+                end = min(L, nxt + min(per, max(1, nxt)), self.consumed + k)
                 slots, handle = await self._post_pull(range(nxt, end))
-                nxt = end
+                first, nxt = nxt == 0, end
                 self._spawn(self._pull_call(dp, slots, handle))
+                if first:       # layer 0 alone on the wire: the engine starts on it sooner
+                    await self._wait(self._hit_known)
         except DualpathError as e:
             self.abort(with_hop(e, "de_loader"))
 
@@ -311,6 +316,7 @@ class PrefillAttempt:
         return slots, h
 
     async def _pull_call(self, dp, slots: list[LayerSlots], handle: Any) -> None:
+        self._pulls += 1
         try:
             reply: PullLayersReply = await self._call(
                 dp, PullLayers(self.info.request_id, self.info.attempt, slots))
@@ -322,6 +328,9 @@ class PrefillAttempt:
                 self.ready[ls.layer].set()
         except DualpathError as e:
             self.abort(with_hop(e, "de_loader"))
+        finally:
+            self._pulls -= 1
+            self._pulse.set()
 
     def _apply_pull_reply(self, reply: PullLayersReply, layers: list[int]) -> None:
         bt, hit, b = self.info.block_tokens, reply.hit_tokens, self.spec.kv_bytes_per_token_per_layer

@@ -54,12 +54,14 @@ class PEReceiverConfig(NodeServiceConfig):
     """``[pe_receiver]``: the PE buffer and the layer-wise feed of the node's prefill engines."""
 
     lookahead_layers: int = 8              # layers loaded ahead of the engine (DE path: pulled)
-    layers_per_pull: int = 2               # layers per PullLayers call
+    layers_per_pull: int = 2               # layers per PullLayers call (one transfer)
+    pulls_in_flight: int = 2               # PullLayers calls outstanding at once
     max_unsent_layers: int = 8             # put_layer waits beyond this many unsent layers
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("lookahead_layers", "layers_per_pull", "max_unsent_layers"):
+        for name in ("lookahead_layers", "layers_per_pull", "pulls_in_flight",
+                     "max_unsent_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"pe_receiver.{name} must be positive, got {getattr(self, name)}")
 

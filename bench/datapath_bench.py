@@ -38,6 +38,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from common.service import run
 from bench.report import bench_parser, headline, print_table, write_results
 from common.config import DualpathConfig, build_config
 from common.kv import PRESETS, block_keys_from_tokens
@@ -332,13 +333,6 @@ COLUMNS = ["hit_tokens", "pull_gbps", "raw_gbps", "ratio", "memcpy_gbps", "vs_ni
            "layer_p50_ms", "layer_p99_ms"]
 
 
-def _run(coro):
-    try:
-        import uvloop
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
@@ -352,11 +346,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="PullLayers calls outstanding at once")
     args = parser.parse_args(argv)
     if args.child:
-        _run(child_main(args.max_tokens, args.lookahead, args.layers_per_pull))
+        run(child_main(args.max_tokens, args.lookahead, args.layers_per_pull))
         return 0
     configure_logging("warning", json=False)
     start, load_before = time.perf_counter(), os.getloadavg()
-    rows, overlap, settings = _run(bench_main(args))
+    rows, overlap, settings = run(bench_main(args))
     print()
     print_table(rows, COLUMNS)
     print(f"\noverlap at {SIZES[0]} hit tokens: load/layer {overlap['load_per_layer_in_run_s'] * 1e3:.2f}"

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.service import run
 from bench.report import bench_parser, headline, print_table, write_results
 from common.config import TransportConfig
 from common.logging import configure_logging
@@ -288,24 +289,17 @@ async def bench_main(quick: bool) -> tuple[list[dict], float]:
     return rows, head["ratio"]
 
 
-def _run(coro):
-    try:
-        import uvloop  # ~2x small-message rate (shared UCX notes); same loop for both paths
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("transport", __doc__.splitlines()[0])
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     if args.child:
-        _run(child_main())
+        run(child_main())
         return 0
     configure_logging("warning", json=False)
     start, load_before = time.perf_counter(), os.getloadavg()
-    rows, ratio = _run(bench_main(args.quick))
+    rows, ratio = run(bench_main(args.quick))
     print()
     print_table(rows, COLUMNS)
     load = {"before": load_before, "after": os.getloadavg()}

@@ -8,7 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
 rc=0
-out=$(bash ../shared/ci/docker-env.sh up) || rc=$?
+if [ ! -f ../shared/ci/docker-env.sh ]; then
+    echo "compose smoke: ../shared/ci/docker-env.sh not found" >&2
+    rc=3
+else
+    out=$(bash ../shared/ci/docker-env.sh up) || rc=$?
+fi
 if [ "$rc" -eq 3 ]; then
     echo "=================================================================="
     echo "SKIPPED: docker unavailable — compose smoke test did not run"

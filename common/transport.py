@@ -405,7 +405,7 @@ class PageTransport:
             ep = await self._ctx.create_endpoint_from_worker_address(
                 u.lib.UCXAddress.create_from_buffer(link.peer_worker_address),
                 endpoint_error_handling=False)
-        except u.Error as e:  # the link still works: data then goes over link.ep
+        except Exception as e:  # a bad address, a UCX refusal: data then goes over link.ep
             log.warning("single_copy_endpoint_failed", peer=link.addr, error=repr(e))
             return
         if self._state != "running" or link.peer_worker_address in self._data_eps:

@@ -554,6 +554,25 @@ async def test_single_copy_receiver_needs_the_commit(monkeypatch):
         assert a.stats()["messages_received"] == before + 2  # all bytes, but no commit
 
 
+async def test_single_copy_endpoint_failure_falls_back_to_the_link(monkeypatch):
+    cfg = TransportConfig(**CFG)
+    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
+        if not a._worker_address:
+            pytest.skip(f"no single copy here: {a.single_copy_reason}")
+
+        async def refuse(*args, **kw):
+            raise ValueError("no endpoint from this address")
+        monkeypatch.setattr(b._ctx, "create_endpoint_from_worker_address", refuse)
+        slots = [(0, 2 * MIB)]
+        data = pattern(42, 2 * MIB)
+        arena, tid = arena_for(slots), a.new_transfer_id()
+        handle = await a.expect(b.address, tid, arena, slots, 10.0)
+        await b.send(a.address, tid, [data], slots, 10.0)  # over the link, still committed
+        await handle.wait()
+        assert np.array_equal(gather(arena, slots), data)
+        assert b.stats()["single_copy_endpoints_open"] == 0 and b.stats()["single_copy_links"] == 1
+
+
 @pytest.mark.slow
 async def test_same_host_peers_use_single_copy(peer, local):
     if not local._worker_address:

@@ -39,7 +39,8 @@ import msgspec
 import numpy as np
 
 from common.service import run
-from bench.report import bench_parser, headline, print_table, write_results
+from bench.report import (bench_parser, headline, print_table, read_json, send_json,
+                          write_results)
 from common.config import DualpathConfig, build_config
 from common.kv import PRESETS, block_keys_from_tokens
 from common.logging import configure_logging
@@ -165,14 +166,10 @@ class Bench:
             await self.pe.stop()
 
     def _command(self, cmd: dict) -> None:
-        self.child.stdin.write(json.dumps(cmd) + "\n")
-        self.child.stdin.flush()
+        send_json(self.child, cmd)
 
     async def _reply(self) -> dict:
-        line = await asyncio.get_running_loop().run_in_executor(None, self.child.stdout.readline)
-        if not line:
-            raise RuntimeError("benchmark DE loader process exited")
-        return json.loads(line)
+        return await read_json(self.child, "DE loader")
 
     def plan(self, hit: int) -> RequestPlan:
         self.n += 1

@@ -7,6 +7,7 @@ JSON's top-level ``headline`` holds the one number its issue asks for.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import sys
@@ -55,3 +56,17 @@ def write_results(out: Path | None, name: str, head: dict[str, Any], results: di
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str))
     print(f"results written to {out}")
+
+
+def send_json(child, cmd: dict) -> None:
+    """Send one JSON-lines command to a benchmark's peer process (its stdin)."""
+    child.stdin.write(json.dumps(cmd) + "\n")
+    child.stdin.flush()
+
+
+async def read_json(child, what: str) -> dict:
+    """Read one JSON-lines reply from a peer process without blocking the event loop."""
+    line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
+    if not line:
+        raise RuntimeError(f"benchmark {what} process exited")
+    return json.loads(line)

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from common.service import run
-from bench.report import bench_parser, headline, print_table, write_results
+from bench.report import (bench_parser, headline, print_table, read_json, send_json,
+                          write_results)
 from common.config import TransportConfig
 from common.logging import configure_logging
 from common.transport import PageTransport
@@ -148,14 +149,10 @@ class Bench:
                 await t.stop()
 
     def _command(self, cmd: dict) -> None:
-        self.child.stdin.write(json.dumps(cmd) + "\n")
-        self.child.stdin.flush()
+        send_json(self.child, cmd)
 
     async def _reply(self) -> dict:
-        line = await asyncio.get_running_loop().run_in_executor(None, self.child.stdout.readline)
-        if not line:
-            raise RuntimeError("benchmark sender process exited")
-        return json.loads(line)
+        return await read_json(self.child, "sender")
 
     def arena_for(self, nbytes: int) -> np.ndarray:
         if self.arena.nbytes < nbytes:  # a registered pool is allocated once and warm

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-import structlog
 
 from common.protocol import RequestFinished
 from services.cluster import cli
@@ -18,17 +16,9 @@ from services.cluster.launcher import STATE_FILE, Launcher, LaunchError, State, 
 from services.cluster.toml_write import dumps
 from services.scheduler.client import SyncSchedulerClient
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]
 
 
-@pytest.fixture(autouse=True)
-def _keep_logging():
-    """CLI entry points configure logging onto the (captured) stderr; put it back after."""
-    saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
-    yield
-    structlog.configure(**saved)
-    logging.root.handlers[:] = handlers
-    logging.root.setLevel(level)
 
 MiB = 1 << 20
 

@@ -9,10 +9,8 @@ hits' blocks, and no buffer page is left behind.
 
 from __future__ import annotations
 
-import logging
 
 import pytest
-import structlog
 
 from services.cluster.config import MODES, load_cluster
 from services.cluster.inprocess import start_cluster
@@ -20,15 +18,8 @@ from services.replay.run import ClusterTarget, replay
 from services.replay.workloads import AgenticSpec
 
 
-@pytest.fixture(autouse=True)
-def _keep_logging():
-    """CLI entry points configure logging onto the (captured) stderr; put it back after."""
-    saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
-    yield
-    structlog.configure(**saved)
-    logging.root.handlers[:] = handlers
-    logging.root.setLevel(level)
 
+pytestmark = pytest.mark.usefixtures("keep_logging")
 MiB = 1 << 20
 
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv test test-fast demo bench bench-quick clean
+.PHONY: venv test test-fast demo bench bench-quick reliability clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dualpath demo
 
-BENCHES := transport gateway datapath scheduler sim e2e
+BENCHES := transport gateway datapath scheduler sim e2e chaos overload
 
 bench: $(STAMP)
 	mkdir -p results
@@ -32,6 +32,10 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	mkdir -p results
 	for b in $(BENCHES); do $(VENV)/bin/dualpath bench $$b --quick --out results/$$b-quick.json || exit 1; done
+
+# docs/reliability.md from a run of the reliability-marked tests and a chaos benchmark
+reliability: $(STAMP)
+	$(PY) -m bench.reliability_report
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis results data

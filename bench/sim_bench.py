@@ -7,8 +7,10 @@ of memory; ``scaleout_jct_ratio`` = JCT(48P96D) ÷ JCT(2P4D) ≤ 1.05 (paper: 3,
 1.011).
 
 Quick run (< 60 s on a 2-core host): 8P16D with 8,192 agents vs 2P4D with 2,048 agents (the
-paper's agents per node), 35 % of the turns. The headline is the same ratio. Shortened runs weigh
-the start-up transient more (docs/simulator.md, "Findings"), so the quick ratio is a proxy.
+paper's agents per node), 35 % of the turns. The headline is the same ratio. The quick ratio is a
+proxy: it catches the start-up transient (1.074 before the cost-weighted PE load, 1.014 after) but
+not the smaller per-turn gap that builds up over full-length runs at 48P96D (docs/simulator.md,
+"Findings": full ratio 1.097).
 
 Reported per run: JCT, simulated requests and events, wall and CPU time (the run is
 single-threaded: CPU time is the one-core cost, wall time on a shared host adds waiting for a

@@ -7,6 +7,12 @@ so that a request's ``[L, tokens, B]`` KV region keeps each layer contiguous and
 one UCX message; when the arena is fragmented it falls back to several extents and the
 ``slots``/``views`` of a logical byte range tell the transport where the bytes are.
 
+``shm=True`` (host memory only) puts the arena in a named ``/dev/shm`` segment
+(``common.shm``) so the node's storage gateway can ``preadv`` Full Blocks straight into it —
+one copy instead of two (docs/storage.md "Same-host shared memory"). If /dev/shm cannot hold
+it the pool logs ``shm_arena_unavailable`` and uses private memory (reads then go over UCX).
+``close()`` unlinks the segment; call it after the transport that registered the arena stopped.
+
 Accounting is exact and checked: every page is either free or owned by exactly one live
 allocation; double frees raise; ``counters()`` exposes the numbers for metrics and tests.
 """
@@ -19,21 +25,32 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 
 from common.errors import DeadlineExceeded, InternalError, InvalidArgument, ResourceExhausted
 
+log = structlog.get_logger(__name__)
 
-def _make_arena(nbytes: int, device: str):
+
+def _make_arena(nbytes: int, device: str, shm: bool = False, name: str = "pool"):
+    """(arena, shm segment or None)."""
     if device == "host":
+        if shm:
+            from common.shm import ShmSegment
+            try:
+                seg = ShmSegment.create(nbytes)
+                return seg.array, seg          # fallocated + MAP_POPULATE: already touched
+            except OSError as e:
+                log.warning("shm_arena_unavailable", pool=name, bytes=nbytes, error=str(e))
         arena = np.empty(nbytes, dtype=np.uint8)
         arena[::4096] = 0  # touch every page now so the first transfer does not page-fault
-        return arena
+        return arena, None
     if device == "cuda":
         import cupy  # lazy: GPU-only dependency (extra "gpu")
 
         if not cupy.cuda.is_available():
             raise InvalidArgument("buffers.device = 'cuda' but no CUDA device is available")
-        return cupy.empty(nbytes, dtype=cupy.uint8)
+        return cupy.empty(nbytes, dtype=cupy.uint8), None
     raise InvalidArgument(f"unknown buffer device {device!r}; use 'host' or 'cuda'")
 
 
@@ -98,13 +115,14 @@ class Allocation:
 class PagePool:
     """A fixed arena of ``num_pages`` pages of ``page_bytes``; first-fit extents, merged on free."""
 
-    def __init__(self, page_bytes: int, num_pages: int, device: str = "host", name: str = "pool"):
+    def __init__(self, page_bytes: int, num_pages: int, device: str = "host", name: str = "pool",
+                 shm: bool = False):
         if page_bytes <= 0 or num_pages <= 0:
             raise InvalidArgument("page_bytes and num_pages must be positive")
         self.name = name
         self.page_bytes = page_bytes
         self.num_pages = num_pages
-        self.arena = _make_arena(page_bytes * num_pages, device)
+        self.arena, self.shm = _make_arena(page_bytes * num_pages, device, shm, name)
         self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted by first page, merged
         self._live: dict[int, Allocation] = {}
         self._next_id = 1
@@ -114,6 +132,12 @@ class PagePool:
     @classmethod
     def from_config(cls, cfg, name: str = "pool") -> PagePool:
         return cls(cfg.page_bytes, cfg.num_pages, cfg.device, name)
+
+    def close(self) -> None:
+        """Unlink the arena's shared-memory segment, if any (idempotent; memory stays valid
+        for views still held)."""
+        if self.shm is not None:
+            self.shm.close()
 
     # ------------------------------------------------------------------ allocation
     def pages_for(self, nbytes: int) -> int:

@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "bench.e2e_bench",
     "datapath": "bench.datapath_bench",
     "sim": "bench.sim_bench",
+    "chaos": "bench.chaos_bench",
+    "overload": "bench.overload_bench",
 }
 
 COMMANDS: dict[str, str] = {

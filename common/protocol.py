@@ -214,6 +214,37 @@ class ReadBlocks(Message, tag="gw.read"):
     ucx_host: str
     ucx_port: int
     batches: list[ReadBatch]
+    # Same-host shared memory (``common.shm``): when set, ``batches[*].slots`` are offsets in
+    # the requester's segment ``/dev/shm/<shm_segment>`` of ``shm_bytes`` and the gateway
+    # preads straight into them (no UCX, no receives posted; transfer ids only need to be
+    # distinct). A gateway that cannot open the segment answers ``ShmUnavailable``.
+    shm_segment: str = ""
+    shm_bytes: int = 0
+
+
+class ShmUnavailable(Message, tag="gw.read.shm_unavailable"):
+    """Answer to a shared-memory ReadBlocks the gateway cannot serve that way (segment not
+    reachable from its host/container, other uid, shm disabled): nothing was read; the
+    requester retries over UCX (and stops asking this gateway for shm)."""
+
+    request_id: str
+    reason: str
+
+
+class ShmFence(Message, tag="gw.read.fence"):
+    """Wait until no shared-memory read ``request_id`` into ``shm_segment`` is running.
+
+    A requester whose shm ReadBlocks failed on its side (deadline, cancelled, connection lost)
+    sends this before reusing the slots: the gateway may still have been writing into them.
+    """
+
+    shm_segment: str
+    request_id: str
+
+
+class ShmFenceReply(Message, tag="gw.read.fence.reply"):
+    request_id: str
+    waited: int                 # reads that were still running when the fence arrived
 
 
 class ReadBlocksReply(Message, tag="gw.read.reply"):
@@ -271,9 +302,11 @@ class GatewayTelemetry(Message, tag="gw.telemetry"):
     blocks_stored: int
 
 
-GatewayRequest = Union[LookupPrefix, ReadBlocks, WriteBlocks, WatchTelemetry, Ping, GetStats]
+GatewayRequest = Union[LookupPrefix, ReadBlocks, WriteBlocks, WatchTelemetry, Ping, GetStats,
+                       ShmFence]
 GatewayReply = Union[LookupPrefixReply, ReadBlocksReply, WriteSlots, BlocksWritten,
-                     GatewayTelemetry, Pong, GetStatsReply, ErrorReply]
+                     GatewayTelemetry, Pong, GetStatsReply, ErrorReply, ShmUnavailable,
+                     ShmFenceReply]
 
 
 # =========================================================================== scheduler: frontend channel

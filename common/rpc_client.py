@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from common.auth import compute_response
+from common.auth import compute_response, load_secret
 from common.config import RpcConfig
 from common.errors import (
     Cancelled, DeadlineExceeded, DualpathError, PeerFailed, ProtocolError,
@@ -235,7 +235,9 @@ class RpcClient:
         self._host, self._port = host, port
         self._role, self._node_id = role, node_id
         self._kv_fingerprint = kv_fingerprint
-        self._secret = auth_secret
+        # No explicit secret: the one ``cfg`` names (rpc.auth_secret_file / _env), so every
+        # client built from a cluster's config authenticates without each caller remembering.
+        self._secret = auth_secret if auth_secret is not None else load_secret(cfg)
         self._codec = FrameCodec(reply_type, cfg.max_frame_bytes, event_type)
         self._ids = itertools.count(1)
         self._conn: _Connection | None = None

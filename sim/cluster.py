@@ -158,7 +158,7 @@ class Cluster:
     def _batcher(self) -> PrefillBatcher:
         cfg, spec, ts = self.cfg, self.spec, self.ts
         if spec.quota:
-            attn = cfg.cost.attention_s
+            attn = cfg.cost.attention_fn()     # = attention_s, without the method-call layers
             cost = attn if ts == 1.0 else (lambda c, n: attn(c, n) * ts)
             return PrefillBatcher(cost, cfg.engine.compute_quota_s * ts)
         bpt, hbm = self.bpt, cfg.hardware.pe_hbm_kv_bytes
@@ -196,7 +196,8 @@ class Cluster:
         rid = f"{agent.aid}.{agent.turn}"
         rec = Req(rid, agent, hit, new, gen, now)
         self.reqs[rid] = rec
-        self.sched.submit(Request.sized(rid, agent.session, hit, new, gen, self.bpt))
+        self.sched.submit(Request(rid, agent.session, hit, new, gen,     # = Request.sized
+                                  (hit + new + gen) * self.bpt))
         self.waiting_de += 1
         if not self.tick_armed:
             self.tick_armed = True

@@ -39,8 +39,8 @@ per request instead of one event per token.
 
 from __future__ import annotations
 
-import heapq
 import math
+from heapq import heappop, heappush
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .cluster import Cluster, Node, Req
 
 SIDE_PE, SIDE_DE, SIDE_NONE = 0, 1, 2
+INF = math.inf
 
 
 class PEGpu:
@@ -111,7 +112,7 @@ class Prefill:
         self.loop = cl.loop
         self.net = cl.net
         self.ts = cfg.sim.time_scale
-        self.attn = cost.attention_s
+        self.attn = cost.attention_fn()
         self.quota = cl.spec.quota         # then the batcher's predicted_s is Σ attention_s × ts
         self.lin_per_tok = 2.0 * cost.linear_params / cost.linear_flops_per_s
         self.eff_k = cfg.model.batch_eff_tokens
@@ -144,17 +145,25 @@ class Prefill:
                 if not quota:
                     attn += attn_fn(it.cached, it.new)
                 new_total += it.new
-                if io:
+                if io:                 # three links per hop, unrolled (the hot loop at scale)
+                    de = rec.de
                     b = it.cached * bpt
                     if b:
-                        src = gpu.self_links if rec.side == SIDE_PE else rec.de.remote_src(gpu)
-                        for link in src:
-                            lw[link] = lw.get(link, 0.0) + b
+                        if rec.side == SIDE_PE:
+                            l1, l2, l3 = gpu.self_links
+                        else:
+                            src = de._remote.get(gpu)
+                            l1, l2, l3 = src if src is not None else de.remote_src(gpu)
+                        lw[l1] = lw.get(l1, 0.0) + b
+                        lw[l2] = lw.get(l2, 0.0) + b
+                        lw[l3] = lw.get(l3, 0.0) + b
                         lb += b
                     o = it.new + rec.hit if rec.first and rec.side == SIDE_PE else it.new
                     o *= bpt
-                    for link in (gpu.cnic_rd, rec.de.cnic_wr, rec.de.node.dram):
-                        ow[link] = ow.get(link, 0.0) + o
+                    l1, l2, l3 = gpu.cnic_rd, de.cnic_wr, de.node.dram
+                    ow[l1] = ow.get(l1, 0.0) + o
+                    ow[l2] = ow.get(l2, 0.0) + o
+                    ow[l3] = ow.get(l3, 0.0) + o
                     ob += o
                 rec.first = False
                 items.append((rec, it.last))
@@ -292,7 +301,7 @@ class DEGpu:
     """A decode engine: fluid decode of its whole batch, H2D in, write-back out."""
 
     __slots__ = ("engine_id", "node", "cnic_rd", "cnic_wr", "h2d_links", "wb_links", "cl", "loop",
-                 "V", "tV", "step", "heap", "n", "sp", "svj", "due", "seq", "step_fn", "ts",
+                 "V", "tV", "step", "heap", "n", "sp", "svj", "due", "seq", "dc", "ts",
                  "_remote", "h2d_q", "h2d_busy", "ev")
 
     def __init__(self, engine_id: str, node: Node, cnic_cap: float, cl: Cluster) -> None:
@@ -308,7 +317,8 @@ class DEGpu:
                          (node.snic_wr, 0.5))
         self.cl = cl
         self.loop = cl.loop
-        self.step_fn = cl.cfg.cost.decode_step_s
+        cost = cl.cfg.cost
+        self.dc = (cost.decode_base_s, cost.decode_s_per_seq, cost.decode_s_per_ctx_token)
         self.ts = cl.cfg.sim.time_scale
         self.V = 0.0          # tokens every member has decoded since the engine started (virtual clock)
         self.tV = 0.0
@@ -360,7 +370,7 @@ class DEGpu:
         self.tV = now
         V = self.V
         self.seq += 1
-        heapq.heappush(self.heap, (V + rec.gen - 1, self.seq, rec))
+        heappush(self.heap, (V + rec.gen - 1, self.seq, rec))
         self.n += 1
         self.sp += rec.prompt
         self.svj += V
@@ -370,16 +380,18 @@ class DEGpu:
     def _reschedule(self, now: float) -> None:
         n = self.n
         ctx = self.sp + n * self.V - self.svj
-        self.step = self.step_fn(n, ctx) * self.ts
+        c = self.dc                # = cost.decode_step_s(n, ctx) (n > 0 here), inlined
+        self.step = (c[0] + n * c[1] + ctx * c[2]) * self.ts
         self.due = due = now + (self.heap[0][0] - self.V) * self.step
         if due < self.ev:        # a later due keeps the pending event, which re-arms itself
             self.ev = due
-            self.loop.at(due, self._fire, due)
+            loop = self.loop
+            heappush(loop.heap, (due if due > now else now, next(loop.seq), self._fire, due))
 
     def _fire(self, t: float) -> None:
         if t != self.ev:
             return               # superseded by an earlier event
-        self.ev = math.inf
+        self.ev = INF
         now = self.loop.now
         if now < self.due:
             self.ev = self.due
@@ -391,7 +403,7 @@ class DEGpu:
         lim = self.V + 1e-6
         done = self.cl.decode_done
         while heap and heap[0][0] <= lim:
-            vfin, _, rec = heapq.heappop(heap)
+            vfin, _, rec = heappop(heap)
             self.n -= 1
             self.sp -= rec.prompt
             self.svj -= vfin - rec.gen + 1
@@ -401,4 +413,4 @@ class DEGpu:
         else:
             self.svj = 0.0
             self.sp = 0
-            self.due = math.inf
+            self.due = INF

@@ -1,7 +1,9 @@
 """The event loop: a heap of ``(time, seq, fn, arg)``; simulated time only, never the wall clock.
 
 ``seq`` breaks ties in scheduling order, so equal-time events run first-scheduled-first and a run
-is a pure function of its inputs. Handlers that may be superseded (a flow whose rate changed, a
+is a pure function of its inputs. Hot callers (flows, decode engines) push onto ``heap`` directly
+with ``next(seq)`` — the same entry ``at`` makes, without the extra call — and never earlier
+than ``now``. Handlers that may be superseded (a flow whose rate changed, a
 decode engine whose batch changed) check a stored due time on arrival and ignore stale events,
 which is cheaper than deleting from the heap.
 """
@@ -39,12 +41,19 @@ class EventLoop:
         pop = heappop
         n = 0
         try:
-            while heap and not self.stopped:
-                if heap[0][0] > until:
-                    break
-                t, _, fn, arg = pop(heap)
-                self.now = t
-                fn(arg)
-                n += 1
+            if until == float("inf"):
+                while heap and not self.stopped:
+                    t, _, fn, arg = pop(heap)
+                    self.now = t
+                    fn(arg)
+                    n += 1
+            else:
+                while heap and not self.stopped:
+                    if heap[0][0] > until:
+                        break
+                    t, _, fn, arg = pop(heap)
+                    self.now = t
+                    fn(arg)
+                    n += 1
         finally:
             self.events += n

@@ -120,7 +120,7 @@ def normalized(byte_map: dict[Link, float]) -> tuple[tuple[tuple[Link, float], .
     "faster" than a single-source one because it spreads over many links).
     """
     size = max(byte_map.values())
-    return tuple((link, b / size) for link, b in byte_map.items()), size
+    return tuple([(link, b / size) for link, b in byte_map.items()]), size
 
 
 class FlowNet:
@@ -142,45 +142,57 @@ class FlowNet:
               stream: bool = False) -> Flow:
         """Start moving ``size`` bytes; ``links`` must already be merged (see ``merge_links``)."""
         loop = self.loop
+        now = loop.now
         c = STREAM if stream else BULK
-        f = Flow(links, float(size), cap, fn, arg, loop.now, c)
+        f = Flow(links, float(size), cap, fn, arg, now, c)
         self.started += 1
         if size <= 0 or not links:
             f.active = False
-            f.due = loop.now
+            f.due = now
             if fn is not None:
-                loop.at(loop.now, fn, arg)
+                loop.at(now, fn, arg)
             return f
         # Fast path: the new flow takes the greedy rate (the least residual along its links) and
         # nobody else moves — unless a link it shares is, or becomes, saturated while carrying a
         # flow at least as fast (closure rule (a) of ``_resolve``), which needs the full solve.
+        # ``trig``: the least rate at which the new flow would saturate (or finds saturated) a
+        # link it shares — ``tot + w·rate >= sat`` below — so the per-link check only runs
+        # when the flow's rate reaches it (a paced stream's never does): one pass, not two.
         best = INF if cap is None else cap
-        shared = False
+        trig = INF
         for link, w in links:
             flows = link.flows[c]
-            if flows:
-                shared = True
-            flows[f] = w
             tot = link.tot
-            v = ((link.cap if c == 0 else link.cap - tot[0]) - tot[c]) / w
+            cl = link.cap
+            a = cl if c == 0 else cl - tot[0]
+            t = tot[c]
+            if flows:
+                m = ((a if a > 0.0 else 0.0) - TOL * cl - t) / w
+                if m < trig:
+                    trig = m
+            flows[f] = w
+            v = (a - t) / w
             if v < best:
                 best = v
         if best < 0.0:
             best = 0.0
-        if shared:
+        if best * (1.0 + 1e-9) + 1e-300 >= trig:
             lim = best * (1.0 - 1e-9)
             for link, w in links:
                 flows = link.flows[c]
                 if len(flows) > 1:
-                    tot = link.tot[c]
-                    sat = link.avail(c) - TOL * link.cap
-                    if tot >= sat or tot + w * best >= sat:
+                    tot = link.tot
+                    cl = link.cap
+                    a = cl if c == 0 else cl - tot[0]
+                    sat = (a if a > 0.0 else 0.0) - TOL * cl
+                    t = tot[c]
+                    if t >= sat or t + w * best >= sat:
                         for g in flows:
                             if g.rate >= lim and g is not f:
                                 self._resolve({f: None}, [lw[0] for lw in links], f, c)
-                                self._flush_bulk()
+                                if self._bulk_seeds:
+                                    self._flush_bulk()
                                 return f
-        now = loop.now
         for link, w in links:
             tot = link.tot
             if link.t != now:
@@ -194,8 +206,8 @@ class FlowNet:
                 tot[c] += w * best
         f.rate = best
         if best > 0.0:
-            f.due = now + f.remaining / best
-            loop.at(f.due, self._done, f)
+            f.due = due = now + f.remaining / best
+            heappush(loop.heap, (due, next(loop.seq), self._done, f))
         if self._bulk_seeds:
             self._flush_bulk()
         return f
@@ -219,7 +231,7 @@ class FlowNet:
         c = f.cls
         r = f.rate
         lim = r * (1.0 - 1e-9)
-        seeds: dict[Flow, None] = {}
+        seeds: dict[Flow, None] | None = None
         seed_links = []
         for link, w in f.links:
             tot = link.tot
@@ -231,10 +243,13 @@ class FlowNet:
             del flows[f]
             if flows:
                 tot[c] = before - w * r
-                if before >= (link.cap if c == 0 else link.cap - tot[0]) - TOL * link.cap:
+                cl = link.cap
+                if before >= (cl if c == 0 else cl - tot[0]) - TOL * cl:
                     seed_links.append(link)
                     for g in flows:
                         if g.rate >= lim:
+                            if seeds is None:
+                                seeds = {}
                             seeds[g] = None
             else:
                 tot[c] = 0.0
@@ -243,7 +258,8 @@ class FlowNet:
         f.rate = 0.0
         if seeds:
             self._resolve(seeds, seed_links, None, c)
-        self._flush_bulk()
+        if self._bulk_seeds:
+            self._flush_bulk()
 
     def _bulk_changed(self, link: Link, stream_before: float, delta: float) -> None:
         """Streams on ``link`` changed by ``delta``: re-seed its bulk flows if that matters."""
@@ -323,6 +339,7 @@ class FlowNet:
     def _apply(self, rates: dict[Flow, float], c: int) -> None:
         loop = self.loop
         now = loop.now
+        heap, seq = loop.heap, loop.seq
         done = self._done
         for f, r in rates.items():
             old = f.rate
@@ -346,8 +363,8 @@ class FlowNet:
                     self._bulk_changed(link, before, w * d)
             if r > 0.0:
                 rem = f.remaining
-                f.due = now + (rem if rem > 0.0 else 0.0) / r
-                loop.at(f.due, done, f)
+                f.due = due = now + (rem if rem > 0.0 else 0.0) / r
+                heappush(heap, (due, next(seq), done, f))
             else:
                 f.due = INF
 

@@ -10,23 +10,37 @@ Destination slots are ``(offset, nbytes)`` runs in the caller's flat arena, one 
 block holding exactly one Full Block. ``layout_slots`` gives them for a request region laid
 out ``[L, tokens, B]``; with ``layer_major=True`` each batch then travels as one message per
 layer (see ``common.protocol.ReadBatch``).
+
+Same host: when the arena lies in a shared-memory segment (``common.shm``; the node services'
+pools do when ``[gateway] shm = true``), reads name the segment and the gateway preads straight
+into the slots — no receives, no UCX, one copy. If the gateway cannot open the segment
+(another host or container) it answers ``ShmUnavailable``; the client logs that once, remembers
+it and uses UCX from then on. A shared-memory read that fails on this side (deadline,
+cancellation, lost connection) sends ``ShmFence`` before raising, so the gateway is known to
+have stopped writing into the slots when the call returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import asyncio
 from typing import Any
 
 import numpy as np
+import structlog
 
 from common.config import RpcConfig
+from common import shm as shm_mod
 from common.errors import InvalidArgument, ProtocolError
 from common.kv import KVSpec, validate_keys
 from common.protocol import (BlocksWritten, GatewayReply, GetStats, LookupPrefix,
                              LookupPrefixReply, Ping, ReadBatch, ReadBlocks,
-                             ReadBlocksReply, WatchTelemetry, WriteBlocks, WriteSlots)
+                             ReadBlocksReply, ShmFence, ShmUnavailable, WatchTelemetry,
+                             WriteBlocks, WriteSlots)
 from common.rpc import RpcClient, RpcStream
 from common.transport import PageTransport, Peer
+
+log = structlog.get_logger(__name__)
 
 Slots = list[tuple[int, int]]
 MiB = 1024 * 1024
@@ -85,24 +99,38 @@ class GatewayClient:
     """One gateway, seen from a requester with its own transport and arena."""
 
     def __init__(self, rpc: RpcClient, transport: PageTransport, arena: Any, spec: KVSpec,
-                 gateway_ucx: Peer | None = None) -> None:
+                 gateway_ucx: Peer | None = None, *, shm: bool | None = None,
+                 fence_timeout_s: float = 5.0) -> None:
+        """``shm``: None (default) = read through shared memory iff ``arena`` lies in a live
+        ``common.shm`` segment; False = always UCX; True = require a segment arena."""
         self.rpc = rpc
         self.transport = transport
         self.arena = arena
         self.spec = spec
         self._gateway_ucx = gateway_ucx
+        self._ucx_asked_on: Any = None      # the RPC connection the cached UCX address came from
+        self._shm = shm_mod.segment_of(arena) if shm is not False else None
+        if shm is True and self._shm is None:
+            raise InvalidArgument("shm=True needs an arena inside a common.shm segment")
+        self.fence_timeout_s = fence_timeout_s
+        self.counts = dict.fromkeys(("shm_reads", "ucx_reads", "shm_fallbacks", "shm_fences"), 0)
 
     @classmethod
     def connect(cls, cfg: RpcConfig, host: str, port: int, transport: PageTransport, arena: Any,
                 spec: KVSpec, *, node_id: str, role: str = "requester",
-                auth_secret: bytes | None = None) -> GatewayClient:
+                auth_secret: bytes | None = None, shm: bool | None = None) -> GatewayClient:
         """A client for the gateway whose RPC server is ``host:port`` (connects lazily)."""
         rpc = RpcClient(cfg, host, port, role=role, node_id=node_id, reply_type=GatewayReply,
                         kv_fingerprint=spec.fingerprint(), auth_secret=auth_secret)
-        return cls(rpc, transport, arena, spec)
+        return cls(rpc, transport, arena, spec, shm=shm)
 
     async def close(self) -> None:
         await self.rpc.close()
+
+    @property
+    def shm_active(self) -> bool:
+        """Whether reads go through shared memory (False after a ShmUnavailable answer)."""
+        return self._shm is not None
 
     async def __aenter__(self) -> GatewayClient:
         return self
@@ -111,10 +139,14 @@ class GatewayClient:
         await self.close()
 
     async def gateway_ucx(self) -> Peer:
-        """The gateway's UCX address (asked once: its ``ucx_port`` stat on the RPC host)."""
-        if self._gateway_ucx is None:
+        """The gateway's UCX address (its ``ucx_port`` stat on the RPC host), asked again after
+        a reconnect: a restarted gateway listens on a new UCX port (chaos tests)."""
+        asked = self._ucx_asked_on
+        if self._gateway_ucx is None or (asked is not None and (
+                not self.rpc.connected or self.rpc.peer is not asked)):
             counters = await self.stats()
             self._gateway_ucx = (self.rpc.address.rsplit(":", 1)[0], int(counters["ucx_port"]))
+            self._ucx_asked_on = self.rpc.peer
         return self._gateway_ucx
 
     # ------------------------------------------------------------------ control
@@ -146,6 +178,12 @@ class GatewayClient:
             raise InvalidArgument(f"need one destination per key: {len(keys)} keys, "
                                   f"{len(dest_slots)} destinations")
         plan = plan_batches(self.spec, dest_slots, batch_bytes, layer_major)
+        if self._shm is not None:
+            reply = await self._read_shm(request_id, keys, dest_slots, plan, layer_major,
+                                         deadline_s)
+            if reply is not None:
+                return reply
+        self.counts["ucx_reads"] += 1
         gateway = await self.gateway_ucx()
         handles, batches = [], []
         try:
@@ -162,6 +200,44 @@ class GatewayClient:
                 await h.cancel()
             raise
         return reply
+
+    async def _read_shm(self, request_id: str, keys: list[str], dest_slots: Sequence[Slots],
+                        plan: list[tuple[int, Slots]], layer_major: bool,
+                        deadline_s: float) -> ReadBlocksReply | None:
+        """The same-host read; None when the gateway cannot reach the segment (use UCX)."""
+        seg, base = self._shm
+        limit = self.arena.nbytes
+        for i, slots in enumerate(dest_slots):
+            if any(off + n > limit for off, n in slots):
+                raise InvalidArgument(f"destination {i}: a slot ends beyond the {limit} B arena")
+        batches = [ReadBatch(j + 1, n, [(base + off, k) for off, k in slots], layer_major)
+                   for j, (n, slots) in enumerate(plan)]
+        host, port = self.transport.address
+        msg = ReadBlocks(request_id, keys, host, port, batches, seg.name, seg.nbytes)
+        try:
+            reply = await self.rpc.call(msg, deadline_s)
+        except InvalidArgument:
+            raise                             # refused before any I/O
+        except BaseException:
+            await self._fence(seg.name, request_id)
+            raise
+        if isinstance(reply, ShmUnavailable):
+            log.warning("gateway_shm_unavailable_using_ucx", gateway=self.rpc.address,
+                        segment=seg.name, reason=reply.reason)
+            self._shm = None
+            self.counts["shm_fallbacks"] += 1
+            return None
+        self.counts["shm_reads"] += 1
+        return reply
+
+    async def _fence(self, segment: str, request_id: str) -> None:
+        """Wait until the gateway stopped writing into our slots for ``request_id``."""
+        self.counts["shm_fences"] += 1
+        try:
+            await asyncio.shield(self.rpc.call(ShmFence(segment, request_id), self.fence_timeout_s))
+        except BaseException as e:            # gateway gone: nothing writes any more either
+            log.warning("gateway_shm_fence_failed", gateway=self.rpc.address,
+                        request_id=request_id, error=repr(e))
 
     # ------------------------------------------------------------------ writes
     async def write_blocks(self, request_id: str, keys: Sequence[str], payloads: Sequence[Any],

@@ -35,13 +35,18 @@ class GatewayConfig(Section):
     link_rate_bytes_per_s: float = 0.0           # emulated SNIC; 0 = unlimited (real hardware)
     link_burst_bytes: int = 4 * MiB
     link_chunk_bytes: int = 1 * MiB              # large transfers are charged in chunks (fair interleave)
+    # Same-host shared memory (docs/storage.md): the node's PE receiver / DE loader keep their
+    # buffer in /dev/shm/dualpath-* and the gateway preads straight into it (one copy, no UCX);
+    # the gateway serves such reads. false: requesters keep private buffers, all reads over UCX.
+    shm: bool = True
+    shm_max_mappings: int = 16                   # requester segments a gateway keeps mapped (LRU)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"gateway.backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("io_threads", "max_keys_per_request", "max_bytes_per_request",
                      "max_concurrent_reads", "max_concurrent_writes", "read_batch_bytes",
-                     "link_chunk_bytes"):
+                     "link_chunk_bytes", "shm_max_mappings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway.{name} must be positive, got {getattr(self, name)}")
         for name in ("capacity_bytes", "max_queued_requests", "link_rate_bytes_per_s",

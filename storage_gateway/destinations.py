@@ -9,6 +9,8 @@ layout so ``os.preadv`` fills each layer of each block in place.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -91,3 +93,42 @@ def allocation_scatter_views(alloc, spec: KVSpec, tokens: int, n_blocks: int,
             views.extend(alloc.views(layer * row + i * lb, lb))
         out.append(views)
     return out
+
+
+def stream_block_pieces(slots: Sequence[tuple[int, int]], n_blocks: int, spec: KVSpec,
+                        layer_major: bool) -> list[list[tuple[int, int]]]:
+    """Where each block of a ``ReadBatch`` lands: per block, ``(offset, nbytes)`` runs of the
+    requester's buffer in the order of the block's bytes (adjacent runs merged).
+
+    ``slots`` map the batch's byte stream onto the buffer; the stream is block-major (block i
+    = bytes ``[i*bb, (i+1)*bb)``) or layer-major (layer l of block i at ``(l*n+i)*lb``). Used
+    by the shared-memory path, which writes each block in place instead of sending the stream.
+    The caller checked that the slots hold exactly ``n_blocks`` Full Blocks.
+    """
+    starts = list(itertools.accumulate((n for _, n in slots), initial=0))
+    bb, lb = spec.full_block_bytes, spec.layer_block_bytes
+
+    def runs(pos: int, length: int, out: list[tuple[int, int]]) -> None:
+        k = bisect.bisect_right(starts, pos) - 1
+        while length > 0:
+            off, n = slots[k]
+            skip = pos - starts[k]
+            take = min(length, n - skip)
+            if take > 0:
+                if out and out[-1][0] + out[-1][1] == off + skip:
+                    out[-1] = (out[-1][0], out[-1][1] + take)
+                else:
+                    out.append((off + skip, take))
+                pos, length = pos + take, length - take
+            k += 1
+
+    result = []
+    for i in range(n_blocks):
+        pieces: list[tuple[int, int]] = []
+        if layer_major:
+            for layer in range(spec.num_layers):
+                runs((layer * n_blocks + i) * lb, lb, pieces)
+        else:
+            runs(i * bb, bb, pieces)
+        result.append(pieces)
+    return result

@@ -13,6 +13,12 @@ its deadline passed, the requester left), batches not sent are never sent: the r
 client gets the error reply and cancels its receives; a failed send aborts the endpoint, so
 the requester's receive of that batch fails with PeerFailed.
 
+Same-host reads (``ReadBlocks.shm_segment`` set, see ``common.shm``): the requester's buffer is
+a ``/dev/shm/dualpath-*`` segment; the gateway maps it (cached), checks every slot lies inside,
+and has the store ``preadv`` the blocks straight into the requester's slots — verified there,
+missing ones zero-filled — then replies: one copy, no staging, no UCX. A segment it cannot open
+(another host or container) gets a ``ShmUnavailable`` answer and the requester falls back.
+
 Writes (``WriteBlocks``, a stream): the gateway answers which keys it lacks and where to send
 them (``WriteSlots``; it posted those receives into staging), waits for the bytes, stores the
 blocks durably and ends with ``BlocksWritten``.
@@ -41,15 +47,19 @@ from common.auth import load_secret
 from common.buffers import Allocation, AsyncPagePool, PagePool
 from common.config import DualpathConfig, Section
 from common.errors import ConfigError, DualpathError, InvalidArgument
+from common.faults import failpoint
 from common.kv import KVSpec, spec_from_config, validate_keys
 from common.protocol import (BlocksWritten, GatewayRequest, GatewayTelemetry, GetStats,
                              GetStatsReply, LookupPrefix, LookupPrefixReply, Ping, Pong,
-                             ReadBatch, ReadBlocks, ReadBlocksReply, WatchTelemetry,
-                             WriteBlocks, WriteSlots)
+                             ReadBatch, ReadBlocks, ReadBlocksReply, ShmFence, ShmFenceReply,
+                             ShmUnavailable, WatchTelemetry, WriteBlocks, WriteSlots)
 from common.rpc import CallContext, RpcServer
 from common.service import Service
+from common.shm import ShmMappings, valid_name
+from common.shm import ShmUnavailable as SegmentUnavailable
 from common.transport import PageTransport
 from common.transport_plan import check_transfer_id, plan_messages
+from storage_gateway.destinations import stream_block_pieces
 from storage_gateway.store import GatewayStore
 
 log = structlog.get_logger(__name__)
@@ -107,13 +117,22 @@ def check_read(msg: ReadBlocks, spec: KVSpec, svc: GatewayServiceConfig, max_key
         raise InvalidArgument(f"read of {len(keys)} blocks ({len(keys) * bb} B) is above the limit "
                               f"of {max_keys} blocks / {max_bytes} B per request — split it")
     _check_peer(msg.ucx_host, msg.ucx_port)
+    shm = bool(msg.shm_segment)
+    if shm and not valid_name(msg.shm_segment):
+        raise InvalidArgument(f"shm_segment {msg.shm_segment[:80]!r} is not a dualpath segment name")
+    if shm and msg.shm_bytes <= 0:
+        raise InvalidArgument(f"shm_bytes must be positive, got {msg.shm_bytes}")
     if sum(b.n_keys for b in msg.batches) != len(keys):
         raise InvalidArgument(f"batches carry {sum(b.n_keys for b in msg.batches)} keys, "
                               f"the request has {len(keys)}")
     plans, first, ids = [], 0, set()
     for j, b in enumerate(msg.batches):
         plans.append(_check_batch(j, b, keys[first:first + b.n_keys], first, bb, svc))
-        plan_messages(b.slots, max_message_bytes, pack_below_bytes)  # too many messages → raises
+        if shm:                                # every slot inside the segment
+            if any(off + n > msg.shm_bytes for off, n in b.slots):
+                raise InvalidArgument(f"batch {j}: a slot ends beyond the {msg.shm_bytes} B segment")
+        else:
+            plan_messages(b.slots, max_message_bytes, pack_below_bytes)  # too many messages → raises
         if b.transfer_id in ids:
             raise InvalidArgument(f"batch {j}: transfer id {b.transfer_id} used twice")
         ids.add(b.transfer_id)
@@ -191,10 +210,13 @@ class GatewayService(Service):
         self.rpc: RpcServer | None = None
         self.staging: AsyncPagePool | None = None
         self._owners = itertools.count(1)
+        self.shm_maps = ShmMappings(cfg.gateway.shm_max_mappings)
+        self._shm_running: dict[tuple[str, str], list[asyncio.Event]] = {}
         self._pending_tokens = 0
         self._n = dict.fromkeys(("reads_ok", "reads_failed", "read_batches", "blocks_zero_filled",
                                  "writes_ok", "writes_failed", "write_duplicates", "lookups",
-                                 "telemetry_events"), 0)
+                                 "telemetry_events", "shm_reads", "shm_bytes",
+                                 "shm_unavailable", "shm_fences", "shm_fence_waits"), 0)
         if self.svc.max_batch_bytes < self.block_bytes:
             raise ConfigError(f"gateway_service.max_batch_bytes ({self.svc.max_batch_bytes}) "
                               f"must hold one Full Block ({self.block_bytes} B)")
@@ -220,6 +242,7 @@ class GatewayService(Service):
         # Stop accepting and drain calls, then the transport (aborts what is left), then the store.
         if self.rpc is not None:
             await self.rpc.stop(self.drain_timeout_s)
+        self.shm_maps.clear()
         if self.transport is not None:
             await self.transport.stop()
         if self.store is not None:
@@ -227,7 +250,8 @@ class GatewayService(Service):
 
     def handlers(self) -> dict[type, object]:
         return {LookupPrefix: self._lookup, ReadBlocks: self._read, WriteBlocks: self._write,
-                WatchTelemetry: self._watch, Ping: self._ping, GetStats: self._get_stats}
+                WatchTelemetry: self._watch, Ping: self._ping, GetStats: self._get_stats,
+                ShmFence: self._fence}
 
     @property
     def rpc_port(self) -> int:
@@ -261,6 +285,8 @@ class GatewayService(Service):
         out.update({f"rpc_{k}": float(v) for k, v in self.rpc.stats().items()})
         out.update({k: float(v) for k, v in self.staging.pool.counters().items()})
         out.update({k: float(v) for k, v in self._n.items()})
+        out.update({k: float(v) for k, v in self.shm_maps.stats.items()})
+        out["shm_mapped_segments"] = float(len(self.shm_maps))
         out.update(read_q_tokens=float(self.read_q), pending_read_tokens=float(self._pending_tokens),
                    rpc_port=float(self.rpc.port), ucx_port=float(self.transport.address[1]),
                    block_bytes=float(self.block_bytes),
@@ -282,15 +308,24 @@ class GatewayService(Service):
             await asyncio.sleep(interval)
 
     # ------------------------------------------------------------------ reads
-    async def _read(self, msg: ReadBlocks, ctx: CallContext) -> ReadBlocksReply:
+    async def _read(self, msg: ReadBlocks, ctx: CallContext) -> ReadBlocksReply | ShmUnavailable:
         with bound_contextvars(request_id=msg.request_id):
             t0 = time.monotonic()
             out = _ReadOutcome([False] * len(msg.keys), owner=self._owner("read", msg.request_id))
             try:
                 plans = self._check_read(msg)
+                dests = self._shm_dests(msg, plans) if msg.shm_segment else None
                 out.pending_tokens = len(msg.keys) * self.spec.block_tokens
                 self._pending_tokens += out.pending_tokens
-                await self._pipeline(msg, plans, out, self._deadline_at(ctx))
+                failpoint("gw.read")               # chaos tests (common.faults); no-op unarmed
+                if dests is None:
+                    await self._pipeline(msg, plans, out, self._deadline_at(ctx))
+                else:
+                    await self._read_shm(msg, dests, out, self._deadline_at(ctx))
+            except SegmentUnavailable as e:
+                self._n["shm_unavailable"] += 1
+                log.info("shm_unavailable", segment=msg.shm_segment, reason=str(e))
+                return ShmUnavailable(msg.request_id, str(e))
             except BaseException as e:
                 self._n["reads_failed"] += 1
                 self._log_read(msg, out, t0, _outcome(e))
@@ -308,6 +343,61 @@ class GatewayService(Service):
         gw, tc = self.cfg.gateway, self.cfg.transport
         return check_read(msg, self.spec, self.svc, gw.max_keys_per_request,
                           gw.max_bytes_per_request, tc.max_message_bytes, tc.pack_below_bytes)
+
+    # ------------------------------------------------------------------ same-host shm reads
+    def _shm_dests(self, msg: ReadBlocks, plans: list[BatchPlan]) -> list[list[np.ndarray]]:
+        """Per key, views of the requester's segment where its block goes (nothing written)."""
+        if not self.cfg.gateway.shm:
+            raise SegmentUnavailable("shared-memory reads are disabled on this gateway (gateway.shm)")
+        arena = self.shm_maps.get(msg.shm_segment, msg.shm_bytes)
+        dests = []
+        for plan in plans:
+            b = plan.batch
+            for pieces in stream_block_pieces(b.slots, b.n_keys, self.spec, b.layer_major):
+                dests.append([arena[off:off + n] for off, n in pieces])
+        return dests
+
+    async def _read_shm(self, msg: ReadBlocks, dests: list[list[np.ndarray]], out: _ReadOutcome,
+                        deadline_at: float) -> None:
+        """Read every block straight into the requester's segment; zero-fill what is missing.
+
+        Registered as running under (segment, request_id) until the store returned — which it
+        does only once its I/O threads stopped writing — so ``ShmFence`` can wait for it.
+        """
+        key, done = (msg.shm_segment, msg.request_id), asyncio.Event()
+        self._shm_running.setdefault(key, []).append(done)
+        try:
+            self._pending_tokens -= out.pending_tokens      # the store's queue counts them now
+            out.pending_tokens = 0
+            res = await self.store.read_blocks(msg.keys, dests, request_id=msg.request_id,
+                                               timeout_s=_left(deadline_at), spread=True)
+            out.queued_s, out.read_s, out.corrupt = res.queued_s, res.read_s, len(res.corrupt)
+            for i, found in enumerate(res.found):
+                out.found[i] = found
+                if not found:                 # never leave stale bytes in the caller's slots
+                    for view in dests[i]:
+                        view.fill(0)
+                    self._n["blocks_zero_filled"] += 1
+            self._n["shm_reads"] += 1
+            self._n["shm_bytes"] += res.nbytes
+        finally:
+            done.set()
+            running = self._shm_running.get(key, [])
+            if done in running:
+                running.remove(done)
+            if not running:
+                self._shm_running.pop(key, None)
+
+    async def _fence(self, msg: ShmFence, ctx: CallContext) -> ShmFenceReply:
+        if not valid_name(msg.shm_segment):
+            raise InvalidArgument(f"shm_segment {msg.shm_segment[:80]!r} is not a dualpath segment name")
+        self._n["shm_fences"] += 1
+        running = [e for e in self._shm_running.get((msg.shm_segment, msg.request_id), [])
+                   if not e.is_set()]
+        self._n["shm_fence_waits"] += len(running)
+        for e in running:
+            await e.wait()                    # bounded by the call's deadline (RPC layer)
+        return ShmFenceReply(msg.request_id, len(running))
 
     def _owner(self, kind: str, request_id: str) -> str:
         """A staging owner unique per call: ``free_owner`` in ``finally`` frees what is left,
@@ -376,7 +466,8 @@ class GatewayService(Service):
     def _log_read(self, msg: ReadBlocks, out: _ReadOutcome, t0: float, outcome: str) -> None:
         n_found = sum(out.found)
         (log.info if outcome == "ok" else log.warning)(
-            "read_served", outcome=outcome, blocks=len(msg.keys), found=n_found,
+            "read_served", outcome=outcome, path="shm" if msg.shm_segment else "ucx",
+            blocks=len(msg.keys), found=n_found,
             prefix_blocks=_prefix(out.found), corrupt=out.corrupt, batches=len(msg.batches),
             bytes=n_found * self.block_bytes, queued_ms=round(out.queued_s * 1e3, 3),
             read_ms=round(out.read_s * 1e3, 3), send_ms=round(out.send_s * 1e3, 3),
@@ -389,6 +480,8 @@ class GatewayService(Service):
             outcome, written = "cancelled", 0
             try:
                 keys, send = self._check_write(msg)
+                if await self.store.forget_vanished([k for k, s in zip(keys, send) if not s]):
+                    keys, send = self._check_write(msg)     # rewrite what vanished from disk
                 new_keys = [k for k, s in zip(keys, send) if s]
                 if not new_keys:
                     yield WriteSlots(msg.request_id, send, 0, [])
@@ -451,6 +544,7 @@ class GatewayService(Service):
                 if not handle.done:
                     await handle.cancel()
             bb = self.block_bytes
+            failpoint("gw.write")
             results = await self.store.write_blocks(
                 new_keys, [alloc.views(i * bb, bb) for i in range(len(new_keys))],
                 request_id=msg.request_id)

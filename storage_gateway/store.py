@@ -198,19 +198,42 @@ class GatewayStore:
                 n += 1
         return n
 
+    async def forget_vanished(self, keys: Sequence[str]) -> int:
+        """Shared root: drop indexed ``keys`` whose file another gateway removed (quarantined
+        as corrupt, evicted), so a rewrite of the recomputed block is not skipped as a
+        duplicate. Only with ``probe_on_miss``; blocks being read, written or deleted stay."""
+        if not self.cfg.probe_on_miss:
+            return 0
+        cand = [k for k in dict.fromkeys(keys) if k in self.index and not self.index.pin_count(k)
+                and k not in self._writing and k not in self._deleting]
+        if not cand:
+            return 0
+        with self._op():
+            ok = await self.backend.probe(cand)
+        gone = [k for k, present in zip(cand, ok) if not present and not self.index.pin_count(k)
+                and k not in self._writing and k not in self._deleting]
+        for k in gone:
+            self.index.remove(k)
+        self._stats["blocks_vanished"] = self._stats.get("blocks_vanished", 0) + len(gone)
+        return len(gone)
+
     def _discovered(self, key: str) -> None:
         if self.index.add(key):
             self._stats["blocks_discovered"] += 1
 
     # ------------------------------------------------------------------ reads
     async def read_blocks(self, keys: Sequence[str], destinations: Sequence, *,
-                          request_id: str | None = None, timeout_s: float | None = None) -> ReadResult:
+                          request_id: str | None = None, timeout_s: float | None = None,
+                          spread: bool = False) -> ReadResult:
         """ReadBlocks: read stored blocks of ``keys`` into ``destinations`` (one per key).
 
         A destination is a buffer of at least one Full Block, or a list of contiguous views
         holding exactly one Full Block in order (e.g. one per layer: ``scatter_views``).
         Raises InvalidArgument (bad keys, limits, destination sizes — nothing read),
         Overloaded (queue full, retryable), DeadlineExceeded (``timeout_s`` passed).
+        ``spread``: cut the request into about one job per I/O thread (at least
+        ``read_batch_bytes`` each) instead of ``read_batch_bytes`` jobs — fewer thread
+        hand-offs for a large request nothing downstream waits on piecewise (shm reads).
         """
         keys = validate_keys(keys)
         self.read_queue.check_limits(len(keys))
@@ -219,16 +242,17 @@ class GatewayStore:
         with self._op():
             self._stats["read_requests"] += 1
             if timeout_s is None:
-                return await self._read(rid, keys, dests)
+                return await self._read(rid, keys, dests, spread)
             try:
                 async with asyncio.timeout(timeout_s):
-                    return await self._read(rid, keys, dests)
+                    return await self._read(rid, keys, dests, spread)
             except TimeoutError:
                 self._stats["read_deadlines_exceeded"] += 1
                 raise DeadlineExceeded(f"read {rid}: {len(keys)} blocks not read within {timeout_s:.3g} s "
                                        f"(node read_q {self.read_q} tokens)") from None
 
-    async def _read(self, rid: str, keys: list[str], dests: list[list[memoryview]]) -> ReadResult:
+    async def _read(self, rid: str, keys: list[str], dests: list[list[memoryview]],
+                    spread: bool = False) -> ReadResult:
         t0 = time.monotonic()
         ticket = await self._admit(len(keys))
         t1 = time.monotonic()
@@ -236,7 +260,7 @@ class GatewayStore:
         try:
             if self.cfg.probe_on_miss:
                 await self._probe_missing(keys)
-            statuses = await self._read_pinned(keys, dests)
+            statuses = await self._read_pinned(keys, dests, spread)
             ok = True
         finally:
             done = self.read_queue.finish if ok else self.read_queue.cancel
@@ -270,15 +294,18 @@ class GatewayStore:
                 if ok:
                     self._discovered(key)
 
-    async def _read_pinned(self, keys: list[str], dests) -> dict[int, ReadStatus]:
+    async def _read_pinned(self, keys: list[str], dests, spread: bool) -> dict[int, ReadStatus]:
         present = self.index.pin_present(keys)
         try:
-            return await self._read_present(keys, dests, present)
+            return await self._read_present(keys, dests, present, spread)
         finally:
             self.index.unpin_many(keys[i] for i in present)
 
-    async def _read_present(self, keys, dests, present: list[int]) -> dict[int, ReadStatus]:
+    async def _read_present(self, keys, dests, present: list[int],
+                            spread: bool = False) -> dict[int, ReadStatus]:
         per = max(1, self.cfg.read_batch_bytes // self.block_bytes)
+        if spread:
+            per = max(per, -(-len(present) // self.cfg.io_threads))
         batches = iter([present[j:j + per] for j in range(0, len(present), per)])
         statuses: dict[int, ReadStatus] = {}
 

@@ -23,3 +23,39 @@ def keep_logging():
     structlog.configure(**saved)
     logging.root.handlers[:] = handlers
     logging.root.setLevel(level)
+
+
+class ReliabilityLog:
+    """Rows for ``docs/reliability.md``: what a test injected or sent, and what came of it.
+
+    A test asserts its outcome first and records it after, so a row exists only for a case that
+    held. Rows go to the JSON-lines file named by ``DUALPATH_RELIABILITY_OUT`` (set by
+    ``python -m bench.reliability_report``); without it recording is a no-op.
+    """
+
+    CATEGORIES = ("fault", "durability", "input", "load", "security")
+
+    def __init__(self, test_id: str) -> None:
+        self.test_id = test_id
+
+    def record(self, category: str, case: str, outcome: str, *, lost: int = 0,
+               leaked_pages: int = 0, recovery_s: float | None = None, **extra) -> None:
+        import json
+        import os
+
+        if category not in self.CATEGORIES:
+            raise ValueError(f"category {category!r} not in {self.CATEGORIES}")
+        path = os.environ.get("DUALPATH_RELIABILITY_OUT")
+        if not path:
+            return
+        row = {"test": self.test_id, "category": category, "case": case, "outcome": outcome,
+               "lost": int(lost), "leaked_pages": int(leaked_pages), "recovery_s": recovery_s,
+               **extra}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+@pytest.fixture
+def reliability(request) -> ReliabilityLog:
+    """``reliability.record(category, case, outcome, lost=, leaked_pages=, recovery_s=)``."""
+    return ReliabilityLog(request.node.nodeid)

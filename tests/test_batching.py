@@ -70,6 +70,54 @@ def test_max_chunk_edges():
     assert max_chunk(cost, 0, 0, 5) == 0
 
 
+def binary_chunk(cost, cached: int, new: int, budget: float) -> int:
+    """The plain binary search ``max_chunk`` must agree with (for large ``new``)."""
+    if budget < 0 or new <= 0:
+        return 0
+    if cost(cached, new) <= budget:
+        return new
+    lo, hi = 0, new
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost(cached, mid) <= budget else (lo, mid)
+    return lo
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(MODELS), st.integers(0, 100_000), st.integers(0, 40_000),
+       st.floats(0, 2.0, allow_nan=False))
+def test_max_chunk_equals_binary_search_on_long_prompts(model, cached, new, budget):
+    cost = cost_model(model).attention_s
+    assert max_chunk(cost, cached, new, budget) == binary_chunk(cost, cached, new, budget)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=300),
+       st.floats(-1, 1500, allow_nan=False), st.floats(0, 5, allow_nan=False))
+def test_max_chunk_on_any_monotone_cost(steps, budget, base):
+    # Plateaus, jumps and a cost(0) above the budget: interpolation guesses are poor here, the
+    # search must still return the largest fitting chunk (what brute force finds).
+    table = [base]
+    for d in steps:
+        table.append(table[-1] + d)
+    cost = lambda c, n: table[n]     # noqa: E731
+    new = len(table) - 1
+    want = binary_chunk(cost, 0, new, budget)
+    assert max_chunk(cost, 0, new, budget) == want
+    if base <= budget:
+        assert want == brute_chunk(cost, 0, new, budget)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_cost_closures_equal_methods_bit_for_bit(model):
+    m = cost_model(model)
+    attn, pre = m.attention_fn(), m.prefill_fn()
+    for cached in (0, 1, 63, 1000, 2047, 2048, 2049, 32_721, 100_000):
+        for new in (0, 1, 2, 429, 2048, 8192, 65_536):
+            assert attn(cached, new) == m.attention_s(cached, new)
+            assert pre(cached, new) == m.prefill_s(cached, new)
+
+
 # ============================================================================ plan_batch
 
 QUEUES = st.lists(st.tuples(st.integers(0, 60_000), st.integers(1, 4_000)), min_size=1, max_size=12)

@@ -19,15 +19,18 @@ from common.kv import PRESETS as KV_PRESETS
 from services.scheduler import (EngineReport, EngineSpec, Phase, ReadSide, Request, Role,
                                 Scheduler, SchedulerConfig, Telemetry)
 from services.scheduler import policy
-from services.scheduler.cost_model import cost_model
+from services.scheduler.cost_model import PrefillLoad, cost_model
 
 ALPHA, BETA = 1_000, 1_000
 BIG = 10**12
 
 
 def cfg(**kw) -> SchedulerConfig:
+    """The rule tests count in raw prompt tokens (hand-checkable); the cost-weighted PE load
+    (the default) has its own tests below (``test_pe_load_*``)."""
     kw.setdefault("alpha_tokens", ALPHA)
     kw.setdefault("beta_tokens", BETA)
+    kw.setdefault("pe_load", "tokens")
     return SchedulerConfig(**kw)
 
 
@@ -457,6 +460,60 @@ def test_records_round_trip_msgpack_and_unknown_telemetry_is_ignored():
     assert [r.engine_id for r in s.engine_reports(Role.DECODE)] == ["d0", "d1"]
 
 
+def test_pe_load_counts_prefill_cost_in_reference_tokens():
+    c = SchedulerConfig()                                   # pe_load = "cost" by default
+    cost = cost_model(c.model)
+    weigh = c.pe_load_fn()
+    ref_h, ref_n = c.ref_context_tokens, c.ref_append_tokens
+    assert weigh(ref_h, ref_n) == ref_h + ref_n             # β keeps its meaning at the ref shape
+    per_s = (ref_h + ref_n) / cost.prefill_s(ref_h, ref_n)
+    for hit, new in [(0, 300), (300, 8192), (16_000, 429), (0, 1)]:
+        w = weigh(hit, new)
+        assert w == round(cost.prefill_s(hit, new) * per_s) and w > hit + new
+    assert weigh(0, 300) > 30 * 300                         # a cold token costs ~40 ref tokens
+    assert weigh(60_000, 1) == 60_001                       # never below the raw prompt
+    assert SchedulerConfig(pe_load="tokens").pe_load_fn() is None
+    with pytest.raises(ConfigError, match="pe_load"):
+        build_config({"pe_load": "flops"}, SchedulerConfig)
+    with pytest.raises(InvalidArgument):
+        PrefillLoad(cost, 100, 0)
+    # The core books the weighted load on the PE (and drops it at prefill_done); the DE's load
+    # stays the raw KV it will hold.
+    s = Scheduler(SchedulerConfig(alpha_tokens=ALPHA), [pe("p0", "P"), de("d0", "D")])
+    s.submit(req(0, hit=0, new=300, gen=7))
+    bind_all(s)
+    [a] = s.on_pe_group_fetch("P")
+    assert s.engine_report("p0").tok == weigh(0, 300)
+    assert s.engine_report("d0").tok == 307
+    s.prefill_done("r0")
+    assert s.engine_report("p0").tok == 0
+
+
+def _burst(pe_load: str, n: int) -> tuple[list[int], int]:
+    """``n`` cold 300-token turns (every agent's first round) on 4 one-GPU PE groups; the first
+    group fetches first. Returns requests placed per group and the derived β."""
+    specs = [pe(f"p{i}", f"P{i}") for i in range(4)] + [de("d0", "D")]
+    s = Scheduler(SchedulerConfig(pe_load=pe_load, beta_s=0.5), specs)
+    for i in range(n):
+        s.submit(req(i, hit=0, new=300))
+    bind_all(s)
+    return [len(s.on_pe_group_fetch(g)) for g in s.group_ids(Role.PREFILL)], s.beta
+
+
+def test_pe_load_cold_burst_is_spread_over_pe_groups():
+    # Raw tokens: β (0.5 s of prefill at the reference shape) holds ~650 cold 300-token prompts,
+    # i.e. ~19 s of their real work: the first group to fetch takes the whole burst.
+    raw, beta = _burst("tokens", 60)
+    assert raw == [60, 0, 0, 0]
+    assert 60 * 300 <= beta
+    # Cost-weighted: a group takes ≈ β worth of *work*, the rest goes to the other groups.
+    weighted, beta = _burst("cost", 60)
+    w = SchedulerConfig().pe_load_fn()(0, 300)
+    per_engine = beta // w + 1                              # the last one may cross β
+    assert 0 < 60 - 3 * per_engine <= per_engine
+    assert weighted == [per_engine] * 3 + [60 - 3 * per_engine]
+
+
 def test_config_defaults_derive_alpha_beta_and_reject_typos():
     c = SchedulerConfig()
     bpt = KV_PRESETS["deepseek-v3.2"].bytes_per_token
@@ -528,6 +585,8 @@ def _check_algorithm1(s: Scheduler, group: str, before, out) -> None:
     """Replay the fetch with a plain reference model of Algorithm 1 (dualpath policy only)."""
     tok, rq = dict(before[0]), dict(before[1])
     engines = [e for e in s._groups[Role.PREFILL][group].engines]
+    weigh = s.config.pe_load_fn()          # the default unit: cost-weighted prompt tokens
+    assert weigh is not None
     for a in out:
         assert tok[a.pe_engine] <= s.beta, "an engine above β got work"
         if s.config.placement_mode() == "balanced":
@@ -536,7 +595,7 @@ def _check_algorithm1(s: Scheduler, group: str, before, out) -> None:
             best = min(c2 or elig, key=lambda e: (tok[e.engine_id], e.order))
             assert a.pe_engine == best.engine_id
         r = s._requests[a.request_id].request
-        tok[a.pe_engine] += r.prompt_tokens
+        tok[a.pe_engine] += weigh(r.hit_tokens, r.new_tokens)
         if a.read_node is not None:
             rq[a.read_node] += r.hit_tokens
     # the fetch stopped because the queue ran dry or every engine is above β

@@ -597,7 +597,8 @@ async def test_stopping_the_service_fails_live_requests_retryably():
 
 
 async def test_telemetry_counts_decisions_the_leader_has_not_received_yet():
-    async with running({"beta_tokens": 250}, max_plans_per_fetch=1) as env:
+    # Raw-token PE load: the unit the PE receivers report their engines' tok in.
+    async with running({"beta_tokens": 250, "pe_load": "tokens"}, max_plans_per_fetch=1) as env:
         p0 = await env.node("p0", "prefill", engines=1)
         d0 = await env.node("d0", "decode", engines=1)
         fe = await env.client()

@@ -1,12 +1,15 @@
 """``python -m services.cluster.health HOST:PORT``: exit 0 when the service answers a Ping.
 
 Every dualpath service (scheduler, gateway, PE receiver, DE loader) serves ``Ping`` on its
-control port; container healthchecks and scripts use this probe (no UCX, no KV spec).
+control port; container healthchecks and scripts use this probe (no UCX, no KV spec). Where
+control connections are authenticated, the probe finds the secret the way the services do, from
+``DUALPATH__RPC__AUTH_SECRET_FILE`` / ``DUALPATH__RPC__AUTH_SECRET_ENV`` in its environment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import Union
 
@@ -17,7 +20,9 @@ from common.rpc import RpcClient
 
 
 async def ping(host: str, port: int, timeout: float = 2.0) -> bool:
-    cfg = RpcConfig(connect_timeout_s=timeout, reconnect_attempts=1)
+    cfg = RpcConfig(connect_timeout_s=timeout, reconnect_attempts=1,
+                    auth_secret_file=os.environ.get("DUALPATH__RPC__AUTH_SECRET_FILE") or None,
+                    auth_secret_env=os.environ.get("DUALPATH__RPC__AUTH_SECRET_ENV") or None)
     client = RpcClient(cfg, host, port, role="health", node_id="health",
                        reply_type=Union[Pong, ErrorReply])
     try:

@@ -221,6 +221,8 @@ def _scheduler_source(svc: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        from common.faults import check_env
+        armed = check_env()              # a bad DUALPATH_FAILPOINTS exits 2 before starting
         cluster = load_cluster(args.config, mode=args.mode)
         if args.service != "scheduler":
             node = cluster.spec.node(_need_node(args))
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = cluster.cfg
     configure_logging(cfg.logging.level, cfg.logging.json)
+    if armed:
+        print(f"dualpath serve {args.service}: failpoints armed: {armed}", file=sys.stderr)
     try:
         run(_Runner(cluster, args).main(), use_uvloop=cfg.rpc.use_uvloop)
     except DualpathError as e:

@@ -29,11 +29,12 @@ import structlog
 
 from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, DualpathError,
                            InternalError, InvalidArgument)
+from common.faults import failpoint
 from common.protocol import (DecodeBinding, LayerSlots, PrefillDone, PrepareDecode,
                              PullLayers)
 from services.engine_api.decode import DecodeRequest, GeneratedBlock
 from services.engine_api.prompt import PromptInfo, next_block_key
-from services.pe_receiver.attempt import _copy, with_hop
+from services.pe_receiver.attempt import _copy, _peer_error, with_hop
 from services.pe_receiver.node_base import OrderedReports, cancel_and_wait
 
 if TYPE_CHECKING:
@@ -211,7 +212,8 @@ class DecodeAttempt:
         try:
             await h.wait()
         except DualpathError as e:
-            self.abort(with_hop(e, "pe_receiver"), report=not isinstance(e, DeadlineExceeded))
+            self.abort(with_hop(_peer_error(e), "pe_receiver"),
+                       report=not isinstance(e, DeadlineExceeded))
             return
         self.received += 1
         if self.received == self.expected_receives:
@@ -242,6 +244,7 @@ class DecodeAttempt:
             log.warning("no_gateway_for_read", request_id=self.request_id)
             return 0
         n = info.hit_blocks
+        failpoint("de.read.batch")
         reply = await client.read_blocks(self.request_id, info.keys[:n],
                                          [self.region.block_dest(j) for j in range(n)],
                                          self.remaining, self.svc.settings.read_batch_bytes,
@@ -287,6 +290,7 @@ class DecodeAttempt:
     async def _send_layers(self, t, arb, tid: int, views: list, slots: list) -> None:
         await arb.kv(sum(v.nbytes for v in views))
         self._check()
+        failpoint("de.pull.send")
         await t.send(self.pe_ucx, tid, views, slots, self.remaining)
 
     def _prepared(self) -> PromptInfo:
@@ -314,6 +318,7 @@ class DecodeAttempt:
             raise InvalidArgument(f"PrefillDone: hit {msg.hit_tokens} outside the plan's "
                                   f"{info.hit_tokens}")
         self.state = "assembling"
+        failpoint("de.assemble")
         await self._wait(self._all_received)
         self._check()
         self.hit_tokens = msg.hit_tokens
@@ -354,6 +359,7 @@ class DecodeAttempt:
             svc.counters["writeback_skipped_no_gateway"] += len(keys)
             return
         try:
+            failpoint("de.writeback")
             done = await client.write_blocks(f"{self.request_id}#{self.attempt}", keys, payloads,
                                              min(self.remaining or svc.settings.writeback_timeout_s,
                                                  svc.settings.writeback_timeout_s))
@@ -379,6 +385,7 @@ class DecodeAttempt:
 
     async def second_token(self, req: DecodeRequest) -> None:
         self._check()
+        failpoint("de.decode")
         self._reports.send("second_token")
 
     async def new_block(self, req: DecodeRequest, token_ids) -> GeneratedBlock:

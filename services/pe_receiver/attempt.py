@@ -31,6 +31,7 @@ import structlog
 
 from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InternalError,
                            InvalidArgument, PeerFailed, ProtocolError, Unavailable)
+from common.faults import failpoint
 from common.protocol import (AbortDecode, LayerSlots, PrefillDone, PrepareDecode,
                              PrepareDecodeReply, PullLayers, PullLayersReply, RequestPlan)
 from services.engine_api.prefill import PrefillHandle
@@ -254,6 +255,7 @@ class PrefillAttempt:
         n = info.hit_blocks
         dests = [self.region.block_dest(j) for j in range(n)]
         try:
+            failpoint("pe.read.batch")
             reply = await client.read_blocks(info.request_id, info.keys[:n], dests,
                                               self.remaining, self.svc.settings.read_batch_bytes,
                                               layer_major=True)
@@ -317,20 +319,30 @@ class PrefillAttempt:
 
     async def _pull_call(self, dp, slots: list[LayerSlots], handle: Any) -> None:
         self._pulls += 1
+        # Watched from the start: a receive that fails while the call is out (the link to the
+        # DE aborted) fails the attempt now, not when the DE's reply comes back — its send
+        # into a receive that is gone would only end at the deadline (chaos tests).
+        arrived = asyncio.ensure_future(handle.wait())
+        arrived.add_done_callback(self._receive_failed)
         try:
             reply: PullLayersReply = await self._call(
                 dp, PullLayers(self.info.request_id, self.info.attempt, slots))
             self._apply_pull_reply(reply, [ls.layer for ls in slots])
-            await handle.wait()
+            failpoint("pe.pull.recv")
+            await arrived
             now = time.monotonic()
             for ls in slots:
                 self.layer_arrival[ls.layer] = now
                 self.ready[ls.layer].set()
         except DualpathError as e:
-            self.abort(with_hop(e, "de_loader"))
+            self.abort(with_hop(_peer_error(e), "de_loader"))
         finally:
             self._pulls -= 1
             self._pulse.set()
+
+    def _receive_failed(self, t: asyncio.Future) -> None:
+        if not t.cancelled() and isinstance(t.exception(), DualpathError):
+            self.abort(with_hop(_peer_error(t.exception()), "de_loader"))
 
     def _apply_pull_reply(self, reply: PullLayersReply, layers: list[int]) -> None:
         bt, hit, b = self.info.block_tokens, reply.hit_tokens, self.spec.kv_bytes_per_token_per_layer
@@ -366,6 +378,7 @@ class PrefillAttempt:
                 view = self.region.flat(layer, first, self.info.prompt_tokens)
                 await arb.kv(view.nbytes)
                 self._raise_if_failed()
+                failpoint("pe.handoff.send")
                 await t.send(self.de_ucx, ls.transfer_id, [view], ls.slots, self.remaining)
                 self.sent = layer + 1
                 self._pulse.set()
@@ -520,6 +533,16 @@ class PrefillAttempt:
                           timeout=1.0)
         except DualpathError:
             pass
+
+
+def _peer_error(err: DualpathError) -> DualpathError:
+    """A transfer the peer abandoned (its side cancelled: the link was aborted) is the peer's
+    failure — retryable — never a non-retryable CANCELLED of the request."""
+    if isinstance(err, Cancelled):
+        out = PeerFailed(f"the peer abandoned the transfer: {err.message}")
+        out.hop = getattr(err, "hop", None)
+        return out
+    return err
 
 
 def _copy(err: DualpathError) -> DualpathError:

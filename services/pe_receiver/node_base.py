@@ -54,7 +54,8 @@ class NodeBase(Service):
         if n <= 0:
             raise InvalidArgument(f"a node needs at least one engine, got {n}")
         self.engine_ids = [f"{node_id}.e{i}" for i in range(n)]
-        self.pool = PagePool(settings.page_bytes, settings.num_pages, settings.device, pool_name)
+        self.pool = PagePool(settings.page_bytes, settings.num_pages, settings.device, pool_name,
+                             shm=cfg.gateway.shm and bool(settings.gateway_port))  # same-host reads
         self.regions = RegionPool(self.pool)
         self.arbiter = EgressArbiter(cfg.arbiter)
         self.transport: PageTransport | None = None
@@ -114,6 +115,7 @@ class NodeBase(Service):
             await client.close()
         if self.transport is not None:
             await self.transport.stop()
+        self.pool.close()                 # unlinks its /dev/shm segment, if any
 
     @property
     def rpc_port(self) -> int:

@@ -107,17 +107,20 @@ def _sum(sampler: Sampler, service: str, name: str, nodes: set[str] | None = Non
 
 
 def _bytes(sampler: Sampler, roles: dict[str, str]) -> dict[str, float]:
-    """Bytes per path, counted where they arrive (every receive is a posted UCX receive)."""
+    """Bytes per path, counted where they arrive (UCX receives; storage reads a gateway put
+    straight into a node's shared-memory buffer, ``shm_bytes``, never cross its transport)."""
     p = {n for n, r in roles.items() if r == "prefill"}
     d = {n for n, r in roles.items() if r == "decode"}
     read_pe = _sum(sampler, "storage_gateway", "bytes_read", p)
     read_de = _sum(sampler, "storage_gateway", "bytes_read", d)
+    ucx_pe = read_pe - _sum(sampler, "storage_gateway", "shm_bytes", p)
+    ucx_de = read_de - _sum(sampler, "storage_gateway", "shm_bytes", d)
     pe_in = _sum(sampler, "pe_receiver", "transport_bytes_received")
     de_in = _sum(sampler, "de_loader", "transport_bytes_received")
     return {"storage_read_pe_path": read_pe, "storage_read_de_path": read_de,
             "storage_written": _sum(sampler, "storage_gateway", "bytes_written"),
-            "pe_to_de": max(de_in - read_de, 0.0),
-            "de_to_pe": max(pe_in - read_pe, 0.0),
+            "pe_to_de": max(de_in - ucx_de, 0.0),
+            "de_to_pe": max(pe_in - ucx_pe, 0.0),
             "writeback_sent": _sum(sampler, "storage_gateway", "transport_bytes_received", d)}
 
 

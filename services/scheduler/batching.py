@@ -4,9 +4,9 @@ Under DP attention every GPU of an EP group runs its own requests' attention, th
 meet in the MoE/EP phase; unequal attention times leave bubbles. So each PE fills a forward batch
 in FIFO order while the predicted attention time stays within a **compute quota** (300 ms by
 default, the paper's value for DualPath and Oracle). The request that would cross the quota is
-cut: a binary search finds the largest chunk ``bsz'`` of its new tokens that still fits, that
-chunk runs now (chunked prefill) and the rest — now with ``bsz'`` more cached tokens — heads the
-queue for the next batch.
+cut: a bracketing search (binary, sped up by interpolation) finds the largest chunk ``bsz'`` of
+its new tokens that still fits, that chunk runs now (chunked prefill) and the rest — now with
+``bsz'`` more cached tokens — heads the queue for the next batch.
 
 Time comes from a cost function ``(cached, new) -> seconds`` that must be additive over requests
 and non-decreasing in ``new``; ``cost_model.ModelCost.attention_s`` is the default choice. A batch
@@ -21,7 +21,7 @@ same at simulated times.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -33,18 +33,46 @@ DEFAULT_QUOTA_S = 0.300
 
 
 def max_chunk(cost: Cost, cached: int, new: int, budget: float) -> int:
-    """Largest ``k`` in ``[0, new]`` with ``cost(cached, k) <= budget`` (binary search)."""
+    """Largest ``k`` in ``[0, new]`` with ``cost(cached, k) <= budget``.
+
+    A bracketing search: ``lo`` only ever moves to a ``k`` that fits and ``hi`` to one that does
+    not, so for a non-decreasing cost the answer is exactly a binary search's. The guesses come
+    from the Illinois variant of regula falsi (interpolation that halves the stale end's value,
+    so convex costs — attention grows ~quadratically in ``k`` — still converge fast), and every
+    third step falls back to bisection if the bracket has not halved, which keeps the worst case
+    logarithmic. Typically 4–7 cost calls instead of ~14 for an 8K-token request.
+    """
     if budget < 0 or new <= 0:
         return 0
-    if cost(cached, new) <= budget:
+    fhi = cost(cached, new) - budget
+    if fhi <= 0:
         return new
-    lo, hi = 0, new                 # cost(cached, lo) <= budget < cost(cached, hi)
+    lo, hi, flo = 0, new, -budget   # f(lo) <= 0 < f(hi), f = cost - budget (f(0) assumed)
+    last = 0                        # -1: lo moved last, +1: hi moved last
+    steps = 0
+    width = new
     while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if cost(cached, mid) <= budget:
-            lo = mid
+        steps += 1
+        bisect = False
+        if steps % 3 == 0:
+            bisect = hi - lo > width // 2
+            width = hi - lo
+        if bisect:
+            g = (lo + hi) // 2
         else:
-            hi = mid
+            g = lo + int(-flo * (hi - lo) / (fhi - flo))
+            g = lo + 1 if g <= lo else (hi - 1 if g >= hi else g)
+        f = cost(cached, g) - budget
+        if f <= 0:
+            lo, flo = g, f
+            if last < 0:
+                fhi *= 0.5
+            last = -1
+        else:
+            hi, fhi = g, f
+            if last > 0:
+                flo *= 0.5
+            last = 1
     return lo
 
 
@@ -55,15 +83,21 @@ def plan_batch(queue: Sequence[tuple[int, int]], cost: Cost, quota_s: float = DE
     Whole requests while they fit the quota (and ``max_tokens``, if set); the first that does not
     fit contributes its largest fitting chunk and ends the batch.
     """
+    return [(i, k) for i, k, _ in _plan(queue, cost, quota_s, max_tokens)]
+
+
+def _plan(queue: Iterable[tuple[int, int]], cost: Cost, quota_s: float,
+          max_tokens: int | None) -> list[tuple[int, int, float]]:
+    """``plan_batch`` with each chunk's cost, so the batcher does not evaluate it again."""
     used = 0.0
     tokens = 0
-    out: list[tuple[int, int]] = []
+    out: list[tuple[int, int, float]] = []
     for i, (cached, new) in enumerate(queue):
         room = new if max_tokens is None else min(new, max_tokens - tokens)
         if room == new:
             t = cost(cached, new)
             if used + t <= quota_s:
-                out.append((i, new))
+                out.append((i, new, t))
                 used += t
                 tokens += new
                 continue
@@ -71,7 +105,7 @@ def plan_batch(queue: Sequence[tuple[int, int]], cost: Cost, quota_s: float = DE
         if k == 0 and not out:
             k = 1                   # progress guarantee: the head always advances
         if k > 0:
-            out.append((i, k))
+            out.append((i, k, cost(cached, k)))
         break
     return out
 
@@ -148,23 +182,23 @@ class PrefillBatcher:
         """The next forward batch (and the queue advanced past it), or None when idle."""
         if not self._queue:
             return None
-        view = _HeadView(self._queue)
-        plan = plan_batch(view, self.cost, self.quota_s, self.max_batch_tokens)
+        queue = self._queue
+        plan = _plan(((w.cached, w.remaining) for w in queue), self.cost, self.quota_s,
+                     self.max_batch_tokens)
         items = []
         predicted = 0.0
         tokens = 0
-        for i, k in plan:
-            w = self._queue[i]
-            predicted += self.cost(w.cached, k)
-            last = k == w.remaining
-            items.append(BatchItem(w.request_id, w.cached, k, last))
+        for i, k, t in plan:
+            w = queue[i]
+            predicted += t
+            items.append(BatchItem(w.request_id, w.cached, k, k == w.remaining))
             tokens += k
         self._advance(plan)
         return ForwardBatch(tuple(items), predicted, tokens)
 
-    def _advance(self, plan: list[tuple[int, int]]) -> None:
+    def _advance(self, plan: list[tuple[int, int, float]]) -> None:
         """Apply a plan: finished requests leave the head, the cut one keeps its remainder."""
-        for _, k in plan:           # plan indices are 0, 1, 2, … of the head in order
+        for _, k, _ in plan:           # plan indices are 0, 1, 2, … of the head in order
             w = self._queue[0]
             w.cached += k
             w.remaining -= k
@@ -174,23 +208,3 @@ class PrefillBatcher:
                 del self._ids[w.request_id]
             else:
                 break               # only the last item can be cut
-
-
-class _HeadView(Sequence[tuple[int, int]]):
-    """The queue as ``(cached, new)`` pairs without copying it (``plan_batch`` reads the head)."""
-
-    __slots__ = ("_q",)
-
-    def __init__(self, q: deque[_Work]) -> None:
-        self._q = q
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        w = self._q[i]
-        return w.cached, w.remaining
-
-    def __iter__(self):
-        for w in self._q:
-            yield w.cached, w.remaining

@@ -1,7 +1,9 @@
 """Scheduler configuration: one frozen Struct holding α, β, Z and the ablation switches (paper §6.4, §9).
 
 α (short-read-queue threshold) = tokens one node's SNIC reads in ``alpha_s`` = 3 s;
-β (cap on unfinished tokens of a PE) = prompt tokens one GPU prefills in ``beta_s`` = 5 s.
+β (cap on unfinished tokens of a PE) = prompt tokens one GPU prefills in ``beta_s`` = 5 s; a PE's
+load counts each request at its prefill cost in tokens of the reference shape (``pe_load =
+"cost"``, see ``cost_model.PrefillLoad``), so β is 5 s of work whatever the requests' shapes.
 The paper profiles both; here they are derived from the SNIC bandwidth, the KV preset's bytes
 per token and the cost model's prefill rate at a reference request shape (Table 2's 64K dataset:
 32,721 context + 429 appended tokens), unless given outright (``alpha_tokens``/``beta_tokens``
@@ -29,7 +31,7 @@ from typing import Literal
 from common.config import Section
 from common.kv import PRESETS as KV_PRESETS
 
-from .cost_model import cost_model
+from .cost_model import PrefillLoad, cost_model
 
 Policy = Literal["basic", "dpl", "dualpath"]
 Placement = Literal["auto", "balanced", "round_robin"]
@@ -50,6 +52,9 @@ class SchedulerConfig(Section):
     pe_tokens_per_s: float | None = None  # profiled prompt tokens/s of one PE (None: cost model)
     ref_context_tokens: int = 32_721
     ref_append_tokens: int = 429
+    # tok_e/β unit: "cost" = prefill-cost-weighted tokens of the reference shape
+    # (cost_model.PrefillLoad: a cold token counts what it costs), "tokens" = raw prompt tokens
+    pe_load: Literal["cost", "tokens"] = "cost"
     z_factor: float = 1.05
     max_replans: int = 3
 
@@ -80,6 +85,12 @@ class SchedulerConfig(Section):
             rate = cost_model(self.model).prompt_tokens_per_s(self.ref_context_tokens,
                                                               self.ref_append_tokens)
         return int(rate * self.beta_s)
+
+    def pe_load_fn(self) -> PrefillLoad | None:
+        """``(hit, new) -> PE load`` in β's unit, or ``None`` for raw prompt tokens."""
+        if self.pe_load == "tokens":
+            return None
+        return PrefillLoad(cost_model(self.model), self.ref_context_tokens, self.ref_append_tokens)
 
     def read_side_mode(self) -> Literal["none", "pe", "alternate", "shorter_queue"]:
         if self.oracle:

@@ -57,6 +57,8 @@ class Scheduler:
         self.beta = cfg.resolved_beta()
         self._read_mode = cfg.read_side_mode()
         self._balanced = cfg.placement_mode() == "balanced"
+        load = cfg.pe_load_fn()
+        self._pe_load = load.fn if load is not None else None
         self._nodes: dict[str, Node] = {}
         self._engines: dict[str, Engine] = {}
         self._groups: dict[Role, dict[str, Group]] = {Role.PREFILL: {}, Role.DECODE: {}}
@@ -141,11 +143,13 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests:
             raise AlreadyExists(f"request {rid!r} is already queued or running")
-        cap = self._max_de_capacity()
+        cap = self._max_hbm if self._max_hbm_known else self._max_de_capacity()
         if cap is not None and request.hbm_bytes > cap:
             raise InvalidArgument(f"request {rid!r} needs {request.hbm_bytes} B of DE HBM, more than "
                                   f"any decode engine has ({cap} B): shorten it or add memory")
-        p = Pending(request, self._next_seq)
+        pe_load = self._pe_load
+        p = Pending(request, self._next_seq,
+                    pe_load(request.hit_tokens, request.new_tokens) if pe_load else None)
         self._next_seq += 1
         self._requests[rid] = p
         p.in_global = True
@@ -331,7 +335,18 @@ class Scheduler:
         if not private:
             return []
         engines = g.engines
-        z = policy.high_token_threshold(g, self.config.z_factor) if self._balanced else 0.0
+        if self._balanced:
+            # Z only matters if the head fits on some DE: skip computing it when none has the
+            # room (the common case while the group's HBM is full and its queue backs up).
+            hbm = private[0].request.hbm_bytes
+            for e in engines:
+                if e.free_hbm >= hbm:
+                    break
+            else:
+                return []
+            z = policy.high_token_threshold(g, self.config.z_factor)
+        else:
+            z = 0.0
         out: list[DEBinding] = []
         while private:
             p = private[0]
@@ -352,7 +367,8 @@ class Scheduler:
         return out
 
     def _push_pe(self, p: Pending) -> None:
-        p.ticket = t = self._tick()
+        self._counter = t = self._counter + 1          # = self._tick(), inlined (hot path)
+        p.ticket = t
         heapq.heappush(self._pe_queue, (p.seq, t, p))
         self._pe_waiting += 1
 

@@ -38,6 +38,8 @@ Where the FLOPs constants come from (checked by ``tests/test_batching.py`` again
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from common.errors import InvalidArgument
@@ -98,6 +100,42 @@ class ModelCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
         """Predicted prefill time (linear layers + attention) of ``new`` tokens over ``cached``."""
         return self.linear_flops(new) / self.linear_flops_per_s + self.attention_s(cached, new)
 
+    def attention_fn(self) -> Callable[[int, int], float]:
+        """``attention_s`` as a closure over this model's constants, for hot loops.
+
+        The batcher calls its cost function several times per forward batch (a binary search
+        for the cut chunk); the simulator makes millions of such calls. Same arithmetic in the
+        same order as ``attention_s``, so the results are identical to the last bit.
+        """
+        apl, rate, win = self.attn_pair_flops * self.layers, self.attn_flops_per_s, self.attn_window
+        ipl, irate = self.indexer_pair_flops * self.layers, self.indexer_flops_per_s
+        if not self.indexer_pair_flops:
+            ipl = 0.0
+
+        def attention_s(cached: int, new: int) -> float:
+            dense = new * cached + new * (new + 1) // 2
+            if win is None:
+                pairs = dense
+            else:
+                m = win - cached
+                m = 0 if m < 0 else (new if m > new else m)
+                pairs = m * cached + m * (m + 1) // 2 + (new - m) * win
+            t = apl * pairs / rate
+            if ipl:
+                t += ipl * dense / irate
+            return t
+
+        return attention_s
+
+    def prefill_fn(self) -> Callable[[int, int], float]:
+        """``prefill_s`` as a closure (see ``attention_fn``); identical results."""
+        lin, lrate, attn = 2.0 * self.linear_params, self.linear_flops_per_s, self.attention_fn()
+
+        def prefill_s(cached: int, new: int) -> float:
+            return lin * new / lrate + attn(cached, new)
+
+        return prefill_s
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """One decode step of ``batch`` sequences holding ``context_tokens`` tokens in total."""
         if batch <= 0:
@@ -117,6 +155,63 @@ class ModelCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     def cache_compute_ratio(self, kv_bytes_per_token: int, context: int, append: int) -> float:
         """Hit-KV bytes per prefill FLOP in GB/PFLOP (paper Table 1's metric)."""
         return kv_bytes_per_token * context / self.prefill_flops(context, append) * 1e15 / 1e9
+
+
+class PrefillLoad:
+    """A request's prefill-engine load in **reference-shape tokens** (the unit of β, tok_e).
+
+    Raw prompt tokens are a poor proxy for PE work: a cold token (no hit) costs the linear
+    layers, a hit token almost nothing, so at DeepSeek V3.2's reference shape (32,721 hit + 429
+    new) a 300-token cold prompt is ~40× the work per token. Counted raw, β (5 s of prefill *at
+    the reference shape*) admits minutes of cold work, and the first PE group to fetch during a
+    burst of cold turns (every agent's first rounds, a restart) takes all of it while the other
+    groups idle. The load is therefore the request's predicted prefill time expressed in tokens
+    of the reference shape, ``prefill_s(hit, new) / prefill_s(ref) · ref_tokens``, never below
+    its raw prompt tokens (its hit KV still has to be loaded layer by layer and held). At the
+    reference shape both are equal, so β keeps its meaning: 5 s of work on one GPU.
+
+    Only ratios of the cost model are used, so a profiled ``pe_tokens_per_s`` (absolute rate)
+    and a time-scaled emulation leave the weights unchanged.
+    """
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, cost: ModelCost, ref_context: int, ref_append: int) -> None:
+        if ref_append <= 0 or ref_context < 0:
+            raise InvalidArgument(f"need ref_append > 0 and ref_context >= 0, "
+                                  f"got {ref_append=}, {ref_context=}")
+        scale = (ref_context + ref_append) / cost.prefill_s(ref_context, ref_append)
+        # prefill_s inlined (one call per submitted request): the same operations in the same
+        # order as ModelCost.prefill_s / attention_s, so the value is identical to the bit.
+        lin, lrate = 2.0 * cost.linear_params, cost.linear_flops_per_s
+        apl, rate, win = cost.attn_pair_flops * cost.layers, cost.attn_flops_per_s, cost.attn_window
+        ipl = cost.indexer_pair_flops * cost.layers if cost.indexer_pair_flops else 0.0
+        irate = cost.indexer_flops_per_s
+
+        def load(hit: int, new: int) -> int:
+            dense = new * hit + new * (new + 1) // 2
+            if win is None:
+                pairs = dense
+            else:
+                m = win - hit
+                m = 0 if m < 0 else (new if m > new else m)
+                pairs = m * hit + m * (m + 1) // 2 + (new - m) * win
+            t = apl * pairs / rate
+            if ipl:
+                t += ipl * dense / irate
+            w = int((lin * new / lrate + t) * scale + 0.5)
+            raw = hit + new
+            return w if w > raw else raw
+
+        self._fn = load
+
+    def __call__(self, hit: int, new: int) -> int:
+        return self._fn(hit, new)
+
+    @property
+    def fn(self) -> Callable[[int, int], int]:
+        """The same as calling this object, one call level less (the core's submit path)."""
+        return self._fn
 
 
 _HOPPER_BF16 = 989e12

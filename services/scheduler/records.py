@@ -2,7 +2,9 @@
 
 Token units (digest §5.1: token count stands in for GPU, disk-read and network load):
 
-* a PE's load of a request is its **prompt tokens** (hit + new) — what it must read and prefill;
+* a PE's load of a request is its **prompt tokens** (hit + new) — what it must read and prefill —
+  weighted by prefill cost (``SchedulerConfig.pe_load = "cost"``, the default: a cold token
+  counts as the reference-shape tokens that cost as much, ``cost_model.PrefillLoad``);
 * a DE's load of a request is **prompt + generated tokens** — the KV it holds when decode ends;
 * a node's read queue grows by the request's **hit tokens** when it is chosen as read side.
 """
@@ -40,7 +42,8 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hbm_bytes: int
 
     def __post_init__(self) -> None:
-        if min(self.hit_tokens, self.new_tokens, self.gen_tokens, self.hbm_bytes) < 0:
+        if (self.hit_tokens < 0 or self.new_tokens < 0 or self.gen_tokens < 0
+                or self.hbm_bytes < 0):
             raise InvalidArgument(f"request {self.request_id!r}: lengths and hbm_bytes must be >= 0")
         if self.hit_tokens + self.new_tokens <= 0:
             raise InvalidArgument(f"request {self.request_id!r}: empty prompt")

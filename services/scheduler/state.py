@@ -56,11 +56,11 @@ class Engine:
         """Undo ``add``; clamped at zero because telemetry may already have counted it out."""
         if self.requests.pop(p.request.request_id, None) is None:
             return
-        self.seq = max(self.seq - 1, 0)
-        self.tok = max(self.tok - tokens, 0)
-        self.free_hbm += hbm
-        if self.hbm_capacity and self.free_hbm > self.hbm_capacity:
-            self.free_hbm = self.hbm_capacity
+        seq, tok = self.seq - 1, self.tok - tokens
+        self.seq = seq if seq > 0 else 0
+        self.tok = tok if tok > 0 else 0
+        free, cap = self.free_hbm + hbm, self.hbm_capacity
+        self.free_hbm = cap if cap and free > cap else free
 
 
 class Group:
@@ -91,11 +91,14 @@ class Pending:
     __slots__ = ("request", "seq", "pe_tokens", "de_tokens", "group", "de", "pe", "read_node",
                  "read_pending", "prefilled", "ticket", "in_global", "attempt")
 
-    def __init__(self, request: Request, seq: int) -> None:
+    def __init__(self, request: Request, seq: int, pe_tokens: int | None = None) -> None:
         self.request = request
         self.seq = seq                     # arrival order: the FIFO key
-        self.pe_tokens = request.hit_tokens + request.new_tokens
-        self.de_tokens = self.pe_tokens + request.gen_tokens
+        prompt = request.hit_tokens + request.new_tokens
+        # PE load (tok_e, β's unit): raw prompt tokens, or the cost-weighted count the core
+        # passes in (cost_model.PrefillLoad); the DE's load is the KV it holds, always raw.
+        self.pe_tokens = prompt if pe_tokens is None else pe_tokens
+        self.de_tokens = prompt + request.gen_tokens
         self.group: Group | None = None    # DE group whose private queue holds it
         self.de: Engine | None = None
         self.pe: Engine | None = None

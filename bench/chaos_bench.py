@@ -12,7 +12,8 @@ Headline: ``requests_lost`` summed over every fault (goal 0): a submission that 
 finished with verified bytes nor failed with a retryable error within its deadline. The JSON
 also lists every fault (target, point, action, requests affected, outcome), leaked pages per
 surviving service and the recovery times (restart → first transfer through the victim).
-``--quick``: 4 faults covering both read paths, the hand-off and a pause past the lease;
+``--quick``: 7 faults — both read paths (PE-path and DE-path reads, the gateway's read), the
+PE→DE hand-off, write-back, decode, and a pause past the lease;
 the full run every failpoint, two repetitions at different hits, and outside signals.
 """
 
@@ -34,16 +35,16 @@ def faults(quick: bool) -> list:
         F("pe-handoff-kill", "pe_receiver:p0", "kill", "pe.handoff.send", at=3),
         F("gw-read-kill", "gateway:d1", "kill", "gw.read"),
         F("de-stop-past-lease", "de_loader:d0", "stop", None, after_s=0.5),
+        F("pe-read-kill", "pe_receiver:p0", "kill", "pe.read.batch", at=2),
+        F("de-writeback-kill", "de_loader:d0", "kill", "de.writeback", at=2),
+        F("de-decode-kill", "de_loader:d1", "kill", "de.decode", at=2),
     ]
     if quick:
         return core
     full = core + [
-        F("pe-read-kill", "pe_receiver:p0", "kill", "pe.read.batch", at=2),
         F("pe-pull-kill", "pe_receiver:p0", "kill", "pe.pull.recv"),
         F("de-pull-kill", "de_loader:d1", "kill", "de.pull.send", at=2),
         F("de-assemble-kill", "de_loader:d1", "kill", "de.assemble", at=2),
-        F("de-writeback-kill", "de_loader:d0", "kill", "de.writeback", at=2),
-        F("de-decode-kill", "de_loader:d1", "kill", "de.decode", at=2),
         F("gw-write-kill", "gateway:d0", "kill", "gw.write", at=2),
         F("gw-p0-read-kill", "gateway:p0", "kill", "gw.read", at=2),
         F("de-read-stop", "de_loader:d1", "stop", "de.read.batch"),

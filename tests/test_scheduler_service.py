@@ -615,3 +615,54 @@ async def test_telemetry_counts_decisions_the_leader_has_not_received_yet():
         assert [p.request_id for p in second.plans] == ["r1"]
         assert env.core.engine_report("p0.e0").tok == 300          # above β: r3 must wait
         assert env.svc.request_state("r3") == "queued"
+
+
+async def test_pe_receiver_telemetry_matches_the_cores_own_pe_accounting():
+    # Default unit: prefill-cost-weighted tokens. The leader reports its engines' tok with the
+    # PE receiver's own function over the plans it holds; the outbox adds the undelivered ones.
+    # After every fetch the core's figure (replaced by telemetry) must equal what the core
+    # counted itself from its placements and prefill_done events.
+    from services.pe_receiver.service import plan_loads
+
+    shapes = [(0, 5 * BT), (8 * BT, 2 * BT + 60), (0, 60), (4 * BT, 7), (16 * BT, 3 * BT),
+              (0, 20 * BT), (2 * BT, 9)]
+    async with running(max_plans_per_fetch=2) as env:
+        p0 = await env.node("p0", "prefill", engines=2)
+        d0 = await env.node("d0", "decode", engines=2)
+        fe = await env.client()
+        weigh = env.svc.config.scheduler.pe_load_counter()
+        streams = []
+        for i, (hit, new) in enumerate(shapes):
+            n = (hit + new) // BT
+            streams.append(fe.submit(f"r{i}", f"s{i}", hit + new, 3, block_keys=keys(n, i),
+                                     hit_tokens=hit))
+            await nxt(streams[-1])
+        await d0.fetch()
+        engines = ["p0.e0", "p0.e1"]
+        held: dict[str, Any] = {}
+        reply = await p0.fetch(plan_loads(engines, [], weigh))     # places all, sends 2
+        own = {e: env.core.engine_report(e).tok for e in engines}  # the core's own count
+        expect = {e: 0 for e in engines}
+        for i, (hit, new) in enumerate(shapes):
+            rs = env.svc._reqs[f"r{i}"]
+            expect[rs.assignment.pe_engine] += weigh(hit, new)
+        assert own == expect and sum(own.values()) > sum(h + n for h, n in shapes)  # not raw
+        for _ in range(len(shapes)):
+            held.update((p.request_id, p) for p in reply.plans)
+            if not reply.more:
+                break
+            reply = await p0.fetch(plan_loads(engines, held.values(), weigh))
+            assert {e: env.core.engine_report(e).tok for e in engines} == own
+        assert len(held) == len(shapes)
+        # Prefill of two finishes: the core releases them, the leader stops reporting them.
+        for rid in ("r0", "r1"):
+            plan = held.pop(rid)
+            for stage in ("allocated", "read_done", "prefill_done"):
+                assert (await p0.report(rid, plan.attempt, stage)).current
+            own[plan.pe_engine] -= weigh(plan.hit_tokens, plan.new_tokens)
+        assert {e: env.core.engine_report(e).tok for e in engines} == own
+        await p0.fetch(plan_loads(engines, held.values(), weigh))
+        assert {e: env.core.engine_report(e).tok for e in engines} == own
+        assert {r.engine_id: r.seq for r in env.core.engine_reports()
+                if r.engine_id in engines} == {e: sum(p.pe_engine == e for p in held.values())
+                                               for e in engines}

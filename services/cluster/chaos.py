@@ -397,6 +397,7 @@ class ChaosHarness:
         """Wait for the failpoint to act (or act from outside); the time it did, or None."""
         if fault.point is None:
             await asyncio.sleep(fault.after_s)
+            await self._until_busy(fault.target, 10.0)
             _signal(victim.pid, signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
             t = time.monotonic()
             await self._wait_state(victim, fault.action, 5.0)
@@ -408,6 +409,16 @@ class ChaosHarness:
                 return time.monotonic()
             await asyncio.sleep(0.02)
         return None
+
+    async def _until_busy(self, name: str, timeout: float) -> None:
+        """Until ``name`` holds a live attempt (its ``attempts_live`` stat), or ``timeout``:
+        a signal from outside must hit work in flight, not an idle moment of a loaded host."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            st = await self.stats(name, timeout=2.0)
+            if st is None or "attempts_live" not in st or st["attempts_live"] >= 1:
+                return
+            await asyncio.sleep(0.02)
 
     def _state(self, p: Proc) -> str:
         pop = self.launcher.popen(p.name)

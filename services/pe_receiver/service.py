@@ -11,6 +11,7 @@ port serves health and stats only; the data-path channel is the DE loaders'.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from common.config import DualpathConfig
@@ -42,6 +43,9 @@ class PEReceiverService(NodeBase):
         self.ports = {e: PrefillPort(e) for e in self.engine_ids}
         self.attempts: dict[tuple[str, int], PrefillAttempt] = {}
         self._data_paths: dict[tuple[str, int], RpcClient] = {}
+        # tok_e in the scheduler core's unit (prefill-cost-weighted by default): the core
+        # replaces its own figure with ours, so a raw count would undercount cold prompts ~40×
+        self._pe_load = cfg.scheduler.pe_load_counter()
 
     async def on_stop(self) -> None:
         for port in self.ports.values():
@@ -132,13 +136,8 @@ class PEReceiverService(NodeBase):
     # ------------------------------------------------------------------ telemetry
     def engine_loads(self) -> list[EngineLoad]:
         """seq/tok per engine: attempts received and not yet prefilled (paper §6.1)."""
-        seq = dict.fromkeys(self.ports, 0)
-        tok = dict.fromkeys(self.ports, 0)
-        for att in self.attempts.values():
-            if not att.finished_prefill:
-                seq[att.engine_id] += 1
-                tok[att.engine_id] += att.info.prompt_tokens
-        return [EngineLoad(e, seq[e], tok[e]) for e in self.ports]
+        return plan_loads(self.ports, (att.plan for att in self.attempts.values()
+                                       if not att.finished_prefill), self._pe_load)
 
     def node_counters(self) -> dict[str, float]:
         return {"attempts_live": float(len(self.attempts)),
@@ -151,6 +150,24 @@ class PEReceiverService(NodeBase):
             return None
         return {"pull_start": att.t_pull_start, "requested": list(att.layer_requested),
                 "arrival": list(att.layer_arrival)}
+
+
+def plan_loads(engine_ids: Iterable[str], plans: Iterable[RequestPlan],
+               pe_load: Callable[[int, int], int]) -> list[EngineLoad]:
+    """Per engine: how many of ``plans`` it holds and their summed ``pe_load(hit, new)``.
+
+    ``pe_load`` is ``SchedulerConfig.pe_load_counter()``, the scheduler core's tok_e unit, and
+    the plan's hit/new are the ones the core placed it with, so the scheduler's view of this
+    node after a fetch equals its own accounting (``tests/test_scheduler_service.py``).
+    """
+    seq = dict.fromkeys(engine_ids, 0)
+    tok = dict.fromkeys(engine_ids, 0)
+    for plan in plans:
+        e = plan.pe_engine
+        if e in seq:
+            seq[e] += 1
+            tok[e] += pe_load(plan.hit_tokens, plan.new_tokens)
+    return [EngineLoad(e, seq[e], tok[e]) for e in seq]
 
 
 async def stop_engines(tasks) -> None:

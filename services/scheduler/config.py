@@ -26,6 +26,7 @@ the load-balance comparison's round-robin scheduler); ``oracle`` skips all KV I/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from common.config import Section
@@ -92,6 +93,16 @@ class SchedulerConfig(Section):
             return None
         return PrefillLoad(cost_model(self.model), self.ref_context_tokens, self.ref_append_tokens)
 
+    def pe_load_counter(self) -> Callable[[int, int], int]:
+        """``(hit, new) -> PE load`` in β's unit, always a function (raw: ``hit + new``).
+
+        Everything that reports or adds up a PE's tok_e — the core, the PE receivers'
+        telemetry, the scheduler's count of plans not yet delivered — uses this, so the
+        figures that replace the core's own are in the same unit.
+        """
+        load = self.pe_load_fn()
+        return load.fn if load is not None else _raw_pe_load
+
     def read_side_mode(self) -> Literal["none", "pe", "alternate", "shorter_queue"]:
         if self.oracle:
             return "none"
@@ -101,3 +112,7 @@ class SchedulerConfig(Section):
         if self.placement != "auto":
             return self.placement
         return "balanced" if self.policy == "dualpath" else "round_robin"
+
+
+def _raw_pe_load(hit: int, new: int) -> int:
+    return hit + new

@@ -57,8 +57,7 @@ class Scheduler:
         self.beta = cfg.resolved_beta()
         self._read_mode = cfg.read_side_mode()
         self._balanced = cfg.placement_mode() == "balanced"
-        load = cfg.pe_load_fn()
-        self._pe_load = load.fn if load is not None else None
+        self.pe_load = cfg.pe_load_counter()    # (hit, new) -> PE load (tok_e, β's unit)
         self._nodes: dict[str, Node] = {}
         self._engines: dict[str, Engine] = {}
         self._groups: dict[Role, dict[str, Group]] = {Role.PREFILL: {}, Role.DECODE: {}}
@@ -147,9 +146,7 @@ class Scheduler:
         if cap is not None and request.hbm_bytes > cap:
             raise InvalidArgument(f"request {rid!r} needs {request.hbm_bytes} B of DE HBM, more than "
                                   f"any decode engine has ({cap} B): shorten it or add memory")
-        pe_load = self._pe_load
-        p = Pending(request, self._next_seq,
-                    pe_load(request.hit_tokens, request.new_tokens) if pe_load else None)
+        p = Pending(request, self._next_seq, self.pe_load(request.hit_tokens, request.new_tokens))
         self._next_seq += 1
         self._requests[rid] = p
         p.in_global = True

@@ -11,7 +11,9 @@ stays until acked and is sent again if the leader says it did not process it; th
 ignores a ``seq`` it has already applied.
 
 While decisions wait here the leader's telemetry cannot count them, so :func:`pending_load`
-adds them back before the telemetry replaces the core's figures.
+adds them back before the telemetry replaces the core's figures. A PE's load is counted in the
+core's unit (``SchedulerConfig.pe_load_counter``: prefill-cost-weighted tokens by default); the
+PE receivers report theirs in the same unit, since every process reads the same config.
 """
 
 from __future__ import annotations
@@ -105,8 +107,12 @@ def plan_bytes(rs: RequestState) -> int:
 
 
 def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
-                     requests: Mapping[str, RequestState]) -> Telemetry | None:
-    """A leader's reported figures (checked) plus what it has not received yet; None: none."""
+                     requests: Mapping[str, RequestState],
+                     pe_load: Callable[[int, int], int] | None = None) -> Telemetry | None:
+    """A leader's reported figures (checked) plus what it has not received yet; None: none.
+
+    ``pe_load`` is the core's ``(hit, new) -> PE load`` (raw prompt tokens when None).
+    """
     if msg.read_q_tokens is not None and msg.read_q_tokens < 0:
         raise InvalidArgument(f"read_q_tokens={msg.read_q_tokens} must be >= 0")
     own = {e.engine_id for e in reg.engines}
@@ -119,7 +125,7 @@ def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
                                   f"must be >= 0")
     if not msg.engines and msg.read_q_tokens is None:
         return None
-    extra = pending_load(box, requests)
+    extra = pending_load(box, requests, pe_load)
     reports = []
     for load in msg.engines:
         s, t, h = extra.get(load.engine_id, (0, 0, 0))
@@ -129,9 +135,14 @@ def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
     return Telemetry(tuple(reports), read_q)
 
 
-def pending_load(box: Outbox, requests: Mapping[str, RequestState]
+def pending_load(box: Outbox, requests: Mapping[str, RequestState],
+                 pe_load: Callable[[int, int], int] | None = None
                  ) -> dict[str, tuple[int, int, int]]:
-    """Per engine: (requests, tokens, HBM bytes) decided but not yet delivered to the leader."""
+    """Per engine: (requests, load, HBM bytes) decided but not yet delivered to the leader.
+
+    A DE's load is the tokens it will hold (raw); a PE's is ``pe_load(hit, new)`` of the plan,
+    the core's unit (raw prompt tokens when None).
+    """
     extra: dict[str, tuple[int, int, int]] = {}
     for rid, attempt in box.bindings:
         rs = _live(requests, rid, attempt)
@@ -141,7 +152,9 @@ def pending_load(box: Outbox, requests: Mapping[str, RequestState]
     for rid, attempt in box.plans:
         rs = _live(requests, rid, attempt)
         if rs is not None and rs.assignment is not None:
-            _add(extra, rs.assignment.pe_engine, rs.sub.prompt_tokens, 0)
+            a = rs.assignment
+            tokens = pe_load(a.hit_tokens, a.new_tokens) if pe_load else a.hit_tokens + a.new_tokens
+            _add(extra, a.pe_engine, tokens, 0)
     return extra
 
 

@@ -381,7 +381,7 @@ class SchedulerService(Service):
         if again is not None:
             self.counters["fetch_resends"] += 1
             return again
-        telemetry = leader_telemetry(reg, msg, box, self._reqs)
+        telemetry = leader_telemetry(reg, msg, box, self._reqs, self.core.pe_load)
         if msg.role == Role.PREFILL:
             for a in self.core.on_pe_group_fetch(reg.group_id, telemetry):
                 self._on_assignment(a, box, now)

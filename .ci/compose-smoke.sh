@@ -42,4 +42,24 @@ echo "== compose smoke: up --wait"
 dc up -d --wait --wait-timeout 240
 echo "== compose smoke: replay through the frontend RPC"
 dc --profile smoke run --rm smoke
+echo "== compose smoke: p0's reads took the node's shared memory (gateway shm_bytes > 0)"
+dc exec -T p0 python - <<'PY'
+import asyncio, sys
+from typing import Union
+from common.config import RpcConfig
+from common.protocol import ErrorReply, GetStats, GetStatsReply
+from common.rpc import RpcClient
+
+async def main() -> int:
+    c = RpcClient(RpcConfig(), "p0", 7400, role="smoke", node_id="smoke",
+                  reply_type=Union[GetStatsReply, ErrorReply])
+    try:
+        n = (await c.call(GetStats(), timeout=10)).counters.get("shm_bytes", 0)
+    finally:
+        await c.close()
+    print(f"gateway p0 shm_bytes = {n:.0f}")
+    return 0 if n > 0 else 1
+
+sys.exit(asyncio.run(main()))
+PY
 echo "compose smoke passed in $(( $(date +%s) - t0 )) s"

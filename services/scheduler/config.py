@@ -56,6 +56,9 @@ class SchedulerConfig(Section):
     # tok_e/β unit: "cost" = prefill-cost-weighted tokens of the reference shape
     # (cost_model.PrefillLoad: a cold token counts what it costs), "tokens" = raw prompt tokens
     pe_load: Literal["cost", "tokens"] = "cost"
+    # PE-side read lead: the PE node's read queue may exceed the DE node's by what its SNIC
+    # reads in this many seconds before a read goes to the DE side (see policy.read_side)
+    read_lead_s: float = 0.1
     z_factor: float = 1.05
     max_replans: int = 3
 
@@ -66,6 +69,8 @@ class SchedulerConfig(Section):
         for name in ("snic_bytes_per_s", "alpha_s", "beta_s", "z_factor", "ref_append_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
+        if self.read_lead_s < 0:
+            raise ValueError(f"scheduler.read_lead_s must be >= 0, got {self.read_lead_s}")
         for name in ("alpha_tokens", "beta_tokens", "max_replans", "ref_context_tokens"):
             v = getattr(self, name)
             if v is not None and v < 0:
@@ -76,6 +81,10 @@ class SchedulerConfig(Section):
         if self.alpha_tokens is not None:
             return self.alpha_tokens
         return int(self.snic_bytes_per_s / KV_PRESETS[self.model].bytes_per_token * self.alpha_s)
+
+    def resolved_read_lead(self) -> int:
+        """The PE-side read lead in tokens: what one node's SNIC reads in ``read_lead_s``."""
+        return int(self.snic_bytes_per_s / KV_PRESETS[self.model].bytes_per_token * self.read_lead_s)
 
     def resolved_beta(self) -> int:
         """β in prompt tokens: what one PE prefills in ``beta_s`` seconds."""

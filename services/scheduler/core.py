@@ -56,6 +56,7 @@ class Scheduler:
         self.alpha = cfg.resolved_alpha()
         self.beta = cfg.resolved_beta()
         self._read_mode = cfg.read_side_mode()
+        self.read_lead = cfg.resolved_read_lead()
         self._balanced = cfg.placement_mode() == "balanced"
         self.pe_load = cfg.pe_load_counter()    # (hit, new) -> PE load (tok_e, β's unit)
         self._nodes: dict[str, Node] = {}
@@ -388,7 +389,7 @@ class Scheduler:
         if hit <= 0 or mode == "none":
             return ReadSide.NONE, None
         if mode == "shorter_queue":
-            side = policy.shorter_queue_side(pe_node, de_node)
+            side = policy.shorter_queue_side(pe_node, de_node, self.read_lead)
         elif mode == "pe":
             side = ReadSide.PE
         else:                               # "alternate": dpl ablation, no balancing

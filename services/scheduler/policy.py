@@ -135,6 +135,6 @@ def _to_private(p: Pending, g: Group) -> None:
 
 # --------------------------------------------------------------------------- read side
 
-def shorter_queue_side(pe_node: Node, de_node: Node) -> ReadSide:
-    """Join the shorter read queue; a tie goes to the PE's node."""
-    return ReadSide.PE if pe_node.read_q <= de_node.read_q else ReadSide.DE
+def shorter_queue_side(pe_node: Node, de_node: Node, lead: int = 0) -> ReadSide:
+    """Join the shorter read queue, the PE's node counted ``lead`` tokens short; a tie: PE."""
+    return ReadSide.PE if pe_node.read_q <= de_node.read_q + lead else ReadSide.DE

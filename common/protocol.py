@@ -493,6 +493,7 @@ class RegisterNodeReply(Message, tag="sched.node.register.reply"):
     heartbeat_s: float
     fetch_interval_s: float
     block_tokens: int = 64
+    fetch_wait_s: float = 0.0       # long-poll: an idle group's empty fetch may be held this long
 
 
 class Heartbeat(Message, tag="sched.node.heartbeat"):
@@ -523,7 +524,10 @@ class FetchWork(Message, tag="sched.node.fetch"):
     ``engines`` (may be empty: the scheduler keeps its own count) and ``read_q_tokens``
     replace the scheduler's figures. ``ack_seq``: the ``seq`` of the last reply processed;
     when it is behind, the scheduler sends that reply again (at-least-once delivery; ``None``
-    = at most once). ``group_id`` "" = ``node_id``.
+    = at most once). ``group_id`` "" = ``node_id``. ``wait_s`` > 0: long-poll — when every
+    reported engine is idle and there is nothing to send, the scheduler holds the call until
+    work for the group appears or ``min(wait_s, scheduler_service.fetch_wait_s)`` passes, so
+    an idle cluster does not poll every ``fetch_interval_s``.
     """
 
     node_id: str
@@ -533,6 +537,7 @@ class FetchWork(Message, tag="sched.node.fetch"):
     engines: list[EngineLoad] = []
     read_q_tokens: int | None = None
     ack_seq: int | None = None
+    wait_s: float = 0.0
 
 
 class Endpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

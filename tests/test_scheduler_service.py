@@ -666,3 +666,23 @@ async def test_pe_receiver_telemetry_matches_the_cores_own_pe_accounting():
         assert {r.engine_id: r.seq for r in env.core.engine_reports()
                 if r.engine_id in engines} == {e: sum(p.pe_engine == e for p in held.values())
                                                for e in engines}
+
+
+async def test_an_idle_groups_fetch_is_held_until_work_arrives():
+    """Long-poll: an idle decode group's empty fetch waits for work instead of returning at
+    once (an idle cluster must not poll every 20 ms); a submission wakes it with the binding,
+    and a busy group is never held."""
+    async with running(lease_s=30.0, heartbeat_s=1.0, fetch_wait_s=5.0) as env:
+        p0, d0 = await env.pair()
+        assert d0.fetch_wait_s == 5.0                        # told at registration (≤ lease/4)
+        held = asyncio.ensure_future(d0.fetch([EngineLoad("d0.e0", 0, 0)]))
+        await until(lambda: env.svc.counters["fetch_holds"] >= 1, "the fetch to be held")
+        assert not held.done()
+        fe = await env.client()
+        stream = fe.submit("w1", "s", 300, 4)
+        await nxt(stream)                                    # RequestQueued: it is submitted
+        reply = await asyncio.wait_for(held, WAIT_S)         # woken by the submission
+        assert [b.request_id for b in reply.bindings] == ["w1"]
+        holds = env.svc.counters["fetch_holds"]
+        busy = await asyncio.wait_for(d0.fetch([EngineLoad("d0.e0", 1, 300)]), WAIT_S)
+        assert busy.bindings == [] and env.svc.counters["fetch_holds"] == holds

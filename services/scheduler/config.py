@@ -16,7 +16,7 @@ policy            read side                    engine placement
 ================  ===========================  ==========================================
 ``basic``         PE node always               round-robin
 ``dpl``           alternate PE / DE            round-robin
-``dualpath``      shorter node read queue      Algorithm 1 + two-phase DE placement
+``dualpath``      shorter queue + sent volume  Algorithm 1 + two-phase DE placement
 ================  ===========================  ==========================================
 
 ``placement`` overrides the engine placement (``round_robin`` with the ``dualpath`` read side is
@@ -56,9 +56,9 @@ class SchedulerConfig(Section):
     # tok_e/β unit: "cost" = prefill-cost-weighted tokens of the reference shape
     # (cost_model.PrefillLoad: a cold token counts what it costs), "tokens" = raw prompt tokens
     pe_load: Literal["cost", "tokens"] = "cost"
-    # PE-side read lead: the PE node's read queue may exceed the DE node's by what its SNIC
-    # reads in this many seconds before a read goes to the DE side (see policy.read_side)
-    read_lead_s: float = 0.1
+    # read side (policy.read_side): how far, in seconds of SNIC reading, a node that has been
+    # sent less than the cluster's mean may catch up in one go
+    read_credit_s: float = 1.0
     z_factor: float = 1.05
     max_replans: int = 3
 
@@ -69,8 +69,8 @@ class SchedulerConfig(Section):
         for name in ("snic_bytes_per_s", "alpha_s", "beta_s", "z_factor", "ref_append_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
-        if self.read_lead_s < 0:
-            raise ValueError(f"scheduler.read_lead_s must be >= 0, got {self.read_lead_s}")
+        if self.read_credit_s < 0:
+            raise ValueError(f"scheduler.read_credit_s must be >= 0, got {self.read_credit_s}")
         for name in ("alpha_tokens", "beta_tokens", "max_replans", "ref_context_tokens"):
             v = getattr(self, name)
             if v is not None and v < 0:
@@ -82,9 +82,9 @@ class SchedulerConfig(Section):
             return self.alpha_tokens
         return int(self.snic_bytes_per_s / KV_PRESETS[self.model].bytes_per_token * self.alpha_s)
 
-    def resolved_read_lead(self) -> int:
-        """The PE-side read lead in tokens: what one node's SNIC reads in ``read_lead_s``."""
-        return int(self.snic_bytes_per_s / KV_PRESETS[self.model].bytes_per_token * self.read_lead_s)
+    def resolved_read_credit(self) -> int:
+        """The read-side credit in tokens: what one node's SNIC reads in ``read_credit_s``."""
+        return int(self.snic_bytes_per_s / KV_PRESETS[self.model].bytes_per_token * self.read_credit_s)
 
     def resolved_beta(self) -> int:
         """β in prompt tokens: what one PE prefills in ``beta_s`` seconds."""

@@ -9,8 +9,9 @@ One request's way through it (the DE is bound before the KV read is issued, dige
    moves the request into the **PE FIFO queue**, ordered by arrival.
 3. A PE group fetch (``on_pe_group_fetch``) runs Algorithm 1 on the fetching group's engines over
    the PE queue. A request that gets a PE now has both ends, so its read side is chosen at once:
-   the node (PE's or DE's) with the shorter read queue, whose ``read_q`` grows by the hit tokens
-   before the next request of the same fetch is looked at. The result is an ``Assignment``.
+   the node (PE's or DE's) with the shorter read queue plus sent volume (``policy.read_side``),
+   whose ``read_q`` and ``read_v`` grow by the hit tokens before the next request of the same
+   fetch is looked at. The result is an ``Assignment``.
 4. ``read_done`` / ``prefill_done`` / ``complete`` release the read queue, the PE and the DE.
 
 Why DE first: the DE read path needs the DE (and its buffer) before the read, and a request that
@@ -56,7 +57,8 @@ class Scheduler:
         self.alpha = cfg.resolved_alpha()
         self.beta = cfg.resolved_beta()
         self._read_mode = cfg.read_side_mode()
-        self.read_lead = cfg.resolved_read_lead()
+        self.read_credit = cfg.resolved_read_credit()
+        self._read_sum = 0                   # Σ read_v over nodes (their mean is the floor's base)
         self._balanced = cfg.placement_mode() == "balanced"
         self.pe_load = cfg.pe_load_counter()    # (hit, new) -> PE load (tok_e, β's unit)
         self._nodes: dict[str, Node] = {}
@@ -70,7 +72,7 @@ class Scheduler:
         self._counter = 0            # registration order and PE-queue tickets
         self._next_seq = 0
         self._rr_groups = 0
-        self._alternate = 0
+        self._alternate: dict[str, int] = {}    # dpl: PE/DE alternation per DE node
         self._max_hbm: int | None = None
         self._max_hbm_known = False
         for spec in engines:
@@ -83,7 +85,8 @@ class Scheduler:
             raise AlreadyExists(f"engine {spec.engine_id!r} is already registered")
         node = self._nodes.get(spec.node_id)
         if node is None:
-            node = self._nodes[spec.node_id] = Node(spec.node_id)
+            # a new node starts level with the others: no backlog of credit to catch up
+            node = self._nodes[spec.node_id] = Node(spec.node_id, self._read_mean())
         groups = self._groups[spec.role]
         gid = spec.group_id if spec.group_id is not None else spec.node_id
         group = groups.get(gid)
@@ -120,6 +123,8 @@ class Scheduler:
             self._drop_group(g)
         if not node.engines:
             del self._nodes[node.node_id]
+            self._read_sum -= node.read_v
+            self._alternate.pop(node.node_id, None)
         return ReplanResult(tuple(requeued), tuple(failed))
 
     def remove_node(self, node_id: str) -> ReplanResult:
@@ -389,13 +394,27 @@ class Scheduler:
         if hit <= 0 or mode == "none":
             return ReadSide.NONE, None
         if mode == "shorter_queue":
-            side = policy.shorter_queue_side(pe_node, de_node, self.read_lead)
+            floor = self._read_mean() - self.read_credit
+            side = policy.read_side(pe_node, de_node, floor)
+            node = pe_node if side is ReadSide.PE else de_node
+            v = node.read_v
+            v = (v if v > floor else floor) + hit
+            self._read_sum += v - node.read_v
+            node.read_v = v
+            return side, node
         elif mode == "pe":
             side = ReadSide.PE
         else:                               # "alternate": dpl ablation, no balancing
-            side = ReadSide.PE if self._alternate % 2 == 0 else ReadSide.DE
-            self._alternate += 1
+            # alternate per DE node: one global counter lines up with the round-robin DE choice
+            # (1P2D: every DE-path read on the second DE node)
+            k = self._alternate.get(de_node.node_id, 0)
+            side = ReadSide.PE if k % 2 == 0 else ReadSide.DE
+            self._alternate[de_node.node_id] = k + 1
         return side, (pe_node if side is ReadSide.PE else de_node)
+
+    def _read_mean(self) -> int:
+        n = len(self._nodes)
+        return self._read_sum // n if n else 0
 
     def _release_read(self, p: Pending) -> None:
         if p.read_pending:

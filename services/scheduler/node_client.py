@@ -59,7 +59,7 @@ class NodeSession:
         self._rpc = RpcClient(rpc, host, port, role=service, node_id=node_id,
                               reply_type=NodeReply, kv_fingerprint=kv_fingerprint,
                               auth_secret=auth_secret)
-        self.lease_s = self.heartbeat_s = self.fetch_interval_s = 0.0
+        self.lease_s = self.heartbeat_s = self.fetch_interval_s = self.fetch_wait_s = 0.0
         self.block_tokens = 0
         self._acked: int | None = None
         self._registered_epoch: int | None = None
@@ -79,6 +79,7 @@ class NodeSession:
         reply: RegisterNodeReply = await self._rpc.call(msg)
         self.lease_s, self.heartbeat_s = reply.lease_s, reply.heartbeat_s
         self.fetch_interval_s, self.block_tokens = reply.fetch_interval_s, reply.block_tokens
+        self.fetch_wait_s = reply.fetch_wait_s      # long-poll bound (0: plain periodic pull)
         if self._registered_epoch != self.epoch:    # a new incarnation starts a new outbox
             self._registered_epoch, self._acked = self.epoch, 0
         return reply
@@ -131,7 +132,7 @@ class NodeSession:
                     group_id: str = "") -> FetchWorkReply:
         """Pull work for the group; the reply is acknowledged by the next fetch."""
         msg = FetchWork(self.node_id, group_id, self.role, self.epoch, list(engines),
-                        read_q_tokens, self._acked)
+                        read_q_tokens, self._acked, self.fetch_wait_s)
         try:
             reply: FetchWorkReply = await self._rpc.call(msg)
         except NotFound:

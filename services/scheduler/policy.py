@@ -13,8 +13,16 @@ Tie rules (all deterministic): equal keys go to the engine or group registered f
   onto the same group before its queue drains).
 * DE phase 2: among DEs with enough free HBM, those with tok_e + len(r) ≤ Z by smallest seq_e
   (then smallest tok_e), else the smallest tok_e; ``None`` ends the fetch.
-* Read side: the node with the shorter read queue; on a tie the PE's node (the conventional
-  path, which needs no DE-buffer → PE hop over the compute network).
+* Read side (``read_side``): the node with the shorter read queue *plus* what its storage link
+  has been sent above a floor (``Node.read_v``; floor = the cluster's mean minus a credit of
+  ``read_credit_s`` of SNIC reading); on a tie the PE's node (the conventional path, which needs
+  no DE-buffer → PE hop over the compute network). [inference] The paper's rule is the shorter
+  queue alone. A PE node only gets reads at its own group's fetches, which come in bursts
+  (engines drop below β together), while a DE node gets them from every group's fetches; by
+  queue alone the PE node loses after its first read of a burst and its link idles until the
+  next one, and the loss grows with the number of groups (12P24D: PE SNICs 38 % busy, DE SNICs
+  92 %, storage max/avg 1.35; docs/simulator.md). The sent-volume term lets a node that was
+  sent less catch up (at most the credit), the queue term still steers away from a slow link.
 """
 
 from __future__ import annotations
@@ -135,6 +143,14 @@ def _to_private(p: Pending, g: Group) -> None:
 
 # --------------------------------------------------------------------------- read side
 
-def shorter_queue_side(pe_node: Node, de_node: Node, lead: int = 0) -> ReadSide:
-    """Join the shorter read queue, the PE's node counted ``lead`` tokens short; a tie: PE."""
-    return ReadSide.PE if pe_node.read_q <= de_node.read_q + lead else ReadSide.DE
+def shorter_queue_side(pe_node: Node, de_node: Node) -> ReadSide:
+    """Join the shorter read queue; a tie goes to the PE's node."""
+    return ReadSide.PE if pe_node.read_q <= de_node.read_q else ReadSide.DE
+
+
+def read_side(pe_node: Node, de_node: Node, floor: int) -> ReadSide:
+    """Shorter read queue plus what the node has been sent above ``floor``; a tie: PE."""
+    pv, dv = pe_node.read_v, de_node.read_v
+    pk = pe_node.read_q + (pv - floor if pv > floor else 0)
+    dk = de_node.read_q + (dv - floor if dv > floor else 0)
+    return ReadSide.PE if pk <= dk else ReadSide.DE

@@ -50,6 +50,7 @@ from .core import Scheduler
 from .dispatch import Limits, Outbox, leader_telemetry, take_reply
 from .hit_lookup import HitLookup, SessionPrefixIndex
 from .leases import ROLES, LeaseTable, Registration, check_registration
+from .longpoll import WorkSignal, group_idle
 from .records import Assignment, DEBinding, EngineSpec, Phase, Request, Role
 from .request_state import (TERMINAL, RequestState, State, Submission, check_submit,
                             usable_hit_blocks)
@@ -62,8 +63,8 @@ _UNSET: Any = object()
 
 COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded", "replans",
             "rejected_invalid", "rejected_overload", "registrations", "leases_expired",
-            "fetches", "fetch_resends", "plans_sent", "bindings_sent", "revocations_sent",
-            "hit_lookup_failures", "stale_reports")
+            "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
+            "revocations_sent", "hit_lookup_failures", "stale_reports")
 
 
 class SchedulerService(Service):
@@ -89,6 +90,7 @@ class SchedulerService(Service):
         self._reqs: dict[str, RequestState] = {}
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._outboxes: dict[tuple[str, str], Outbox] = {}
+        self.work = WorkSignal()            # wakes held (long-poll) fetches: ``longpoll``
         self._states: Counter[State] = Counter()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._limits = Limits(s.max_plans_per_fetch, s.max_bindings_per_fetch,
@@ -139,6 +141,7 @@ class SchedulerService(Service):
 
     async def on_stop(self) -> None:
         self._closing = True
+        self.work.kick()
         for rs in list(self._reqs.values()):
             self._end(rs, State.FAILED, rs.failed_event(
                 ErrorCode.UNAVAILABLE, "the scheduler is shutting down", True, STOP_RETRY_AFTER_S))
@@ -234,6 +237,7 @@ class SchedulerService(Service):
             self._end(rs, State.FAILED, rs.failed_event(e.code, e.message, e.retryable))
             raise
         rs.in_core, rs.hbm_bytes = True, req.hbm_bytes
+        self.work.kick()                    # queued: held fetches place it now
         q = self.core.queue_lengths()
         position = q["global"] + q["private"] + q["pe"] - 1
         rs.events.put_nowait(RequestQueued(sub.request_id, position, hit))
@@ -315,6 +319,7 @@ class SchedulerService(Service):
         if msg.engines:
             self._outboxes[(msg.role, reg.group_id)] = Outbox(msg.role, reg.group_id)
         self.counters["registrations"] += 1
+        self.work.kick()
         self.log.info("node_registered", node=msg.node_id, node_service=msg.service,
                       role=msg.role, epoch=msg.epoch, engines=len(msg.engines))
         return self._register_reply()
@@ -322,7 +327,7 @@ class SchedulerService(Service):
     def _register_reply(self) -> RegisterNodeReply:
         s = self.settings
         return RegisterNodeReply(s.lease_s, s.heartbeat_s, s.fetch_interval_s,
-                                 self.kv.block_tokens)
+                                 self.kv.block_tokens, s.fetch_hold_s)
 
     def _add_engines(self, msg: RegisterNode) -> None:
         added: list[str] = []
@@ -344,6 +349,7 @@ class SchedulerService(Service):
         if not reg.engines:
             return
         self._outboxes.pop((reg.role, reg.group_id), None)
+        self.work.kick()
         requeued: dict[str, None] = {}
         failed: list[str] = []
         for e in reg.engines:
@@ -381,13 +387,29 @@ class SchedulerService(Service):
         if again is not None:
             self.counters["fetch_resends"] += 1
             return again
-        telemetry = leader_telemetry(reg, msg, box, self._reqs, self.core.pe_load)
-        if msg.role == Role.PREFILL:
-            for a in self.core.on_pe_group_fetch(reg.group_id, telemetry):
-                self._on_assignment(a, box, now)
-        else:
-            for b in self.core.on_de_group_fetch(reg.group_id, telemetry):
-                self._on_binding(b, box)
+        hold_until = now + min(msg.wait_s, self.settings.fetch_hold_s) \
+            if msg.wait_s > 0 and group_idle(msg.engines) else now
+        if ctx.deadline is not None:            # answer inside the caller's deadline
+            hold_until = min(hold_until, ctx.deadline - 0.1)
+        while True:
+            telemetry = leader_telemetry(reg, msg, box, self._reqs, self.core.pe_load)
+            if msg.role == Role.PREFILL:
+                for a in self.core.on_pe_group_fetch(reg.group_id, telemetry):
+                    self._on_assignment(a, box, now)
+            else:
+                for b in self.core.on_de_group_fetch(reg.group_id, telemetry):
+                    self._on_binding(b, box)
+            if box:                             # placed something: a binding here may be
+                self.work.kick()                # what another held group is waiting for
+                break
+            left = hold_until - self._now()
+            if left <= 0 or self._closing or ctx.cancelled:
+                break
+            self.counters["fetch_holds"] += 1
+            if not await self.work.wait(left):
+                break
+            reg = self.leases.live_leader(msg.node_id, msg.role, msg.epoch)  # dropped meanwhile?
+            box, now = self._outboxes[(msg.role, reg.group_id)], self._now()
         return take_reply(box, self._reqs, self._limits, self._binding_msg, self._plan_msg,
                           self._delivered, msg.ack_seq is not None)
 
@@ -466,6 +488,7 @@ class SchedulerService(Service):
             raise InvalidArgument(f"stage {msg.stage!r} for request {rs.request_id!r} attempt "
                                   f"{rs.attempt}, which has not been placed yet")
         stage(rs, msg, self._now())
+        self.work.kick()                    # capacity may have freed up (finished, failed)
         live = rs.attempt == msg.attempt and (not rs.terminal or rs.state is State.FINISHED)
         return ReportProgressReply(live, rs.state.value)
 
@@ -577,11 +600,13 @@ class SchedulerService(Service):
                 box.revoked.append(_revocation(rs, reason))
                 self.counters["revocations_sent"] += 1
         rs.de_group = rs.pe_group = None
+        self.work.kick()
 
     def _set_state(self, rs: RequestState, state: State) -> None:
         self._states[rs.state] -= 1
         self._states[state] += 1
         rs.state = state
+        self.work.kick()                    # queued / placed / ended: held fetches look again
 
 
 def _stored_keys(sub, output_token_ids: list[int] | None, block_tokens: int) -> tuple[str, ...]:

@@ -21,6 +21,8 @@ class SchedulerServiceConfig(Section):
     lease_s: float = 5.0                   # a node service silent this long is dead
     heartbeat_s: float = 1.0               # told to node services at registration
     fetch_interval_s: float = 0.02         # told to group leaders (paper §6.1: periodic pull)
+    fetch_wait_s: float = 1.0              # idle group's empty fetch held up to this (0: off;
+                                           # never more than lease_s / 4)
     lease_check_s: float = 0.1             # how often leases are swept
     gateway_service: str = "storage_gateway"   # service name whose endpoint serves reads
     max_queued_requests: int = 10_000      # waiting for placement; above → OVERLOADED
@@ -40,6 +42,11 @@ class SchedulerServiceConfig(Section):
     recent_requests: int = 10_000          # ended ids remembered (late cancels/reports answer)
     drain_grace_s: float = 2.0             # stop: open calls get this long after requests fail
 
+    @property
+    def fetch_hold_s(self) -> float:
+        """The long-poll bound in force: ``fetch_wait_s`` capped well inside the lease."""
+        return min(self.fetch_wait_s, self.lease_s / 4)
+
     def __post_init__(self) -> None:
         # ValueError: build_config turns it into a ConfigError naming the section.
         for name in ("lease_s", "heartbeat_s", "fetch_interval_s", "lease_check_s",
@@ -47,6 +54,9 @@ class SchedulerServiceConfig(Section):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"scheduler_service.{name} must be positive, got {v}")
+        if not (0 <= self.fetch_wait_s and math.isfinite(self.fetch_wait_s)):
+            raise ValueError(f"scheduler_service.fetch_wait_s must be >= 0, got "
+                             f"{self.fetch_wait_s}")
         if self.heartbeat_s >= self.lease_s:
             raise ValueError(f"scheduler_service.heartbeat_s ({self.heartbeat_s}) must be below "
                              f"lease_s ({self.lease_s}) or every lease expires")

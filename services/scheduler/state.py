@@ -19,11 +19,13 @@ from .records import Request, Role
 class Node:
     """A machine: its storage link's disk-read queue, in tokens."""
 
-    __slots__ = ("node_id", "read_q", "engines")
+    __slots__ = ("node_id", "read_q", "read_v", "engines")
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, read_v: int = 0) -> None:
         self.node_id = node_id
         self.read_q = 0
+        # read tokens sent to this node's storage link so far, floored (policy.read_side)
+        self.read_v = read_v
         self.engines: list[Engine] = []
 
 

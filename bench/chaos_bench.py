@@ -28,8 +28,8 @@ from bench.report import bench_parser, headline, print_table, write_results
 
 def faults(quick: bool) -> list:
     from services.cluster.chaos import Fault as F
-    # With the dpl policy on 1P2D the alternating read side and the round-robin DE choice
-    # line up: DE-path reads land on d1 (so do its gateway's reads); DE-path points aim there.
+    # The dpl policy alternates the read side per DE node, so both d0 and d1 serve DE-path
+    # reads (their gateways too); the DE-path points aim at d1.
     core = [
         F("de-read-kill", "de_loader:d1", "kill", "de.read.batch"),
         F("pe-handoff-kill", "pe_receiver:p0", "kill", "pe.handoff.send", at=3),

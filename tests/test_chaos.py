@@ -40,7 +40,7 @@ def _check(result, reliability, what: str) -> None:
                        affected=result.affected, replans=result.replans)
 
 
-# DE-path reads (and their gateway's reads) land on d1 under the dpl policy on 1P2D.
+# The dpl policy alternates the read side per DE node: d1 (and its gateway) serves DE-path reads.
 CASES = [
     ("kill -9 DE loader during a DE-path read",
      Fault("de-read-kill", "de_loader:d1", "kill", "de.read.batch")),

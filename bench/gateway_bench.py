@@ -47,6 +47,7 @@ from common.logging import configure_logging
 from common.service import run as run_loop
 from common.shm import ShmSegment
 from common.transport import PageTransport
+from services.cluster.launcher import proc_cpu_seconds
 from storage_gateway.block_format import HEADER_SIZE
 from storage_gateway.block_index import measure_bytes_per_block
 from storage_gateway.client import GatewayClient, block_slots
@@ -85,8 +86,7 @@ class GatewayProc:
         self.ready = json.loads(line)
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return proc_cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -16,10 +16,13 @@ import asyncio
 import contextlib
 import enum
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
+
+from common.errors import DualpathError
 
 log = structlog.get_logger(__name__)
 
@@ -194,3 +197,22 @@ def run(main: Coroutine[Any, Any, Any], use_uvloop: bool = True) -> Any:
     if use_uvloop:
         return uvloop.run(main)
     return asyncio.run(main)
+
+
+def run_cli(prog: str, main: Coroutine[Any, Any, Any], use_uvloop: bool = True) -> int:
+    """Run a service's ``main`` for a command line: its exit status, never a traceback.
+
+    0 when it returned or was interrupted (Ctrl-C), 1 when it failed with a typed error or an
+    OS error (port in use, unreadable file) — printed as one line prefixed by ``prog``.
+    """
+    try:
+        run(main, use_uvloop=use_uvloop)
+    except DualpathError as e:
+        print(f"{prog}: {type(e).__name__}: {e.message}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -84,7 +84,8 @@ def owner_of(name: str) -> tuple[int, str]:
     return int(name[9:17], 16), name[17:25]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists here (one of another uid counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -105,7 +106,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         if not valid_name(name):
             continue
         pid, their_tag = owner_of(name)
-        if their_tag != tag or pid == os.getpid() or _pid_alive(pid):
+        if their_tag != tag or pid == os.getpid() or pid_alive(pid):
             continue
         path = os.path.join(directory, name)
         try:

@@ -16,7 +16,7 @@ import sys
 from common.config import load_config
 from common.errors import DualpathError
 from common.logging import configure_logging
-from common.service import run
+from common.service import run_cli
 from storage_gateway.service import GatewayNodeConfig, GatewayService
 
 
@@ -44,14 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dualpath gateway: {e.message}", file=sys.stderr)
         return 2
     configure_logging(cfg.logging.level, cfg.logging.json)
-    try:
-        run(serve(cfg, args.node, args.port), use_uvloop=cfg.rpc.use_uvloop)
-    except DualpathError as e:
-        print(f"dualpath gateway: {type(e).__name__}: {e.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run_cli("dualpath gateway", serve(cfg, args.node, args.port),
+                   use_uvloop=cfg.rpc.use_uvloop)
 
 
 if __name__ == "__main__":

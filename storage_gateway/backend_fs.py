@@ -25,6 +25,7 @@ import structlog
 
 from common.errors import StorageError
 from common.kv import KVSpec
+from common.shm import pid_alive
 from storage_gateway.backends import ReadStatus, ScanResult, run_io
 from storage_gateway.block_format import (HEADER_SIZE, HEADER_USED, QUARANTINE_DIR, TEMP_PREFIX, BadHeader,
                                           BlockHeader, block_relpath, decode_header, encode_header,
@@ -93,16 +94,6 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_dir(path: str) -> None:
@@ -236,7 +227,7 @@ class FsBackend:
     def _stale_temp(self, entry: os.DirEntry) -> bool:
         """Ours from a dead process, or anyone's older than ``temp_max_age_s`` (shared FS)."""
         parsed = parse_temp_name(entry.name)
-        if parsed and parsed[1] == self.host and parsed[2] != self.pid and not _pid_alive(parsed[2]):
+        if parsed and parsed[1] == self.host and parsed[2] != self.pid and not pid_alive(parsed[2]):
             return True
         try:
             return time.time() - entry.stat(follow_symlinks=False).st_mtime >= self.temp_max_age_s

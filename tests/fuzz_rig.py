@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from hypothesis import given
 
 from common.config import RpcConfig
 from common.errors import ErrorCode
@@ -267,3 +268,25 @@ class LiveCluster:
 
 def frame_of(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
+
+
+def fuzz_examples(live: LiveCluster, fuzz_settings, strategy, attack, *,
+                  submit_each: bool = False) -> int:
+    """Run ``attack(value)`` (a coroutine) for each hypothesis example of ``strategy`` under
+    ``fuzz_settings``; after each one the well-behaved clients make real calls (a full request
+    too when ``submit_each``), and at the end a full request runs and the cluster must go quiet.
+    Returns the number of examples run."""
+    count = 0
+
+    @fuzz_settings
+    @given(value=strategy)
+    def example(value) -> None:
+        nonlocal count
+        count += 1
+        live.run(attack(value))
+        live.run(live.real_calls_work(submit=submit_each))
+
+    example()
+    live.run(live.real_calls_work(submit=True))
+    live.run(live.quiet())
+    return count

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +12,8 @@ import pytest
 from common.protocol import RequestFinished
 from services.cluster import cli
 from services.cluster.config import load_cluster
-from services.cluster.launcher import STATE_FILE, Launcher, LaunchError, State, proc_start_ticks
+from services.cluster.launcher import (STATE_FILE, Launcher, LaunchError, State,
+                                       proc_cpu_seconds, proc_start_ticks)
 from services.cluster.toml_write import dumps
 from services.scheduler.client import SyncSchedulerClient
 
@@ -64,18 +64,13 @@ def gone(pids: list[int], timeout: float = 5.0) -> bool:
     return False
 
 
-def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])            # utime + stime
-
-
 def idle_cpu_share(pids: list[int], settle_s: float, window_s: float) -> dict[int, float]:
     """Share of one core each process used over ``window_s`` (after ``settle_s`` of quiet)."""
     time.sleep(settle_s)
-    before, t0 = {p: cpu_ticks(p) for p in pids}, time.monotonic()
+    before, t0 = {p: proc_cpu_seconds(p) for p in pids}, time.monotonic()
     time.sleep(window_s)
-    hz, dt = os.sysconf("SC_CLK_TCK"), time.monotonic() - t0
-    return {p: (cpu_ticks(p) - before[p]) / hz / dt for p in pids}
+    dt = time.monotonic() - t0
+    return {p: (proc_cpu_seconds(p) - before[p]) / dt for p in pids}
 
 
 def test_up_serves_two_turns_and_down_leaves_no_process(tmp_path, capsys):

@@ -25,11 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Union
@@ -54,10 +51,10 @@ from storage_gateway.block_format import (HEADER_SIZE, QUARANTINE_DIR, TEMP_PREF
 from storage_gateway.client import GatewayClient, block_slots
 from storage_gateway.config import GatewayConfig
 from storage_gateway.service import GatewayNodeConfig, GatewayService, GatewayServiceConfig
+from tests.test_gateway_service import run_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.usefixtures("keep_logging")]
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 GEN = 70                       # generated tokens per turn: one generated block is written back
 _Stats = Union[GetStatsReply, Pong, ErrorReply]
@@ -189,24 +186,13 @@ def assert_finished(final: Any) -> RequestFinished:
 
 @contextlib.contextmanager
 def gateway_process(tmp_path: Path, root: Path, kv_bytes: int):
-    cfg = tmp_path / "gateway.toml"
-    cfg.write_text(f'[kv]\npreset = "test-small"\nkv_bytes_per_token_per_layer = {kv_bytes}\n'
-                   f'[gateway]\nroot = "{root}"\nio_threads = 2\n'
-                   f'[gateway_service]\nstaging_bytes = {32 * MiB}\nmax_batch_bytes = {8 * MiB}\n'
-                   f'[transport]\nstaging_bytes = {16 * MiB}\n[logging]\nlevel = "warning"\n')
-    with open(tmp_path / "gateway.log", "a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "storage_gateway", "-c", str(cfg),
-                                 "--node", "gwk", "--port", "0"], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        ready = json.loads(proc.stdout.readline() or "{}")
-        assert ready.get("event") == "gateway_ready", (tmp_path / "gateway.log").read_text()
-        yield proc, ready
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
+    with run_gateway(tmp_path, f'[kv]\npreset = "test-small"\n'
+                     f'kv_bytes_per_token_per_layer = {kv_bytes}\n'
+                     f'[gateway]\nroot = "{root}"\nio_threads = 2\n'
+                     f'[gateway_service]\nstaging_bytes = {32 * MiB}\nmax_batch_bytes = {8 * MiB}\n'
+                     f'[transport]\nstaging_bytes = {16 * MiB}\n[logging]\nlevel = "warning"\n',
+                     "gwk") as out:
+        yield out
 
 
 async def test_acknowledged_writes_survive_kill9_of_the_gateway(tmp_path, reliability):

@@ -17,14 +17,14 @@ import math
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from common.errors import ErrorCode
 from common.framing import HEADER
 from common.protocol import (CallError, CancelCall, Envelope, GetStats, Ping, Reply,
                              StreamCredit, union_members)
-from tests.fuzz_rig import LiveCluster, RawPeer, error_code, frame_of
+from tests.fuzz_rig import LiveCluster, RawPeer, error_code, frame_of, fuzz_examples
 
 pytestmark = [pytest.mark.reliability]
 
@@ -52,20 +52,7 @@ def live():
 def run_examples(live: LiveCluster, name: str, strategy, attack) -> int:
     """Run ``attack(peer_port, value)`` for each example; the real calls follow each one."""
     port = live.endpoints[name].port
-    count = 0
-
-    @FUZZ
-    @given(value=strategy)
-    def example(value) -> None:
-        nonlocal count
-        count += 1
-        live.run(attack(port, value))
-        live.run(live.real_calls_work(submit=False))
-
-    example()
-    live.run(live.real_calls_work(submit=True))
-    live.run(live.quiet())
-    return count
+    return fuzz_examples(live, FUZZ, strategy, lambda value: attack(port, value))
 
 
 async def _survives(peer: RawPeer) -> None:

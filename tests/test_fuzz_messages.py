@@ -27,7 +27,7 @@ import math
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from common.errors import ErrorCode
@@ -37,7 +37,7 @@ from common.protocol import (AbortDecode, AdminRequest, CancelCall, CancelReques
                              PrepareDecode, PullLayers, ReadBatch, ReadBlocks, RegisterNode,
                              ReportProgress, SchedulerRequest, StreamItem, SubmitRequest,
                              WatchTelemetry, WriteBlocks, union_members)
-from tests.fuzz_rig import LiveCluster, RawPeer, closed_port, error_code
+from tests.fuzz_rig import LiveCluster, RawPeer, closed_port, error_code, fuzz_examples
 
 pytestmark = [pytest.mark.reliability]
 
@@ -79,20 +79,9 @@ def live():
 
 
 def fuzz(live: LiveCluster, strategy, attack, *, submit_each: bool = False) -> int:
-    count = 0
-
-    @FUZZ
-    @given(value=strategy)
-    def example(value) -> None:
-        nonlocal count
-        count += 1
-        live.run(attack(live, value))
-        live.run(live.real_calls_work(submit=submit_each))
-
-    example()
-    live.run(live.real_calls_work(submit=True))
-    live.run(live.quiet())
-    return count
+    """``attack(live, value)`` per example (``fuzz_rig.fuzz_examples``)."""
+    return fuzz_examples(live, FUZZ, strategy, lambda value: attack(live, value),
+                         submit_each=submit_each)
 
 
 async def ask(live: LiveCluster, endpoint: str, body, deadline_s: float = 10.0):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from common.protocol import (GatewayReply, GatewayRequest, LookupPrefix, ReadBat
 from common.rpc import RpcClient, check_handler_coverage
 from common.service import Status
 from common.transport import PageTransport
+from services.cluster.launcher import proc_cpu_seconds
 from storage_gateway.block_format import HEADER_SIZE, QUARANTINE_DIR
 from storage_gateway.client import GatewayClient, block_slots, layout_slots, plan_batches
 from storage_gateway.config import GatewayConfig
@@ -337,20 +337,25 @@ async def test_deadline_and_cancelled_requester_free_staging(tmp_path):
 
 # ---------------------------------------------------------------- multiple processes
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+@contextlib.contextmanager
+def gateway_process(tmp_path: Path, preset: str):
+    """``python -m storage_gateway`` for ``preset`` on a store under ``tmp_path``."""
+    with run_gateway(tmp_path, f'[kv]\npreset = "{preset}"\n[gateway]\n'
+                     f'root = "{tmp_path / "pstore"}"\nio_threads = 2\n[gateway_service]\n'
+                     f'staging_bytes = {64 * MiB}\n[transport]\nstaging_bytes = {16 * MiB}\n'
+                     '[logging]\nlevel = "warning"\n', "gwp") as out:
+        yield out
 
 
 @contextlib.contextmanager
-def gateway_process(tmp_path: Path, preset: str):
+def run_gateway(tmp_path: Path, config_toml: str, node: str):
+    """A gateway process with this config; yields ``(proc, ready line)``, killed at exit.
+    Its log is appended to ``tmp_path/gateway.log`` (restarts keep the earlier lines)."""
     cfg = tmp_path / "gateway.toml"
-    cfg.write_text(f'[kv]\npreset = "{preset}"\n[gateway]\nroot = "{tmp_path / "pstore"}"\n'
-                   f'io_threads = 2\n[gateway_service]\nstaging_bytes = {64 * MiB}\n'
-                   f'[transport]\nstaging_bytes = {16 * MiB}\n[logging]\nlevel = "warning"\n')
-    with open(tmp_path / "gateway.log", "w") as log:
+    cfg.write_text(config_toml)
+    with open(tmp_path / "gateway.log", "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "storage_gateway", "-c", str(cfg),
-                                 "--node", "gwp", "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                                 "--node", node, "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=log, text=True)
     try:
         ready = json.loads(proc.stdout.readline() or "{}")
@@ -360,6 +365,7 @@ def gateway_process(tmp_path: Path, preset: str):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        proc.stdout.close()
 
 
 @pytest.mark.slow
@@ -390,9 +396,9 @@ async def test_round_trip_with_gateway_process(tmp_path):
                 assert np.array_equal(arena[:6 * spec.full_block_bytes], np.concatenate(data))
                 stats = await client.stats()
                 assert stats["staging_pages_used"] == 0 and stats["reads_ok"] == 2
-                cpu0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+                cpu0, t0 = proc_cpu_seconds(proc.pid), time.monotonic()
                 await asyncio.sleep(1.0)                  # idle gateway, live connections
-                assert (_cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0) < 0.10
+                assert (proc_cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0) < 0.10
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
 

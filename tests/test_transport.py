@@ -39,6 +39,7 @@ from common.transport_plan import (COMMIT_INDEX, HELLO_BYTES, INDEX_BITS, MAX_ME
                                    plan_messages, single_copy_link)
 from common.ucx_env import (apply_ucx_env, local_host_id, options_overridden_by_env,
                             single_copy_supported)
+from services.cluster.launcher import proc_cpu_seconds
 from tests.transport_peer import gather, pattern, split_views
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -649,16 +650,11 @@ async def test_send_deadline_fails_fast_then_link_recovers(peer, local):
     assert np.array_equal(gather(arena, gapped(3, MIB)), pattern(37, 3 * MIB))
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.slow
 async def test_idle_transport_uses_almost_no_cpu(peer, local):
     await receive_from(peer, local, [(0, MIB)], seed=8)  # a live connection, after traffic
-    start_peer, start_self, t0 = _cpu_seconds(peer.pid), time.process_time(), time.monotonic()
+    start_peer, start_self, t0 = proc_cpu_seconds(peer.pid), time.process_time(), time.monotonic()
     await asyncio.sleep(2.0)
     elapsed = time.monotonic() - t0
-    assert (_cpu_seconds(peer.pid) - start_peer) / elapsed < 0.10
+    assert (proc_cpu_seconds(peer.pid) - start_peer) / elapsed < 0.10
     assert (time.process_time() - start_self) / elapsed < 0.10

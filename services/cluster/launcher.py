@@ -129,6 +129,12 @@ def proc_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) ``pid`` has used so far; OSError if it is gone."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def alive(p: Proc) -> bool:
     return proc_start_ticks(p.pid) == p.start_ticks
 

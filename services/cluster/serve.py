@@ -34,7 +34,7 @@ from typing import Any
 
 from common.errors import DualpathError
 from common.logging import configure_logging
-from common.service import run
+from common.service import run_cli
 
 from .config import Cluster, ROLE_SERVICE, load_cluster, service_config
 
@@ -235,17 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(cfg.logging.level, cfg.logging.json)
     if armed:
         print(f"dualpath serve {args.service}: failpoints armed: {armed}", file=sys.stderr)
-    try:
-        run(_Runner(cluster, args).main(), use_uvloop=cfg.rpc.use_uvloop)
-    except DualpathError as e:
-        print(f"dualpath serve {args.service}: {type(e).__name__}: {e.message}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"dualpath serve {args.service}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run_cli(f"dualpath serve {args.service}", _Runner(cluster, args).main(),
+                   use_uvloop=cfg.rpc.use_uvloop)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 from common.config import DualpathConfig, load_config
 from common.errors import DualpathError
 from common.logging import configure_logging
-from common.service import run
+from common.service import run_cli
 
 
 def _parser(kind: str) -> argparse.ArgumentParser:
@@ -75,14 +75,7 @@ def main_for(kind: str, argv: list[str] | None = None) -> int:
         print(f"dualpath {kind}: {e.message}", file=sys.stderr)
         return 2
     configure_logging(cfg.logging.level, cfg.logging.json)
-    try:
-        run(serve(kind, cfg, args), use_uvloop=cfg.rpc.use_uvloop)
-    except DualpathError as e:
-        print(f"dualpath {kind}: {type(e).__name__}: {e.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run_cli(f"dualpath {kind}", serve(kind, cfg, args), use_uvloop=cfg.rpc.use_uvloop)
 
 
 def main(argv: list[str] | None = None) -> int:

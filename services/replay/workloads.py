@@ -35,23 +35,7 @@ import numpy as np
 
 from common.errors import InvalidArgument
 from common.kv import MOONCAKE_BLOCK_TOKENS, block_keys_from_mooncake
-
-
-class Dataset(msgspec.Struct, frozen=True):
-    """Table 2 averages: turns per trajectory, tokens appended / generated per turn."""
-
-    name: str
-    max_len: int
-    turns: int
-    append: int
-    gen: int
-
-
-DATASETS: dict[str, Dataset] = {
-    "32k": Dataset("32k", 32 * 1024, 60, 608, 148),
-    "48k": Dataset("48k", 48 * 1024, 106, 474, 172),
-    "64k": Dataset("64k", 64 * 1024, 157, 429, 176),
-}
+from sim.workload import DATASETS  # Table 2: one copy, shared with the simulator
 
 
 class AgenticSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from common.config import load_config
-from common.errors import ConfigError, DualpathError
+from common.errors import ConfigError
 from common.logging import configure_logging
-from common.service import Status, run
+from common.service import Status, run_cli
 
 from .service import SchedulerService
 
@@ -40,12 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dualpath scheduler: {e}", file=sys.stderr)
         return 2
-    try:
-        run(service.serve_forever(), use_uvloop=cfg.rpc.use_uvloop)
-    except (DualpathError, OSError) as e:
-        print(f"dualpath scheduler: {e}", file=sys.stderr)
-        return 1
-    return 1 if service.status is Status.FAILED else 0
+    rc = run_cli("dualpath scheduler", service.serve_forever(), use_uvloop=cfg.rpc.use_uvloop)
+    return 1 if rc or service.status is Status.FAILED else 0
 
 
 def _announce(host: str, port: int, port_file: Path | None) -> None:

@@ -1,28 +1,34 @@
 """``python -m services.cluster.health HOST:PORT``: exit 0 when the service answers a Ping.
 
 Every dualpath service (scheduler, gateway, PE receiver, DE loader) serves ``Ping`` on its
-control port; container healthchecks and scripts use this probe (no UCX, no KV spec). Where
-control connections are authenticated, the probe finds the secret the way the services do, from
-``DUALPATH__RPC__AUTH_SECRET_FILE`` / ``DUALPATH__RPC__AUTH_SECRET_ENV`` in its environment.
+control port; container healthchecks and scripts use this probe (no UCX, no KV spec). Its
+``[rpc]`` settings come from the environment overlay like every service's, so where control
+connections are authenticated it finds the secret the same way
+(``DUALPATH__RPC__AUTH_SECRET_FILE`` / ``DUALPATH__RPC__AUTH_SECRET_ENV``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from typing import Union
 
-from common.config import RpcConfig
+import msgspec
+
+from common.config import load_config
+from common.errors import DualpathError
 from common.logging import configure_logging
 from common.protocol import ErrorReply, Ping, Pong
 from common.rpc import RpcClient
 
 
 async def ping(host: str, port: int, timeout: float = 2.0) -> bool:
-    cfg = RpcConfig(connect_timeout_s=timeout, reconnect_attempts=1,
-                    auth_secret_file=os.environ.get("DUALPATH__RPC__AUTH_SECRET_FILE") or None,
-                    auth_secret_env=os.environ.get("DUALPATH__RPC__AUTH_SECRET_ENV") or None)
+    try:
+        rpc = load_config().rpc
+    except DualpathError as e:          # a bad DUALPATH__RPC__* overlay: say so, report down
+        print(f"health: {e.message}", file=sys.stderr)
+        return False
+    cfg = msgspec.structs.replace(rpc, connect_timeout_s=timeout, reconnect_attempts=1)
     client = RpcClient(cfg, host, port, role="health", node_id="health",
                        reply_type=Union[Pong, ErrorReply])
     try:

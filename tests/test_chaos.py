@@ -28,7 +28,8 @@ def harness():
 def _check(result, reliability, what: str) -> None:
     assert result.fired, f"{what}: the failpoint never fired ({result.outcome})"
     assert result.lost == 0, f"{what}: lost {result.lost_detail}"
-    assert not result.unreachable, f"{what}: survivors not answering: {result.unreachable}"
+    assert not result.unreachable, (f"{what}: survivors not answering: {result.unreachable}; "
+                                    f"their logs: {result.unreachable_logs}")
     assert result.leaked_total == 0, f"{what}: leaked pages {result.leaked_pages}"
     assert result.prompt_mismatches == 0
     assert result.rejoined, f"{what}: {result.target} did not rejoin"

@@ -46,7 +46,7 @@ from common.protocol import ErrorReply, GetStats, GetStatsReply, Pong
 from common.rpc import RpcClient
 
 from .config import Cluster, load_cluster
-from .launcher import Launcher, Proc, alive
+from .launcher import Launcher, Proc, alive, tail
 
 # Detection in seconds, not tens of seconds: a paused service loses its lease after 2 s.
 CHAOS_SETTINGS: dict[str, dict[str, Any]] = {
@@ -141,6 +141,8 @@ class CaseResult:
     leaked_pages: dict[str, int] = field(default_factory=dict)   # survivors
     victim_leaked_pages: int = 0
     unreachable: list[str] = field(default_factory=list)      # survivors not answering
+    unreachable_logs: dict[str, str] = field(default_factory=dict)   # their log tails
+    quiet_s: float | None = None            # fault → no live request and every pool free
     prompt_mismatches: int = 0
     wall_s: float = 0.0
     outcome: str = ""
@@ -188,6 +190,9 @@ class ChaosLauncher(Launcher):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        return tail(self.log_dir / f"{name.replace(':', '-')}.log", lines)
 
     def popen(self, name: str):
         return self._popen.get(name)
@@ -496,13 +501,14 @@ class ChaosHarness:
         if t_fault is not None:
             res.affected = sum(1 for s in log if s.outcome != "finished" or s.attempts > 1
                                or (s.t_start <= t_fault and (s.t_end or 1e18) >= t_fault))
-        await self._quiet()
+        res.quiet_s = await self._quiet(t_fault)
         c1 = (await self.status()).counters
         res.replans = c1.get("replans", 0) - c0.get("replans", 0)
         res.leases_expired = c1.get("leases_expired", 0) - c0.get("leases_expired", 0)
         leaks, mismatches = await self._leaks()
         res.victim_leaked_pages = leaks.pop(res.target, 0) or 0
         res.unreachable = sorted(n for n, v in leaks.items() if v is None)
+        res.unreachable_logs = {n: self.launcher.log_tail(n) for n in res.unreachable}
         res.leaked_pages = {n: v for n, v in leaks.items() if v is not None}
         res.prompt_mismatches = mismatches
         if not res.outcome:
@@ -511,16 +517,21 @@ class ChaosHarness:
                            f"{res.replans} re-plans, lost {res.lost}, leaked "
                            f"{res.leaked_total} pages")
 
-    async def _quiet(self, timeout: float = 20.0) -> None:
-        """Until no request is live and every node pool is free (or ``timeout``)."""
-        end = time.monotonic() + timeout
+    async def _quiet(self, t_fault: float | None) -> float | None:
+        """Until no request is live and every node pool is free; seconds since the fault, or
+        None if that never happened. Waits past every deadline (``DEADLINE_S + LATE_S``): a
+        page an attempt still holds then is leaked — before that it may be an attempt that
+        ends at its deadline, which the outcome shows as a long ``quiet_s``."""
+        start = t_fault if t_fault is not None else time.monotonic()
+        end = time.monotonic() + DEADLINE_S + LATE_S
         while time.monotonic() < end:
             st = await self.status()
             if not any(st.requests.values()):
                 leaks, _ = await self._leaks()
                 if all(v == 0 for v in leaks.values()):
-                    return
+                    return time.monotonic() - start
             await asyncio.sleep(0.2)
+        return None
 
     async def _leaks(self) -> tuple[dict[str, int | None], int]:
         """Pages not free per service (every ``*_pages_total`` pool), prompt/hit mismatches."""

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv test test-fast demo bench bench-quick reliability clean
+.PHONY: venv test test-fast test-chaos demo bench bench-quick reliability clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,10 +15,14 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not chaos"
+
+# fault injection on a multi-process cluster (quarantined from `make test`: intermittent, issue #8)
+test-chaos: $(STAMP)
+	$(PY) -m pytest -q -m chaos
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not chaos"
 
 demo: $(STAMP)
 	$(VENV)/bin/dualpath demo

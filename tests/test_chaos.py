@@ -16,7 +16,11 @@ import pytest
 
 from services.cluster.chaos import ChaosHarness, Fault
 
-pytestmark = [pytest.mark.slow, pytest.mark.reliability]
+# Quarantined from `make test` (marker `chaos`; run with `make test-chaos` or `make reliability`):
+# in fresh-clone CI runs these cases intermittently failed (a survivor unreachable, pages held
+# past the quiet window, one case hanging) — open in issue #8, see docs/reliability.md.
+pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.chaos,
+              pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import faulthandler
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -204,7 +205,11 @@ def run_cli(prog: str, main: Coroutine[Any, Any, Any], use_uvloop: bool = True) 
 
     0 when it returned or was interrupted (Ctrl-C), 1 when it failed with a typed error or an
     OS error (port in use, unreadable file) — printed as one line prefixed by ``prog``.
+    A fatal signal (SIGSEGV, SIGBUS, SIGABRT from a native library) writes every thread's
+    Python stack to stderr — the service's log — so a crash is diagnosable after the fact.
     """
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     try:
         run(main, use_uvloop=use_uvloop)
     except DualpathError as e:

@@ -18,6 +18,12 @@ Settings (measured, docs/performance.md):
   endpoint (a half-received tag sequence is never reused), waits until every request of the
   transfer has completed (no receive left targeting the caller's buffers) and raises a typed
   error. Other transfers on the same endpoint fail with ``PeerFailed`` (retryable).
+* Buffer lifetime: a ucxx request holds a raw pointer to its buffer, never a reference. A
+  request that may still complete when we stop waiting for it (a handshake or commit receive
+  given up on, a request still pending after ``_SETTLE_S``) keeps its buffer alive in
+  ``_parked`` until UCX completed it; whatever is still pending at ``stop()`` is kept for the
+  life of the process (``requests_orphaned``). Freed earlier, a late write would land in
+  reused heap memory: a crash far from its cause.
 * Single copy (same host): a link is the listener/``create_endpoint`` endpoint pair (error
   handling on: liveness, handshake, receives, aborts). Under error handling UCX never picks
   ``cma`` for rendezvous, so bytes would cross as sysv fragments, copied in by the sender and
@@ -74,6 +80,10 @@ _SETTLE_S = 5.0              # bound on waiting for cancelled requests to comple
 _GONE_CHECKS, _GONE_RECHECK_S = 5, 2.0  # is a failed single-copy peer's process gone?
 _OWN_PROGRESS = "dualpath.transport progress driver"
 _ucx: SimpleNamespace | None = None
+# Buffers a stopped transport could not prove idle (a request still pending at stop): ucxx
+# requests hold raw pointers, not references, so freeing these could let a late UCX write land
+# in reused heap memory. Kept for the life of the process (counted in ``requests_orphaned``).
+_ORPHANED: list[Any] = []
 _reported_skips: set[tuple[str, tuple[str, ...]]] = set()  # warn once per process
 
 
@@ -166,6 +176,7 @@ class _Transfer:
     arena: Any = None
     task: asyncio.Task | None = None
     commit: Any = None            # receiver: the posted commit receive (single-copy links)
+    keep: Any = None              # what the requests point into (sources / arena): see _park
 
 
 class ReceiveHandle:
@@ -229,6 +240,7 @@ class PageTransport:
         self._host_id = ""
         self._process_id = local_process_id()
         self._data_eps: dict[bytes, Any] = {}   # peer worker address -> endpoint (single copy)
+        self._parked: list[tuple[Any, Any]] = []  # (request, buffers it points into): _park
         self.single_copy_reason = ""
         self.skipped_options: list[str] = []
         self._n: collections.Counter[str] = collections.Counter()
@@ -280,6 +292,7 @@ class PageTransport:
             for ep in list(self._handshaking):
                 ep.abort()
             await self._drain(self._cfg.connect_timeout_s)
+            self._orphan_unsettled()
             for ep in self._data_eps.values():
                 ep.abort()
             self._data_eps.clear()
@@ -291,6 +304,32 @@ class PageTransport:
             self._all_links.clear()
             self._state = "closed"
             log.info("transport_stopped", node_id=self.node_id, **self._n)
+
+    def _orphan_unsettled(self) -> None:
+        """At stop: keep alive every buffer a request may still write into or read from."""
+        self._prune_parked()
+        keep = [k for _, k in self._parked]
+        for t in self._active:       # the drain timed out on these
+            keep.append((t.keep, t.arena, t.commit))
+        if keep:
+            keep.append(self._staging)
+            _ORPHANED.append(keep)
+            self._n["requests_orphaned"] += len(self._parked) + len(self._active)
+            log.warning("transport_buffers_orphaned", requests=len(self._parked),
+                        transfers=len(self._active))
+        self._parked = []
+
+    def _park(self, req: Any, keep: Any) -> None:
+        """ucxx requests hold raw pointers, never references: a request that may still
+        complete keeps the buffers it points into alive (here) until it has completed."""
+        if req is not None and not req.completed:
+            self._prune_parked()
+            self._parked.append((req, keep))
+            self._n["requests_parked"] += 1
+
+    def _prune_parked(self) -> None:
+        if self._parked:
+            self._parked = [(r, k) for r, k in self._parked if not r.completed]
 
     async def _drain(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -482,20 +521,25 @@ class PageTransport:
 
     async def _send_hello(self, ep: Any) -> None:
         u, buf = _ucxx(), encode_hello(self._hello())
-        await self._wait_one(ep._ep.tag_send(u.Array(buf), u.Tag(ep._tags["msg_send"])))
+        await self._wait_one(ep._ep.tag_send(u.Array(buf), u.Tag(ep._tags["msg_send"])), buf)
 
     async def _recv_hello(self, ep: Any) -> TransferHello:
         u, buf = _ucxx(), np.zeros(HELLO_BYTES, dtype=np.uint8)
-        await self._wait_one(ep._ep.tag_recv(u.Array(buf), u.Tag(ep._tags["msg_recv"]), u.Mask))
+        await self._wait_one(ep._ep.tag_recv(u.Array(buf), u.Tag(ep._tags["msg_recv"]), u.Mask),
+                             buf)
         return decode_hello(buf)
 
     def _check_hello(self, hello: TransferHello) -> None:
         check_same_plan(self._hello(), hello)
 
-    async def _wait_one(self, req: Any) -> None:
+    async def _wait_one(self, req: Any, buf: Any) -> None:
+        """Wait for one request on ``buf``; a timed-out or cancelled wait parks ``buf``."""
         self._progress.kick()
-        while not req.completed:
-            await self._progress.tick()
+        try:
+            while not req.completed:
+                await self._progress.tick()
+        finally:
+            self._park(req, buf)
         req.check_error()
 
     # ------------------------------------------------------------------ receive
@@ -526,7 +570,7 @@ class PageTransport:
         if transfer_id in self._receiving:
             raise InvalidArgument(f"transfer id {transfer_id} is already expected")
         rx = _Transfer(transfer_id, link, plan, plan[-1].stream_end if plan else 0,
-                       collections.deque(), collections.deque(), arena)
+                       collections.deque(), collections.deque(), arena, keep=arena)
         self._receiving[transfer_id] = rx
         self._active.add(rx)
         try:
@@ -652,7 +696,8 @@ class PageTransport:
         loop = asyncio.get_running_loop()
         deadline_at = loop.time() + deadline_s
         link = await self._link_to(tuple(peer), deadline_at)
-        tx = _Transfer(transfer_id, link, plan, total, collections.deque(), collections.deque())
+        tx = _Transfer(transfer_id, link, plan, total, collections.deque(), collections.deque(),
+                       keep=tuple(src))
         self._active.add(tx)
         try:
             async with asyncio.timeout_at(deadline_at):
@@ -718,6 +763,7 @@ class PageTransport:
         buf = np.array([tx.nbytes], np.uint64).view(np.uint8)
         req = link.ep._ep.tag_send(u.Array(buf), u.Tag((tx.transfer_id << INDEX_BITS) | COMMIT_INDEX))
         tx.posted.append((req, None, None))
+        tx.keep = (tx.keep, buf)
         self._progress.kick()
         while not req.completed:
             if not link.usable:
@@ -770,7 +816,7 @@ class PageTransport:
         (they complete only if the receiver takes the bytes), and without the commit no
         receiver counts bytes read from these buffers, so they go back to the caller now."""
         for req, _, stg in t.posted:
-            if not req.completed:
+            if not req.completed:  # (UCX may only read these buffers later, never write)
                 self._n["sends_abandoned"] += 1
             if stg is not None:
                 self._staging.free(stg)
@@ -780,7 +826,7 @@ class PageTransport:
         """Cancelled/aborted requests must complete before buffers go back to the caller."""
         if t.commit is not None:  # posted on the link's endpoint: the abort cancels it
             t.posted.append((t.commit[0], None, None))
-            t.commit = None
+            t.keep, t.commit = (t.keep, t.commit[1]), None
         end = time.monotonic() + _SETTLE_S
         while self._ctx is not None:
             self._ctx.worker.progress()
@@ -795,9 +841,11 @@ class PageTransport:
                 break
             await asyncio.sleep(0.001)
         t.deferred.clear()
-        if t.posted:  # their staging stays allocated: UCX may still write into it
-            log.error("transfer_requests_not_settled", transfer_id=t.transfer_id,
+        if t.posted:  # their staging stays allocated and their buffers parked: UCX may still
+            log.error("transfer_requests_not_settled", transfer_id=t.transfer_id,  # write
                       pending=len(t.posted))
+            for req, _, _ in t.posted:
+                self._park(req, (t.keep, self._staging.buffer if self._staging else None))
             t.posted = collections.deque()
 
     # ------------------------------------------------------------------ stats
@@ -809,7 +857,8 @@ class PageTransport:
             "transfers_sent_ok", "transfers_sent_failed", "transfers_received_ok",
             "transfers_received_failed", "packed_messages", "packed_bytes", "gathered_bytes",
             "connects", "accepts", "endpoint_aborts", "single_copy_endpoints",
-            "sends_abandoned")}
+            "sends_abandoned", "requests_parked", "requests_orphaned")}
+        out["requests_parked_now"] = float(len(self._parked))
         staging = self._staging
         out["staging_in_use_bytes"] = float(staging.in_use if staging else 0)
         out["staging_peak_bytes"] = float(staging.peak if staging else 0)

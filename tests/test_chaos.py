@@ -16,9 +16,7 @@ import pytest
 
 from services.cluster.chaos import ChaosHarness, Fault
 
-# Quarantined from `make test` (marker `chaos`; run with `make test-chaos` or `make reliability`):
-# in fresh-clone CI runs these cases intermittently failed (a survivor unreachable, pages held
-# past the quiet window, one case hanging) — open in issue #8, see docs/reliability.md.
+# Marker `chaos`: `make test-chaos` runs only these (they are part of `make test`).
 pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.chaos,
               pytest.mark.timeout(300)]
 

@@ -526,6 +526,43 @@ async def test_cancel_then_fresh_transfer(peer, local):
     assert np.array_equal(gather(arena, slots), pattern(6, 3 * MIB))
 
 
+async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
+    """ucxx requests hold raw pointers, not references: a wait given up on (deadline, cancel)
+    parks its buffer until UCX completed the request, and a stop keeps it for good — freed
+    earlier, a late write would land in reused heap memory (a crash far from its cause)."""
+    import common.transport as transport_mod
+
+    class Pending:           # a UCX request that has not completed (yet)
+        completed = False
+
+        def check_error(self) -> None:
+            return None
+
+    first, second = Pending(), Pending()
+    buf1, buf2 = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    ref1, ref2 = weakref.ref(buf1), weakref.ref(buf2)
+    for req, buf in ((first, buf1), (second, buf2)):
+        task = asyncio.create_task(local._wait_one(req, buf))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    del buf1, buf2, buf, task
+    gc.collect()
+    assert ref1() is not None and ref2() is not None
+    assert local.stats()["requests_parked_now"] == 2
+    first.completed = True                # UCX is done with it: now it may go
+    local._prune_parked()
+    gc.collect()
+    assert ref1() is None and ref2() is not None
+    orphaned = len(transport_mod._ORPHANED)
+    await local.stop()                    # still pending at stop: kept for the process's life
+    gc.collect()
+    assert ref2() is not None and len(transport_mod._ORPHANED) == orphaned + 1
+    assert local.stats()["requests_orphaned"] == 1
+    transport_mod._ORPHANED.pop()
+
+
 # ---------------------------------------------------------------- single copy (same host)
 
 async def test_single_copy_receiver_needs_the_commit(monkeypatch):

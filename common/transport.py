@@ -1,6 +1,8 @@
 """UCX page transport: write a byte stream into a peer's registered arena slots.
 
-The only module of dualpath that imports ``ucxx`` (DESIGN §5). The receiver posts every
+The only module of dualpath that imports ``ucxx`` (DESIGN §5), with
+:mod:`common.ucxx_handshake` (a memory-safe replacement for ucxx's endpoint handshake, installed
+on first use). The receiver posts every
 receive of a transfer in advance (:meth:`PageTransport.expect`), straight into its arena
 (``force_tag`` tag receives); the sender cuts the same :func:`plan_messages` plan over the
 receiver's slots and sends each message with its tag. Completion of the posted receives is
@@ -60,6 +62,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from common import ucxx_handshake
 from common.config import TransportConfig
 from common.errors import (Cancelled, ConfigError, DeadlineExceeded, DualpathError,
                            InvalidArgument, PeerFailed, ProtocolError, Unavailable)
@@ -97,6 +100,7 @@ def _ucxx() -> SimpleNamespace:
         from ucxx.types import Tag, TagMaskFull
         _ucx = SimpleNamespace(lib=lib, Array=Array, app=app, Tag=Tag, Mask=TagMaskFull,
                                Error=lib.UCXError)
+        ucxx_handshake.install()  # ucxx's own handshake frees buffers UCX still writes into
     return _ucx
 
 
@@ -384,6 +388,8 @@ class PageTransport:
     async def _connect(self, peer: Peer, deadline_at: float) -> _Link:
         u, loop, cfg = _ucxx(), asyncio.get_running_loop(), self._cfg
         budget = min(cfg.connect_timeout_s, deadline_at - loop.time())
+        if budget <= 0:
+            raise DeadlineExceeded(f"deadline passed before connecting to {peer}")
         ep = None
         try:
             with self._progress.busy():

@@ -563,6 +563,31 @@ async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
     transport_mod._ORPHANED.pop()
 
 
+def test_connects_given_up_on_never_corrupt_memory():
+    """Hundreds of connects whose budget runs out mid-handshake, then allocator churn and a
+    real transfer (in a subprocess: the failure is a segfault). ucxx 0.52's own handshake
+    freed its receive buffer on timeout while UCX still wrote the peer's bytes into it;
+    unpatched, this crashed 3 runs of 3 (common/ucxx_handshake.py)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.connect_stress", "300"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = proc.stdout.splitlines()
+    assert "ok" in lines, proc.stdout[-2000:]
+    attempts = next(line for line in lines if line.startswith("connect attempts"))
+    assert int(attempts.split()[-1]) > 0          # budgets did run out mid-connect
+    assert "handshakes still pending 0" in lines  # every failed handshake released its buffers
+
+
+def test_handshake_patch_is_installed():
+    import ucxx._lib_async.application_context as app
+    import ucxx._lib_async.listener as listener
+
+    from common import transport, ucxx_handshake
+    transport._ucxx()
+    assert app.exchange_peer_info is ucxx_handshake.exchange_peer_info
+    assert listener.exchange_peer_info is ucxx_handshake.exchange_peer_info
+
+
 # ---------------------------------------------------------------- single copy (same host)
 
 async def test_single_copy_receiver_needs_the_commit(monkeypatch):

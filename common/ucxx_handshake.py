@@ -1,0 +1,102 @@
+"""A memory-safe replacement for ucxx's endpoint peer-info exchange (ucxx 0.52).
+
+Why: ucxx's ``exchange_peer_info`` (run by ``create_endpoint`` and by the listener for every
+new endpoint) posts a UCX stream receive into a 16-byte ``bytearray`` and awaits it under
+``asyncio.wait_for``. When that wait times out or its task is cancelled — a request whose
+deadline is nearly spent connects to a peer, a peer paused past the connect timeout — the
+bytearray is freed while the receive is still posted, because a ucxx request holds a raw
+pointer, never a reference. When the peer's 16 bytes arrive, UCX writes them into freed
+pymalloc memory and the process crashes later somewhere unrelated (``pymalloc_alloc`` under
+the fuzz tests; ``tests/test_transport.py`` reproduces it with connects on tiny budgets).
+
+This version puts the same bytes on the wire in the same order (two unsigned 64-bit words: the
+tag and its hash), so it interoperates with unpatched peers. On any failure it closes the UCX
+endpoint (which cancels what it posted) and keeps both buffers alive in :data:`_PENDING` until
+every request it posted has completed. :func:`install` swaps it into ucxx's two call sites; it
+refuses (and says so) when ucxx's function no longer has the signature this was written for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import struct
+from typing import Any
+
+import numpy as np
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_FMT = "QQ"
+_SIGNATURE = ["endpoint", "msg_tag", "listener", "connect_timeout"]
+_CLOSE_NS = 100_000_000          # bound on closing a failed endpoint (cancels its requests)
+# (requests, what they point into) of exchanges that failed before their requests completed
+_PENDING: list[tuple[list[Any], tuple[Any, ...]]] = []
+
+
+def pending() -> int:
+    """Failed exchanges whose buffers are still held (their requests have not completed)."""
+    prune()
+    return len(_PENDING)
+
+
+def prune() -> None:
+    _PENDING[:] = [(reqs, keep) for reqs, keep in _PENDING
+                   if not all(r.completed for r in reqs)]
+
+
+async def exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
+                             connect_timeout: float = 5.0) -> dict[str, int]:
+    """ucxx's exchange, with buffers that outlive every request posted into them."""
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.utils import hash64bits
+
+    mine = np.frombuffer(struct.pack(_FMT, msg_tag, hash64bits(msg_tag)), np.uint8).copy()
+    theirs = np.zeros(mine.nbytes, np.uint8)
+    posted: list[Any] = []
+
+    async def step(req: Any) -> None:
+        posted.append(req)
+        await asyncio.wait_for(req.wait(), timeout=connect_timeout)
+
+    try:
+        if listener:
+            await step(endpoint.stream_send(Array(mine)))
+            await step(endpoint.stream_recv(Array(theirs)))
+        else:
+            await step(endpoint.stream_recv(Array(theirs)))
+            await step(endpoint.stream_send(Array(mine)))
+    except BaseException:
+        prune()
+        if not all(r.completed for r in posted):
+            _PENDING.append((posted, (mine, theirs, endpoint)))
+            with contextlib.suppress(Exception):
+                endpoint.close_blocking(period=_CLOSE_NS, max_attempts=1)
+        raise
+    tag, checksum = struct.unpack(_FMT, theirs.tobytes())
+    if hash64bits(tag) != checksum:
+        raise RuntimeError(f"Checksum invalid! {hex(hash64bits(tag))} != {hex(checksum)}")
+    return {"msg_tag": tag, "checksum": checksum}
+
+
+def install() -> bool:
+    """Replace ``exchange_peer_info`` where ucxx's endpoint creation calls it; False (and a
+    warning) when this ucxx's function differs from the one this replacement mirrors."""
+    import ucxx._lib_async.application_context as app
+    import ucxx._lib_async.listener as listener
+
+    done = True
+    for mod in (app, listener):
+        current = getattr(mod, "exchange_peer_info", None)
+        if current is exchange_peer_info:
+            continue
+        if current is None or list(inspect.signature(current).parameters) != _SIGNATURE:
+            log.warning("ucxx_handshake_not_patched", module=mod.__name__,
+                        reason="exchange_peer_info changed in this ucxx: check whether its "
+                               "buffers still die before their requests (common/ucxx_handshake)")
+            done = False
+            continue
+        mod.exchange_peer_info = exchange_peer_info
+    return done

@@ -323,6 +323,23 @@ async def test_acknowledged_turns_survive_kill9_of_the_whole_cluster(tmp_path, r
 
 # --------------------------------------------------------------------------- (c) torn write
 
+def wait_all_threads_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of ``pid`` is in state T (stopped): a thread inside a syscall stops
+    only when it returns from it, after ``kill(SIGSTOP)`` has already returned."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+
+
 def freeze_mid_write(state: State, root: Path) -> list[Path]:
     """SIGSTOP every gateway; the temp files still there were caught half-written.
 
@@ -330,6 +347,8 @@ def freeze_mid_write(state: State, root: Path) -> list[Path]:
     gws = [p for p in state.procs if p.service == "gateway"]
     for p in gws:
         os.kill(p.pid, signal.SIGSTOP)
+    for p in gws:   # kill() returns before every thread stopped: one may still create a file
+        wait_all_threads_stopped(p.pid)
     torn = temp_files(root)
     if not torn:
         for p in gws:

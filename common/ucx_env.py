@@ -30,6 +30,7 @@ from typing import Any
 UCX_PREFIX = "UCX_"
 SINGLE_COPY_ENV = "DUALPATH_UCX_SINGLE_COPY"
 _OFF = ("0", "n", "no", "false", "off")
+_ON = ("1", "y", "yes", "true", "on")
 _YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
@@ -66,15 +67,23 @@ def single_copy_supported(tls: str | None,
                           yama_path: str = _YAMA) -> tuple[bool, str]:
     """``(allowed, reason)``: may this process move data over cma single-copy endpoints?
 
-    ``tls`` is the traffic class's ``TLS`` option; ``UCX_TLS`` in the environment wins. Off
-    when the user says so, when the transports exclude cma, when CUDA transports are in play
-    (device arenas would then meet an endpoint without error handling: not tested), or when
-    Yama restricts ptrace (cma's ``process_vm_readv`` would be refused between unrelated
-    processes).
+    Off unless ``DUALPATH_UCX_SINGLE_COPY=1``: those endpoints have no UCX error handling, and
+    when a peer is killed while this process reads its memory, UCX treats the failed
+    ``process_vm_readv`` (ESRCH) as unhandled and aborts *this* process (seen under the chaos
+    tests: a DE loader aborted when its PE was killed mid hand-off). A peer crash must never
+    take a survivor with it, so the faster path is an explicit opt-in (docs/performance.md).
+    ``tls`` is the traffic class's ``TLS`` option; ``UCX_TLS`` in the environment wins. Also
+    off when the transports exclude cma, when CUDA transports are in play (device arenas
+    would then meet an endpoint without error handling: not tested), or when Yama restricts
+    ptrace (cma's ``process_vm_readv`` would be refused between unrelated processes).
     """
     environ = os.environ if environ is None else environ
-    if environ.get(SINGLE_COPY_ENV, "").strip().lower() in _OFF:
+    choice = environ.get(SINGLE_COPY_ENV, "").strip().lower()
+    if choice in _OFF:
         return False, f"{SINGLE_COPY_ENV} is off"
+    if choice not in _ON:
+        return False, (f"off by default ({SINGLE_COPY_ENV}=1 turns it on): a peer killed "
+                       "mid-transfer would abort this process")
     tls = environ.get(UCX_PREFIX + "TLS", tls) or "all"
     names = {t.strip().lower() for t in tls.lstrip("^").split(",")}
     if tls.startswith("^"):

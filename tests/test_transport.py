@@ -187,18 +187,21 @@ def test_hello_carries_single_copy_fields_and_stays_compatible():
 def test_single_copy_supported_rules(tmp_path):
     yama = tmp_path / "ptrace_scope"
     yama.write_text("0\n")
-    assert single_copy_supported("tcp,sm,self", {}, str(yama))[0]
-    assert single_copy_supported(None, {}, str(yama))[0]                 # UCX default: all
-    assert single_copy_supported("tcp,cma", {}, str(yama))[0]
-    assert not single_copy_supported("tcp,self", {}, str(yama))[0]
-    assert not single_copy_supported("^sm", {}, str(yama))[0]
-    assert not single_copy_supported("tcp,sm", {"UCX_TLS": "tcp"}, str(yama))[0]  # env wins
+    on = {"DUALPATH_UCX_SINGLE_COPY": "1"}
+    ok, reason = single_copy_supported("tcp,sm,self", {}, str(yama))
+    assert not ok and "off by default" in reason and "abort" in reason   # opt-in only
+    assert single_copy_supported("tcp,sm,self", on, str(yama))[0]
+    assert single_copy_supported(None, on, str(yama))[0]                 # UCX default: all
+    assert single_copy_supported("tcp,cma", on, str(yama))[0]
+    assert not single_copy_supported("tcp,self", on, str(yama))[0]
+    assert not single_copy_supported("^sm", on, str(yama))[0]
+    assert not single_copy_supported("tcp,sm", {**on, "UCX_TLS": "tcp"}, str(yama))[0]  # env wins
     assert not single_copy_supported("sm", {"DUALPATH_UCX_SINGLE_COPY": "0"}, str(yama))[0]
-    assert not single_copy_supported("tcp,sm,cuda_copy,cuda_ipc", {}, str(yama))[0]
+    assert not single_copy_supported("tcp,sm,cuda_copy,cuda_ipc", on, str(yama))[0]
     yama.write_text("1\n")
-    ok, reason = single_copy_supported("sm", {}, str(yama))
+    ok, reason = single_copy_supported("sm", on, str(yama))
     assert not ok and "ptrace" in reason
-    assert single_copy_supported("sm", {}, str(tmp_path / "absent"))[0]   # no Yama
+    assert single_copy_supported("sm", on, str(tmp_path / "absent"))[0]   # no Yama
     assert local_host_id() == local_host_id() and local_host_id().count("/") == 2
 
 
@@ -274,6 +277,15 @@ class PeerProc:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_copy_opt_in():
+    """This module also exercises the opt-in single-copy path (off by default: see
+    common.ucx_env.single_copy_supported); its peers inherit the setting."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DUALPATH_UCX_SINGLE_COPY", "1")
+        yield
 
 
 @pytest.fixture(scope="module")

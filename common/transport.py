@@ -1,8 +1,9 @@
 """UCX page transport: write a byte stream into a peer's registered arena slots.
 
-The only module of dualpath that imports ``ucxx`` (DESIGN §5), with
-:mod:`common.ucxx_handshake` (a memory-safe replacement for ucxx's endpoint handshake, installed
-on first use). The receiver posts every
+With :mod:`common.transport_ucx` (the ``ucxx`` import, the UCX context, link and transfer
+book-keeping) and :mod:`common.ucxx_handshake` (a memory-safe replacement for ucxx's endpoint
+handshake, installed on first use), the only code of dualpath that touches ``ucxx`` (DESIGN
+§5). The receiver posts every
 receive of a transfer in advance (:meth:`PageTransport.expect`), straight into its arena
 (``force_tag`` tag receives); the sender cuts the same :func:`plan_messages` plan over the
 receiver's slots and sends each message with its tag. Completion of the posted receives is
@@ -55,14 +56,11 @@ import asyncio
 import collections
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import structlog
 
-from common import ucxx_handshake
 from common.config import TransportConfig
 from common.errors import (Cancelled, ConfigError, DeadlineExceeded, DualpathError,
                            InvalidArgument, PeerFailed, ProtocolError, Unavailable)
@@ -72,144 +70,24 @@ from common.transport_plan import (COMMIT_BYTES, COMMIT_INDEX, HELLO_BYTES, HELL
                                    check_same_plan, check_transfer_id, decode_hello,
                                    encode_hello, fit_hello, is_device_array, plan_messages,
                                    single_copy_link)
+from common.transport_ucx import Link as _Link
+from common.transport_ucx import Peer, ReceiveHandle
+from common.transport_ucx import Transfer as _Transfer
+from common.transport_ucx import claim_progress as _claim_progress
+from common.transport_ucx import create_context as _create_context
+from common.transport_ucx import ucxx as _ucxx
 from common.ucx_env import (WorkerProgress, apply_ucx_env, local_host_id, local_process_id,
-                            options_overridden_by_env, process_gone, single_copy_supported)
+                            process_gone, single_copy_supported)
 
 log = structlog.get_logger(__name__)
 
-Peer = tuple[str, int]
 _RETIRED_IDS = 4096          # failed transfer ids remembered (never reused)
 _SETTLE_S = 5.0              # bound on waiting for cancelled requests to complete
 _GONE_CHECKS, _GONE_RECHECK_S = 5, 2.0  # is a failed single-copy peer's process gone?
-_OWN_PROGRESS = "dualpath.transport progress driver"
-_ucx: SimpleNamespace | None = None
 # Buffers a stopped transport could not prove idle (a request still pending at stop): ucxx
 # requests hold raw pointers, not references, so freeing these could let a late UCX write land
 # in reused heap memory. Kept for the life of the process (counted in ``requests_orphaned``).
 _ORPHANED: list[Any] = []
-_reported_skips: set[tuple[str, tuple[str, ...]]] = set()  # warn once per process
-
-
-def _ucxx() -> SimpleNamespace:
-    """Import ucxx lazily: the UCX environment must be set before the first import."""
-    global _ucx
-    if _ucx is None:
-        import ucxx._lib.libucxx as lib
-        from ucxx._lib.arr import Array
-        from ucxx._lib_async import application_context as app
-        from ucxx.types import Tag, TagMaskFull
-        _ucx = SimpleNamespace(lib=lib, Array=Array, app=app, Tag=Tag, Mask=TagMaskFull,
-                               Error=lib.UCXError)
-        ucxx_handshake.install()  # ucxx's own handshake frees buffers UCX still writes into
-    return _ucx
-
-
-def _claim_progress(loop: asyncio.AbstractEventLoop) -> None:
-    # ucxx starts its own (spinning) BlockingMode for a loop it has no entry for; our
-    # driver does the work, so keep an entry there (a collected context clears the dict).
-    _ucxx().app.ProgressTasks.setdefault(loop, _OWN_PROGRESS)
-
-
-def _create_context(options: dict[str, str], traffic_class: str) -> tuple[Any, list[str]]:
-    """The ucxx ApplicationContext for one traffic class, minus options UCX rejects."""
-    u = _ucxx()
-    from_env = options_overridden_by_env(options)
-    if from_env:
-        log.info("ucx_options_taken_from_environment", traffic_class=traffic_class,
-                 options=from_env)
-    opts = {k: v for k, v in options.items() if k not in from_env}
-    try:
-        return u.app.ApplicationContext(opts, progress_mode="blocking"), []
-    except u.Error as e:
-        accepted, skipped = _probe_options(opts)
-        if not skipped:
-            raise ConfigError(f"UCX rejected traffic class {traffic_class!r} options {opts}: "
-                              f"{type(e).__name__}: {e}") from e
-        key = (traffic_class, tuple(skipped))
-        report = log.debug if key in _reported_skips else log.warning
-        _reported_skips.add(key)
-        report("ucx_options_skipped", traffic_class=traffic_class, options=skipped,
-               reason=f"{type(e).__name__}: this UCX build cannot apply them (the PyPI UCX "
-                      "has no verbs: no IB/RoCE QoS; use a system UCX >= 1.19 with verbs)")
-        return u.app.ApplicationContext(accepted, progress_mode="blocking"), skipped
-
-
-def _probe_options(options: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    u, accepted, skipped = _ucxx(), {}, []
-    for key, value in options.items():
-        try:
-            u.lib.UCXContext({**accepted, key: value})
-            accepted[key] = value
-        except u.Error:
-            skipped.append(key)
-    return accepted, skipped
-
-
-@dataclass(eq=False)
-class _Link:
-    """One endpoint to a peer's transport (keyed by the peer's listener address).
-
-    ``ep`` (error handling on) carries hellos, receives, commits and liveness; on a
-    ``single_copy`` link the sender's messages go over the transport's endpoint to the peer's
-    worker (``PageTransport._data_eps``), made without error handling (cma single copy).
-    """
-
-    addr: Peer
-    ep: Any
-    node_id: str = ""
-    failure: str | None = None
-    single_copy: bool = False
-    peer_worker_address: bytes = b""
-    peer_process: str = ""
-
-    @property
-    def usable(self) -> bool:
-        return self.failure is None and self.ep._ep is not None and not self.ep.closed
-
-
-@dataclass(eq=False)
-class _Transfer:
-    """Book-keeping of one transfer in flight, on either side."""
-
-    transfer_id: int
-    link: _Link
-    plan: list[MessagePlan]
-    nbytes: int
-    posted: collections.deque     # (request, message, staging offset | None)
-    deferred: collections.deque   # packed messages waiting for staging (receiver)
-    arena: Any = None
-    task: asyncio.Task | None = None
-    commit: Any = None            # receiver: the posted commit receive (single-copy links)
-    keep: Any = None              # what the requests point into (sources / arena): see _park
-
-
-class ReceiveHandle:
-    """A posted receive of one transfer: ``await wait()`` returns when every byte arrived."""
-
-    def __init__(self, transfer_id: int, peer: Peer, nbytes: int, task: asyncio.Task) -> None:
-        self.transfer_id, self.peer, self.nbytes = transfer_id, peer, nbytes
-        self._task = task
-
-    @property
-    def done(self) -> bool:
-        return self._task.done()
-
-    async def wait(self) -> None:
-        """Return when all bytes are in the arena; raise PeerFailed, DeadlineExceeded, ..."""
-        try:
-            await asyncio.shield(self._task)
-        except asyncio.CancelledError:
-            if not self._task.done():  # our waiter was cancelled: cancel the transfer too
-                await self.cancel()
-            raise
-
-    async def cancel(self) -> None:
-        """Cancel the transfer; returns once no receive targets the arena any more."""
-        if not self._task.done():
-            self._task.cancel()
-        await asyncio.wait([self._task])
-        if not self._task.cancelled():
-            self._task.exception()  # retrieved here; wait() raises it again
 
 
 class PageTransport:

@@ -1,0 +1,151 @@
+"""The ucxx side of the page transport: the lazy ``ucxx`` import (with the handshake patch),
+the UCX context of one traffic class, and the book-keeping of links and transfers.
+
+Split from :mod:`common.transport` (which holds the transfer logic) so that file stays
+readable; together they are still the only place dualpath touches ``ucxx`` (DESIGN §5), plus
+:mod:`common.ucxx_handshake`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import structlog
+
+from common import ucxx_handshake
+from common.errors import ConfigError
+from common.transport_plan import MessagePlan
+from common.ucx_env import options_overridden_by_env
+
+log = structlog.get_logger("common.transport")
+
+Peer = tuple[str, int]
+_OWN_PROGRESS = "dualpath.transport progress driver"
+_ucx: SimpleNamespace | None = None
+_reported_skips: set[tuple[str, tuple[str, ...]]] = set()  # warn once per process
+
+
+def ucxx() -> SimpleNamespace:
+    """Import ucxx lazily: the UCX environment must be set before the first import."""
+    global _ucx
+    if _ucx is None:
+        import ucxx._lib.libucxx as lib
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async import application_context as app
+        from ucxx.types import Tag, TagMaskFull
+        _ucx = SimpleNamespace(lib=lib, Array=Array, app=app, Tag=Tag, Mask=TagMaskFull,
+                               Error=lib.UCXError)
+        ucxx_handshake.install()  # ucxx's own handshake frees buffers UCX still writes into
+    return _ucx
+
+
+def claim_progress(loop: asyncio.AbstractEventLoop) -> None:
+    # ucxx starts its own (spinning) BlockingMode for a loop it has no entry for; our
+    # driver does the work, so keep an entry there (a collected context clears the dict).
+    ucxx().app.ProgressTasks.setdefault(loop, _OWN_PROGRESS)
+
+
+def create_context(options: dict[str, str], traffic_class: str) -> tuple[Any, list[str]]:
+    """The ucxx ApplicationContext for one traffic class, minus options UCX rejects."""
+    u = ucxx()
+    from_env = options_overridden_by_env(options)
+    if from_env:
+        log.info("ucx_options_taken_from_environment", traffic_class=traffic_class,
+                 options=from_env)
+    opts = {k: v for k, v in options.items() if k not in from_env}
+    try:
+        return u.app.ApplicationContext(opts, progress_mode="blocking"), []
+    except u.Error as e:
+        accepted, skipped = _probe_options(opts)
+        if not skipped:
+            raise ConfigError(f"UCX rejected traffic class {traffic_class!r} options {opts}: "
+                              f"{type(e).__name__}: {e}") from e
+        key = (traffic_class, tuple(skipped))
+        report = log.debug if key in _reported_skips else log.warning
+        _reported_skips.add(key)
+        report("ucx_options_skipped", traffic_class=traffic_class, options=skipped,
+               reason=f"{type(e).__name__}: this UCX build cannot apply them (the PyPI UCX "
+                      "has no verbs: no IB/RoCE QoS; use a system UCX >= 1.19 with verbs)")
+        return u.app.ApplicationContext(accepted, progress_mode="blocking"), skipped
+
+
+def _probe_options(options: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    u, accepted, skipped = ucxx(), {}, []
+    for key, value in options.items():
+        try:
+            u.lib.UCXContext({**accepted, key: value})
+            accepted[key] = value
+        except u.Error:
+            skipped.append(key)
+    return accepted, skipped
+
+
+@dataclass(eq=False)
+class Link:
+    """One endpoint to a peer's transport (keyed by the peer's listener address).
+
+    ``ep`` (error handling on) carries hellos, receives, commits and liveness; on a
+    ``single_copy`` link the sender's messages go over the transport's endpoint to the peer's
+    worker (``PageTransport._data_eps``), made without error handling (cma single copy).
+    """
+
+    addr: Peer
+    ep: Any
+    node_id: str = ""
+    failure: str | None = None
+    single_copy: bool = False
+    peer_worker_address: bytes = b""
+    peer_process: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.failure is None and self.ep._ep is not None and not self.ep.closed
+
+
+@dataclass(eq=False)
+class Transfer:
+    """Book-keeping of one transfer in flight, on either side."""
+
+    transfer_id: int
+    link: Link
+    plan: list[MessagePlan]
+    nbytes: int
+    posted: collections.deque     # (request, message, staging offset | None)
+    deferred: collections.deque   # packed messages waiting for staging (receiver)
+    arena: Any = None
+    task: asyncio.Task | None = None
+    commit: Any = None            # receiver: the posted commit receive (single-copy links)
+    keep: Any = None              # what the requests point into (sources / arena): see _park
+
+
+class ReceiveHandle:
+    """A posted receive of one transfer: ``await wait()`` returns when every byte arrived."""
+
+    def __init__(self, transfer_id: int, peer: Peer, nbytes: int, task: asyncio.Task) -> None:
+        self.transfer_id, self.peer, self.nbytes = transfer_id, peer, nbytes
+        self._task = task
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    async def wait(self) -> None:
+        """Return when all bytes are in the arena; raise PeerFailed, DeadlineExceeded, ..."""
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if not self._task.done():  # our waiter was cancelled: cancel the transfer too
+                await self.cancel()
+            raise
+
+    async def cancel(self) -> None:
+        """Cancel the transfer; returns once no receive targets the arena any more."""
+        if not self._task.done():
+            self._task.cancel()
+        await asyncio.wait([self._task])
+        if not self._task.cancelled():
+            self._task.exception()  # retrieved here; wait() raises it again

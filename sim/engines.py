@@ -302,7 +302,7 @@ class DEGpu:
 
     __slots__ = ("engine_id", "node", "cnic_rd", "cnic_wr", "h2d_links", "wb_links", "cl", "loop",
                  "V", "tV", "step", "heap", "n", "sp", "svj", "due", "seq", "dc", "ts",
-                 "_remote", "h2d_q", "h2d_busy", "ev")
+                 "_remote", "h2d_q", "h2d_busy", "ev", "_fire_cb", "_h2d_cb")
 
     def __init__(self, engine_id: str, node: Node, cnic_cap: float, cl: Cluster) -> None:
         self.engine_id = engine_id
@@ -333,6 +333,8 @@ class DEGpu:
         self._remote: dict = {}
         self.h2d_q: deque = deque()
         self.h2d_busy = False
+        self._fire_cb = self._fire           # bound once: events and flows reuse them
+        self._h2d_cb = self._h2d_done
 
     def remote_src(self, pe: PEGpu) -> tuple[Link, Link, Link]:
         """DE read path, DE buffer → PE HBM: DRAM read, this DE's CNIC (read), the PE's CNIC (write)."""
@@ -347,12 +349,12 @@ class DEGpu:
             self.h2d_q.append(rec)
         else:
             self.h2d_busy = True
-            self.cl.net.start(self.h2d_links, rec.prompt * self.cl.bpt, self._h2d_done, rec)
+            self.cl.net.start(self.h2d_links, rec.prompt * self.cl.bpt, self._h2d_cb, rec)
 
     def _h2d_done(self, rec: Req) -> None:
         if self.h2d_q:
             nxt = self.h2d_q.popleft()
-            self.cl.net.start(self.h2d_links, nxt.prompt * self.cl.bpt, self._h2d_done, nxt)
+            self.cl.net.start(self.h2d_links, nxt.prompt * self.cl.bpt, self._h2d_cb, nxt)
         else:
             self.h2d_busy = False
         self.join(rec)
@@ -386,7 +388,14 @@ class DEGpu:
         if due < self.ev:        # a later due keeps the pending event, which re-arms itself
             self.ev = due
             loop = self.loop
-            heappush(loop.heap, (due if due > now else now, next(loop.seq), self._fire, due))
+            t = due if due > now else now
+            lst = loop.pending.get(t)           # = loop.at(t, self._fire, due), inlined
+            if lst is None:
+                loop.pending[t] = [self._fire_cb, due]
+                heappush(loop.heap, t)
+            else:
+                lst.append(self._fire_cb)
+                lst.append(due)
 
     def _fire(self, t: float) -> None:
         if t != self.ev:
@@ -395,7 +404,7 @@ class DEGpu:
         now = self.loop.now
         if now < self.due:
             self.ev = self.due
-            self.loop.at(self.due, self._fire, self.due)
+            self.loop.at(self.due, self._fire_cb, self.due)
             return
         self.V += (now - self.tV) / self.step
         self.tV = now

@@ -289,10 +289,12 @@ def scaleout(r: Runner, lv: dict, bench_json: Path | None, run_it: bool) -> dict
         runs = doc["results"]["runs"]
         for x in runs:
             rows.append([x["cluster"], x["agents"], f"{x['jct_s']:.0f}", f"{x['wall_s']:.0f}",
-                         f"{x['events_per_s']:,.0f}", f"{x['peak_rss_mb']:.0f}"])
+                         f"{x['cpu_s']:.0f}", f"{x['events_per_s']:,.0f}", f"{x['peak_rss_mb']:.0f}"])
         # the paper's online scale-out row has no simulator counterpart here (see notes)
         ratio = runs[1]["jct_s"] / runs[0]["jct_s"]
-        note = f"From `{bench_json}` (`dualpath bench sim{' --quick' if doc['results']['quick'] else ''}`)."
+        note = (f"From `{bench_json}` (`dualpath bench sim{' --quick' if doc['results']['quick'] else ''}`"
+                f"); SNIC max/avg {runs[0]['snic_max_avg']:.2f} at {runs[0]['cluster']}, "
+                f"{runs[1]['snic_max_avg']:.2f} at {runs[1]['cluster']} (a maximum over more links).")
     else:
         cfg, small, large, ts = lv["scaleout"]
         if not run_it and cfg.endswith("48p96d-ds660b.toml"):
@@ -300,7 +302,8 @@ def scaleout(r: Runner, lv: dict, bench_json: Path | None, run_it: bool) -> dict
         a = r.offline(C660, "dualpath", "64k", small, turns_scale=ts)
         b = r.offline(cfg, "dualpath", "64k", large, turns_scale=ts)
         shape = load(cfg).shape().split(" ")[0]
-        rows = [["2P4D", small, f"{a['jct_s']:.0f}", "", "", ""], [shape, large, f"{b['jct_s']:.0f}", "", "", ""]]
+        rows = [["2P4D", small, f"{a['jct_s']:.0f}", "", "", "", ""],
+                [shape, large, f"{b['jct_s']:.0f}", "", "", "", ""]]
         ratio = b["jct_s"] / a["jct_s"]
         note = f"Run here ({shape} instead of 48P96D unless --run-scaleout)." if shape != "48P96D" else ""
     notes = [f"JCT ratio large ÷ 2P4D = **{ratio:.3f}** (paper 3,201 / 3,167 = 1.011; goal ≤ 1.05). {note}",
@@ -315,13 +318,16 @@ def scaleout(r: Runner, lv: dict, bench_json: Path | None, run_it: bool) -> dict
              "`max(hit + new, prefill_s(hit, new) / prefill_s(ref) × ref tokens)` "
              "(`SchedulerConfig.pe_load = \"cost\"`, docs/simulator.md 'Findings'). 8P16D/8,192 vs "
              "2P4D/2,048 agents at 35 % of the turns: 1.074 → 1.014; 12P24D/12,288: 1.156 → 1.019. "
-             "What remains at full length (48P96D: 1.097) is a per-turn latency gap: mean TTFT "
-             "7.79 s vs 6.78 s; at 12P24D (1.022) the read wait doubles with the storage-link "
-             "imbalance (SNIC max/avg 1.11 → 1.23; 1.37 at 48P96D) — see docs/simulator.md "
-             "'Findings'. The paper's online scale-out row (44P88D at 8.8 APS vs 2P4D at 0.4 APS) "
-             "is not simulated here."]
+             "What then remained at full length (48P96D: 1.091) was a per-turn latency gap (mean "
+             "TTFT 7.79 s vs 6.78 s) growing in the read wait: in the steady state the first PE "
+             "group to fetch took the whole tick's intake, a lump of N ticks of its own share that "
+             "grows with the number of groups N, and its reads queued on its own node. Fixed in "
+             "the scheduler too: a fetch takes at most the group's fair share of the cluster's PE "
+             "load (`SchedulerConfig.pe_share`, docs/simulator.md 'Findings' 1c); 48P96D full "
+             "length 1.091 → 0.994 (mean TTFT 6.65 s vs 6.76 s). The paper's online scale-out row "
+             "(44P88D at 8.8 APS vs 2P4D at 0.4 APS) is not simulated here."]
     return {"title": "Scale-out (Table 3)", "head": ["cluster", "agents", "JCT s", "sim wall s",
-            "events/s", "peak RSS MB"], "rows": rows,
+            "sim CPU s", "events/s (wall)", "peak RSS MB"], "rows": rows,
             "paper": "Offline 2P4D 2K agents 3,167 s vs 48P96D 48K agents 3,201 s.", "notes": notes}
 
 

@@ -26,11 +26,13 @@ BIG = 10**12
 
 
 def cfg(**kw) -> SchedulerConfig:
-    """The rule tests count in raw prompt tokens (hand-checkable); the cost-weighted PE load
-    (the default) has its own tests below (``test_pe_load_*``)."""
+    """The rule tests count in raw prompt tokens (hand-checkable) and run Algorithm 1 with β
+    alone; the cost-weighted PE load and the PE fair share (both on by default) have their own
+    tests below (``test_pe_load_*``, ``test_pe_share_*``) and run in the property tests."""
     kw.setdefault("alpha_tokens", ALPHA)
     kw.setdefault("beta_tokens", BETA)
     kw.setdefault("pe_load", "tokens")
+    kw.setdefault("pe_share", 0.0)
     return SchedulerConfig(**kw)
 
 
@@ -544,9 +546,9 @@ def test_pe_load_counts_prefill_cost_in_reference_tokens():
 
 def _burst(pe_load: str, n: int) -> tuple[list[int], int]:
     """``n`` cold 300-token turns (every agent's first round) on 4 one-GPU PE groups; the first
-    group fetches first. Returns requests placed per group and the derived β."""
+    group fetches first; β alone limits a fetch. Returns requests placed per group and β."""
     specs = [pe(f"p{i}", f"P{i}") for i in range(4)] + [de("d0", "D")]
-    s = Scheduler(SchedulerConfig(pe_load=pe_load, beta_s=0.5), specs)
+    s = Scheduler(SchedulerConfig(pe_load=pe_load, beta_s=0.5, pe_share=0.0), specs)
     for i in range(n):
         s.submit(req(i, hit=0, new=300))
     bind_all(s)
@@ -567,6 +569,104 @@ def test_pe_load_cold_burst_is_spread_over_pe_groups():
     assert weighted == [per_engine] * 3 + [60 - 3 * per_engine]
 
 
+def _share_cluster(share: float, beta: int = BIG) -> Scheduler:
+    """4 PE groups (nodes) of 2 engines and one roomy DE."""
+    specs = [pe(f"p{g}.{i}", f"P{g}") for g in range(4) for i in range(2)] + [de("d0", "D")]
+    return Scheduler(cfg(beta_tokens=beta, pe_share=share), specs)
+
+
+def test_pe_share_splits_a_burst_over_pe_groups():
+    # 40 requests of load 100 reach the PE queue between two fetches; every group has room
+    # under β for all of them. β alone: the first group to fetch takes the whole burst.
+    counts = {}
+    for share in (0.0, 1.0):
+        s = _share_cluster(share)
+        for i in range(40):
+            s.submit(req(i, hit=0, new=100))
+        bind_all(s)
+        counts[share] = [len(s.on_pe_group_fetch(g)) for g in s.group_ids(Role.PREFILL)]
+    assert counts[0.0] == [40, 0, 0, 0]
+    # Fair share: limit (4,000 queued + 0) / 8 engines = 500; an engine takes work while its
+    # tok_e ≤ 500 (checked before each assignment, as β is), so 6 each, 12 a group; the last
+    # group fetching takes what is left.
+    assert counts[1.0] == [12, 12, 12, 4]
+
+
+def test_pe_share_counts_running_load_and_beta_still_binds():
+    s = _share_cluster(1.0, beta=700)
+    load(s, ("p0.0", 1, 900), ("p0.1", 1, 100), ("p1.0", 1, 0), ("p1.1", 1, 0))
+    for i in range(8):
+        s.submit(req(i, hit=0, new=100))
+    bind_all(s)
+    # limit = (800 queued + 1,000 running) / 8 = 225: p0.0 (900) is over it, p0.1 takes 2
+    assert [a.pe_engine for a in s.on_pe_group_fetch("P0")] == ["p0.1", "p0.1"]
+    assert [a.pe_engine for a in s.on_pe_group_fetch("P1")] == ["p1.0", "p1.1"] * 3
+    # β (700) binds where it is lower than the share: one group of idle engines, a big burst
+    s = _share_cluster(1.0, beta=700)
+    for i in range(100):
+        s.submit(req(i, hit=0, new=100))
+    bind_all(s)
+    assert len(s.on_pe_group_fetch("P0")) == 16          # 8 per engine: 0 … 700, then > β
+
+
+def test_pe_share_never_strands_work():
+    # A request far above the fair share still goes to the least loaded engine, and the
+    # groups fetching after the first take everything that is left over.
+    s = _share_cluster(1.0)
+    s.submit(req(0, hit=0, new=5_000))
+    bind_all(s)
+    assert [a.pe_engine for a in s.on_pe_group_fetch("P0")] == ["p0.0"]
+    for i in range(1, 30):
+        s.submit(req(i, hit=0, new=10 + i))
+    bind_all(s)
+    for g in s.group_ids(Role.PREFILL):
+        s.on_pe_group_fetch(g)
+    assert s.pe_queue() == []
+
+
+def test_pe_share_sums_follow_every_change():
+    # The core keeps Σ tok_e over all PEs and the PE queue's load incrementally; they must
+    # match a recount after placements, telemetry, completions, cancels, failures, re-plans
+    # and engine removal.
+    s = Scheduler(cfg(pe_share=1.0), [pe(f"p{g}.{i}", f"P{g}") for g in range(3) for i in range(2)]
+                  + [de("d0", "D0"), de("d1", "D1")])
+
+    def check():
+        pes = [e for e in s._engines.values() if e.role is Role.PREFILL]
+        assert s._pe_tok == sum(e.tok for e in pes)
+        live = [p for _, t, p in s._pe_queue if p.ticket == t]
+        assert s._pe_queued == sum(p.pe_tokens for p in live)
+        assert s._n_pe == len(pes)
+
+    for i in range(30):
+        s.submit(req(i, hit=50, new=20 + i))
+    bind_all(s)
+    check()
+    placed = [a.request_id for a in s.on_pe_group_fetch("P0")]
+    check()
+    load(s, ("p0.0", 1, 7), ("p1.0", 0, 3))
+    check()
+    s.read_done(placed[0])
+    s.prefill_done(placed[0])
+    s.complete(placed[0])
+    check()
+    s.cancel(placed[1])
+    s.cancel("r29")                      # still in the PE queue
+    check()
+    s.fail(placed[2])
+    check()
+    placed = [a.request_id for a in s.on_pe_group_fetch("P1")]
+    check()
+    s.remove_engine("p1.0")              # its requests go back to the PE queue
+    check()
+    s.remove_node("D1")                  # DE gone: its requests start over
+    check()
+    bind_all(s)
+    for g in s.group_ids(Role.PREFILL):
+        s.on_pe_group_fetch(g)
+    check()
+
+
 def test_config_defaults_derive_alpha_beta_and_reject_typos():
     c = SchedulerConfig()
     bpt = KV_PRESETS["deepseek-v3.2"].bytes_per_token
@@ -574,6 +674,9 @@ def test_config_defaults_derive_alpha_beta_and_reject_typos():
     assert c.resolved_beta() == int(cost_model("deepseek-v3.2").prompt_tokens_per_s(32_721, 429) * 5)
     assert SchedulerConfig(pe_tokens_per_s=1000.0).resolved_beta() == 5000
     assert c.z_factor == 1.05
+    assert c.pe_share == 1.0
+    with pytest.raises(ConfigError, match="pe_share"):
+        build_config({"pe_share": 0.5}, SchedulerConfig)
     with pytest.raises(ConfigError, match="betta"):
         build_config({"betta_s": 4}, SchedulerConfig)
     with pytest.raises(ConfigError, match="model"):
@@ -629,21 +732,29 @@ def _run(shape, ops, check=None) -> list:
     return log
 
 
-def _snapshot(s: Scheduler) -> tuple[dict, dict]:
+def _snapshot(s: Scheduler) -> tuple[dict, dict, int]:
+    queued = sorted((seq, p.request.request_id) for seq, t, p in s._pe_queue if p.ticket == t)
     return ({e.engine_id: e.tok for e in s._engines.values()},
-            {n.node_id: n.read_q for n in s._nodes.values()})
+            {n.node_id: n.read_q for n in s._nodes.values()},
+            sum(s._requests[rid].pe_tokens for _, rid in queued))
 
 
 def _check_algorithm1(s: Scheduler, group: str, before, out) -> None:
-    """Replay the fetch with a plain reference model of Algorithm 1 (dualpath policy only)."""
-    tok, rq = dict(before[0]), dict(before[1])
+    """Replay the fetch with a plain reference model of Algorithm 1 (dualpath policy only),
+    β lowered to the fair share (``pe_share`` 1, the default) in balanced placement."""
+    tok, rq, queued = dict(before[0]), dict(before[1]), before[2]
     engines = [e for e in s._groups[Role.PREFILL][group].engines]
     weigh = s.config.pe_load_fn()          # the default unit: cost-weighted prompt tokens
     assert weigh is not None
+    limit = s.beta
+    if s.config.placement_mode() == "balanced" and queued:
+        pes = [e for e in s._engines.values() if e.role is Role.PREFILL]
+        share = (queued + sum(tok[e.engine_id] for e in pes)) / len(pes)
+        limit = min(limit, share)
     for a in out:
-        assert tok[a.pe_engine] <= s.beta, "an engine above β got work"
+        assert tok[a.pe_engine] <= limit, "an engine above β or its fair share got work"
         if s.config.placement_mode() == "balanced":
-            elig = [e for e in engines if tok[e.engine_id] <= s.beta]
+            elig = [e for e in engines if tok[e.engine_id] <= limit]
             c2 = [e for e in elig if rq[e.node.node_id] <= s.alpha]
             best = min(c2 or elig, key=lambda e: (tok[e.engine_id], e.order))
             assert a.pe_engine == best.engine_id
@@ -651,9 +762,9 @@ def _check_algorithm1(s: Scheduler, group: str, before, out) -> None:
         tok[a.pe_engine] += weigh(r.hit_tokens, r.new_tokens)
         if a.read_node is not None:
             rq[a.read_node] += r.hit_tokens
-    # the fetch stopped because the queue ran dry or every engine is above β
+    # the fetch stopped because the queue ran dry or every engine is above the limit
     if s.pe_queue():
-        assert all(tok[e.engine_id] > s.beta for e in engines)
+        assert all(tok[e.engine_id] > limit for e in engines)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -123,8 +123,8 @@ def test_flows_finishing_over_time_match_reference():
     for i in range(30):
         ls = merge_links((lk, 1.0) for lk in rng.sample(links, rng.randint(1, 3)))
         live.append(fn.start(ls, rng.uniform(0.5, 5.0), None, stream=i % 3 == 0))
-    while loop.heap:
-        loop.run(until=loop.heap[0][0])
+    while loop.next_time() is not None:
+        loop.run(until=loop.next_time())
         active = [f for f in live if f.active]
         ref = solve_maxmin(active)
         for f in active:
@@ -140,3 +140,30 @@ def test_event_loop_orders_ties_by_scheduling():
     loop.at(1.0, seen.append, "c")
     loop.run()
     assert seen == ["a", "b", "c"] and loop.events == 3
+
+
+def test_event_loop_same_time_events_keep_scheduling_order_across_stop():
+    # An event scheduled for the current time runs after those already due then; a stop in
+    # the middle of a time's events keeps the rest, still ahead of the later-scheduled one.
+    loop = EventLoop()
+    seen = []
+
+    def ev(x):
+        seen.append(x)
+        if x == "a":
+            loop.at(loop.now, seen.append, "c")
+            loop.at(0.0, seen.append, "c2")       # in the past: runs now, after "c"
+        if x == "b":
+            loop.stop()
+
+    loop.at(1.0, ev, "a")
+    loop.at(1.0, ev, "b")
+    loop.at(1.0, seen.append, "d")
+    loop.at(2.0, seen.append, "e")
+    loop.run()
+    assert seen == ["a", "b"] and loop.events == 2 and loop.next_time() == 1.0
+    loop.stopped = False
+    loop.run(until=1.5)
+    assert seen == ["a", "b", "d", "c", "c2"] and loop.now == 1.0 and loop.next_time() == 2.0
+    loop.run()
+    assert seen[-1] == "e" and loop.events == 6 and loop.next_time() is None

@@ -9,6 +9,11 @@ per token and the cost model's prefill rate at a reference request shape (Table 
 32,721 context + 429 appended tokens), unless given outright (``alpha_tokens``/``beta_tokens``
 or the profiled ``pe_tokens_per_s``).
 
+``pe_share`` (default 1, 0 = off) adds a cluster-wide cap to β at each PE group fetch
+(``policy.pe_share_limit``): a PE takes work only while its tok_e is at most the mean PE load the
+cluster would have with the whole PE queue placed, so a burst is shared by all PE groups instead
+of going to whichever group fetches first.
+
 Ablation switches (digest §7.3, §9): ``policy`` picks the defaults of the two independent knobs
 
 ================  ===========================  ==========================================
@@ -59,6 +64,9 @@ class SchedulerConfig(Section):
     # read side (policy.read_side): how far, in seconds of SNIC reading, a node that has been
     # sent less than the cluster's mean may catch up in one go
     read_credit_s: float = 1.0
+    # PE fair share (policy.pe_share_limit): at a fetch a PE takes work only while its tok_e is at
+    # most pe_share × the cluster's mean PE load with the PE queue placed; 0 = β alone (paper)
+    pe_share: float = 1.0
     z_factor: float = 1.05
     max_replans: int = 3
 
@@ -71,6 +79,9 @@ class SchedulerConfig(Section):
                 raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
         if self.read_credit_s < 0:
             raise ValueError(f"scheduler.read_credit_s must be >= 0, got {self.read_credit_s}")
+        if self.pe_share != 0 and self.pe_share < 1:
+            # below 1 no PE may be under the limit: work would wait for the queue to raise it
+            raise ValueError(f"scheduler.pe_share must be 0 (off) or >= 1, got {self.pe_share}")
         for name in ("alpha_tokens", "beta_tokens", "max_replans", "ref_context_tokens"):
             v = getattr(self, name)
             if v is not None and v < 0:

@@ -8,7 +8,8 @@ One request's way through it (the DE is bound before the KV read is issued, dige
    DEs (phase 2, Z threshold, HBM stop). Each placement is a ``DEBinding`` (HBM reserved) and
    moves the request into the **PE FIFO queue**, ordered by arrival.
 3. A PE group fetch (``on_pe_group_fetch``) runs Algorithm 1 on the fetching group's engines over
-   the PE queue. A request that gets a PE now has both ends, so its read side is chosen at once:
+   the PE queue, with β lowered to the cluster's fair share for this fetch
+   (``policy.pe_share_limit``; the core keeps Σ tok_e over all PEs and the PE queue's load). A request that gets a PE now has both ends, so its read side is chosen at once:
    the node (PE's or DE's) with the shorter read queue plus sent volume (``policy.read_side``),
    whose ``read_q`` and ``read_v`` grow by the hit tokens before the next request of the same
    fetch is looked at. The result is an ``Assignment``.
@@ -61,6 +62,10 @@ class Scheduler:
         self._read_sum = 0                   # Σ read_v over nodes (their mean is the floor's base)
         self._balanced = cfg.placement_mode() == "balanced"
         self.pe_load = cfg.pe_load_counter()    # (hit, new) -> PE load (tok_e, β's unit)
+        self._pe_share = cfg.pe_share
+        self._pe_tok = 0                     # Σ tok_e over all PEs (policy.pe_share_limit)
+        self._pe_queued = 0                  # Σ PE load of the requests in the PE queue
+        self._n_pe = 0
         self._nodes: dict[str, Node] = {}
         self._engines: dict[str, Engine] = {}
         self._groups: dict[Role, dict[str, Group]] = {Role.PREFILL: {}, Role.DECODE: {}}
@@ -96,6 +101,8 @@ class Scheduler:
         self._engines[spec.engine_id] = engine
         group.engines.append(engine)
         node.engines.append(engine)
+        if spec.role is Role.PREFILL:
+            self._n_pe += 1
         self._max_hbm_known = False
 
     def remove_engine(self, engine_id: str) -> ReplanResult:
@@ -108,6 +115,9 @@ class Scheduler:
         node.engines.remove(e)
         g.rr = 0
         self._max_hbm_known = False
+        if e.role is Role.PREFILL:
+            self._n_pe -= 1
+            self._pe_tok -= e.tok
         affected = sorted(e.requests.values(), key=_by_seq)
         e.requests = {}
         requeued, failed = [], []
@@ -192,7 +202,7 @@ class Scheduler:
         self._release_read(p)
         if not p.prefilled:
             p.prefilled = True
-            p.pe.release(p, p.pe_tokens)
+            self._release_pe(p)
 
     # ------------------------------------------------------------------ fetches
     def on_de_group_fetch(self, group_id: str, telemetry: Telemetry | None = None) -> list[DEBinding]:
@@ -211,6 +221,11 @@ class Scheduler:
             self.apply_telemetry(telemetry)
         heap, engines, alpha, beta = self._pe_queue, g.engines, self.alpha, self.beta
         pick = policy.pick_pe if self._balanced else None
+        if pick is not None and self._pe_queued > 0:
+            # fixed for the whole fetch: a placement moves load from the queue to a PE
+            share = policy.pe_share_limit(self._pe_queued, self._pe_tok, self._n_pe, self._pe_share)
+            if share < beta:
+                beta = share
         out: list[Assignment] = []
         while heap:
             _, ticket, p = heap[0]
@@ -223,6 +238,7 @@ class Scheduler:
             heapq.heappop(heap)
             p.ticket = -1
             self._pe_waiting -= 1
+            self._pe_queued -= p.pe_tokens
             out.append(self._place(p, e))
         return out
 
@@ -234,6 +250,8 @@ class Scheduler:
             e = engines.get(r.engine_id)
             if e is None:
                 continue
+            if e.role is Role.PREFILL:
+                self._pe_tok += r.tok - e.tok
             e.seq, e.tok = r.seq, r.tok
             if r.free_hbm_bytes is not None:
                 e.free_hbm = r.free_hbm_bytes
@@ -374,11 +392,13 @@ class Scheduler:
         p.ticket = t
         heapq.heappush(self._pe_queue, (p.seq, t, p))
         self._pe_waiting += 1
+        self._pe_queued += p.pe_tokens
 
     def _place(self, p: Pending, e: Engine) -> Assignment:
         """Bind the PE, choose the read side, count the read on that node's queue."""
         p.pe = e
         e.add(p, p.pe_tokens)
+        self._pe_tok += p.pe_tokens
         r, de = p.request, p.de
         side, node = self._read_side(r.hit_tokens, e.node, de.node)
         if node is not None:
@@ -422,12 +442,19 @@ class Scheduler:
             n = p.read_node
             n.read_q = max(n.read_q - p.request.hit_tokens, 0)
 
+    def _release_pe(self, p: Pending) -> None:
+        """Take ``p``'s load off its PE (and off the cluster's Σ tok_e, by what actually left)."""
+        e = p.pe
+        before = e.tok
+        e.release(p, p.pe_tokens)
+        self._pe_tok += e.tok - before
+
     def _release_all(self, p: Pending) -> None:
         """Undo every binding of ``p`` and take it out of whatever queue holds it (idempotent)."""
         self._release_read(p)
         p.read_node = None
         if p.pe is not None and not p.prefilled:
-            p.pe.release(p, p.pe_tokens)
+            self._release_pe(p)
         if p.de is not None:
             p.de.release(p, p.de_tokens, p.request.hbm_bytes)
         if p.group is not None:
@@ -439,6 +466,7 @@ class Scheduler:
         if p.ticket >= 0:
             p.ticket = -1
             self._pe_waiting -= 1
+            self._pe_queued -= p.pe_tokens
         p.pe = p.de = p.group = None
         p.prefilled = False
 
@@ -456,7 +484,7 @@ class Scheduler:
             self._release_read(p)
             p.read_node = None
             if p.pe is not None and not p.prefilled:
-                p.pe.release(p, p.pe_tokens)
+                self._release_pe(p)
             p.pe = None
             p.prefilled = False
             if p.ticket < 0:

@@ -7,6 +7,23 @@ Tie rules (all deterministic): equal keys go to the engine or group registered f
 
 * PE (Algorithm 1): category C2 (read_q ≤ α, tok_e ≤ β) before C3 (read_q > α, tok_e ≤ β);
   smallest tok_e inside the category; C1 (tok_e > β) never. ``None`` ends the fetch.
+* PE fair share (``pe_share_limit``): β is lowered for one fetch to the cluster's mean PE load
+  with the PE queue placed. [deviation] Algorithm 1 balances tok_e only among the fetching
+  group's engines; across groups it relies on every group pulling often. Whatever reaches the
+  PE queue between two fetches goes to the next group that fetches, up to β (5 s of prefill per
+  GPU), while the other groups get none of it. In a cluster of N PE groups whose fetches see
+  the whole queue (a common fetch tick, a burst of submissions, long-polls woken together),
+  one group gets a fetch interval of the whole cluster's intake — N intervals of its own
+  share — at once: its reads queue on its own node and its batcher, and the lumps grow with N
+  (the simulator's 12P24D:
+  one group took all ~150 requests of a tick, once every 12 ticks; the read wait doubled and
+  the offline JCT grew with the cluster, docs/simulator.md "Findings"). With the limit a fetch
+  takes at most the group's fair share plus one request per engine (the engine is checked
+  before each assignment, as for β); the engine with the least load is always under the limit,
+  so work is never left without an engine that may take it, and a single-node group places
+  exactly what Algorithm 1 places. A registered group that stops fetching still counts in the
+  share: the others then take at most it, and part of a burst waits until they drain below it
+  or the group's lease expires. ``SchedulerConfig.pe_share = 0`` restores β alone.
 * DE phase 1: the DE group with the smallest load, see ``Group.load`` (Σ tok_e of its engines
   plus the tokens already waiting in its private queue — [inference] the paper only says "update
   the sum after each assignment"; counting the private queue keeps the next fetch from piling
@@ -49,6 +66,18 @@ def pick_pe(engines: Sequence[Engine], alpha: int, beta: int) -> Engine | None:
         elif best2 is None and (best3 is None or t < best3.tok):
             best3 = e
     return best2 if best2 is not None else best3
+
+
+def pe_share_limit(queued: int, total_tok: int, n_engines: int, factor: float) -> float:
+    """Fair-share cap on tok_e for one fetch: ``factor · (queued + Σ tok_e) / |PEs|``.
+
+    ``queued`` is the PE load waiting in the PE queue, ``total_tok`` the sum over every PE of the
+    cluster. Placing a request moves its load from one term to the other, so the limit holds for
+    a whole fetch. ``factor`` 0 (off) or ``n_engines`` 0: no limit.
+    """
+    if factor <= 0 or n_engines <= 0:
+        return float("inf")
+    return factor * (queued + total_tok) / n_engines
 
 
 def pick_pe_round_robin(group: Group, beta: int) -> Engine | None:

@@ -8,9 +8,10 @@ of memory; ``scaleout_jct_ratio`` = JCT(48P96D) ÷ JCT(2P4D) ≤ 1.05 (paper: 3,
 
 Quick run (< 60 s on a 2-core host): 8P16D with 8,192 agents vs 2P4D with 2,048 agents (the
 paper's agents per node), 35 % of the turns. The headline is the same ratio. The quick ratio is a
-proxy: it catches the start-up transient (1.074 before the cost-weighted PE load, 1.014 after) but
-not the smaller per-turn gap that builds up over full-length runs at 48P96D (docs/simulator.md,
-"Findings": full ratio 1.097).
+proxy: it caught the start-up transient (1.074 before the cost-weighted PE load, 1.014 after) but
+hardly the per-turn gap that built up over full-length runs at 48P96D while one PE group took
+each fetch tick's whole intake (full ratio 1.091; 0.994 with the PE fair share,
+docs/simulator.md "Findings" 1c).
 
 Reported per run: JCT, simulated requests and events, wall and CPU time (the run is
 single-threaded: CPU time is the one-core cost, wall time on a shared host adds waiting for a

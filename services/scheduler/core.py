@@ -9,7 +9,8 @@ One request's way through it (the DE is bound before the KV read is issued, dige
    moves the request into the **PE FIFO queue**, ordered by arrival.
 3. A PE group fetch (``on_pe_group_fetch``) runs Algorithm 1 on the fetching group's engines over
    the PE queue, with β lowered to the cluster's fair share for this fetch
-   (``policy.pe_share_limit``; the core keeps Σ tok_e over all PEs and the PE queue's load). A request that gets a PE now has both ends, so its read side is chosen at once:
+   (``policy.pe_share_limit``; the core keeps Σ tok_e over all PEs and the PE queue's load).
+   A request that gets a PE now has both ends, so its read side is chosen at once:
    the node (PE's or DE's) with the shorter read queue plus sent volume (``policy.read_side``),
    whose ``read_q`` and ``read_v`` grow by the hit tokens before the next request of the same
    fetch is looked at. The result is an ``Assignment``.

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv test test-fast test-chaos demo bench bench-quick reliability clean
+.PHONY: venv test test-fast test-chaos demo bench bench-quick reliability sim-accel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dualpath demo
+
+# the simulator's hot modules compiled with mypyc (~2.5x faster, bit-identical results); kept in
+# ~/.cache/dualpath/sim-accel/<digest of the sources>, used by `dualpath simulate` and the bench
+sim-accel: $(STAMP)
+	$(VENV)/bin/dualpath sim-accel build
 
 BENCHES := transport gateway datapath scheduler sim e2e chaos overload
 

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "demo": "services.cluster.demo",
     "simulate": "sim.cli",
     "check-config": "sim.check",
+    "sim-accel": "sim.accel",
     "pe_receiver": "services.pe_receiver.cli",
     "de_loader": "services.de_loader.cli",
 }

@@ -10,8 +10,15 @@
 * Entry points (``main(argv) -> int``): ``sim.cli`` (``dualpath simulate``), ``sim.check``
   (``dualpath check-config``), ``sim.reproduce`` (``docs/reproduction.md``).
 
+* ``sim.accel`` — the optional compiled (mypyc) build of the hot modules; loaded here, before
+  anything imports them, when one exists for these exact sources.
+
 Design notes, approximations and their checks: ``docs/simulator.md``.
 """
+
+from . import accel
+
+accel.enable()
 
 from .bandwidth import check, link_loads, pd_range, pd_window_warning
 from .run import predict_speedups, simulate

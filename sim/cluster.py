@@ -26,6 +26,7 @@ import gc
 import math
 import time
 from collections import deque
+from typing import Any
 
 from services.scheduler import (EngineSpec, PrefillBatcher, ReadSide, Request, Role, Scheduler)
 
@@ -69,7 +70,9 @@ class Req:
         self.t_submit = now
         self.t_bound = self.t_assign = self.t_ready = self.t_prefill = now
         self.t_join = self.t_second = now
-        self.pe = self.de = self.rnode = None
+        self.pe: Any = None
+        self.de: Any = None
+        self.rnode: Any = None
         self.side = SIDE_NONE
         self.first = True
 
@@ -149,9 +152,9 @@ class Cluster:
         self.de_by_id: dict[str, DEGpu] = {}
         for i, node in enumerate(self.dnodes):
             for k in range(h.gpus_per_node):
-                gpu = DEGpu(f"d{i}.{k}", node, h.cnic_bytes_per_s, self)
-                self.de_by_id[gpu.engine_id] = gpu
-                specs.append(EngineSpec(gpu.engine_id, Role.DECODE, node.node_id,
+                dgpu = DEGpu(f"d{i}.{k}", node, h.cnic_bytes_per_s, self)
+                self.de_by_id[dgpu.engine_id] = dgpu
+                specs.append(EngineSpec(dgpu.engine_id, Role.DECODE, node.node_id,
                                         hbm_capacity_bytes=int(h.de_hbm_kv_bytes)))
         self.sched = Scheduler(scheduler_config(cfg, self.mode), specs)
         self.de_groups = self.sched.group_ids(Role.DECODE)

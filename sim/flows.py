@@ -487,18 +487,25 @@ def _fill(F: dict[Flow, None], c: int) -> tuple[dict[Flow, float], list[tuple[Li
             if cur.get(link) == v:
                 break
             heappop(heap)
-        level, bottleneck = (heap[0][0], heap[0][2]) if heap else (INF, None)
+        bottleneck: Link | None = None
+        level = INF
+        if heap:
+            level = heap[0][0]
+            bottleneck = heap[0][2]
         while ci < len(capped) and capped[ci] not in active:
             ci += 1
-        cap_flow = None
-        if ci < len(capped) and capped[ci].cap < level:
-            cap_flow = capped[ci]
-            level = cap_flow.cap
+        cap_flow: Flow | None = None
+        if ci < len(capped):
+            ccap = capped[ci].cap
+            if ccap is not None and ccap < level:
+                cap_flow = capped[ci]
+                level = ccap
         if level < 0.0:
             level = 0.0
         if cap_flow is not None:
             freeze: Sequence[Flow] = (cap_flow,)
         else:
+            assert bottleneck is not None
             freeze = [f for f in (bottleneck.sf if c == 0 else bottleneck.bf) if f in active]
             frozen_by.append((bottleneck, level))
         touched: dict[Link, None] = {}
@@ -524,7 +531,7 @@ def _fill(F: dict[Flow, None], c: int) -> tuple[dict[Flow, float], list[tuple[Li
 
 
 def _cap_key(f: Flow) -> float:
-    return f.cap
+    return INF if f.cap is None else f.cap
 
 
 def solve_maxmin(flows: Sequence[Flow]) -> dict[Flow, float]:

@@ -6,6 +6,7 @@ import resource
 import sys
 from typing import TYPE_CHECKING
 
+from . import accel
 from .stats import link_summary
 
 if TYPE_CHECKING:
@@ -16,6 +17,18 @@ SLO_TPOT_S = 0.050
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB.
+
+    On Linux from ``VmHWM`` (this address space's high-water mark): ``ru_maxrss`` survives
+    ``execve``, so a child started by a large parent would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
 
@@ -50,7 +63,7 @@ def results(cl: Cluster) -> dict:
                 "events_per_s": cl.loop.events / cl.wall_s if cl.wall_s else 0.0,
                 "requests_per_s": cl.requests_done / cl.wall_s if cl.wall_s else 0.0,
                 "flows": cl.net.started, "resolves": cl.net.resolves, "widened": cl.net.widened,
-                "peak_rss_mb": peak_rss_mb()},
+                "peak_rss_mb": peak_rss_mb(), "compiled": accel.active(), "build": accel.status()},
     }
     if cl.online:
         ttft_ss, tpot_ss = cl.ttft_ss.summary(), cl.tpot_ss.summary()
@@ -94,4 +107,4 @@ def print_summary(r: dict, file=None) -> None:
         p(f"    {k:14s} {v['mean_util']:6.3f} / {v['max_util']:6.3f}")
     s = r["sim"]
     p(f"  simulated {s['events']:,} events in {s['wall_s']:.2f} s ({s['events_per_s']:,.0f} events/s, "
-      f"{s['requests_per_s']:,.0f} requests/s), peak RSS {s['peak_rss_mb']:.0f} MB")
+      f"{s['requests_per_s']:,.0f} requests/s), peak RSS {s['peak_rss_mb']:.0f} MB; {s['build']}")

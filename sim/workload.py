@@ -155,10 +155,10 @@ class TraceWorkload:
         h = _mix(_mix(_mix(self.seed & M64) ^ _T_APPEND) ^ base)
         x = _mix(h ^ (2 * i + 1))
         y = _mix(h ^ (2 * i + 2))
-        a = _lognormal(self.append_mean, self.append_sigma, ((x >> 32) + 0.5) * _U32, ((x & 0xFFFFFFFF) + 0.5) * _U32)
-        g = _lognormal(self.gen_mean, self.gen_sigma, ((y >> 32) + 0.5) * _U32, ((y & 0xFFFFFFFF) + 0.5) * _U32)
-        a = min(max(int(a + 0.5), 1), self.append_max)
-        g = min(max(int(g + 0.5), 1), 4096)
+        af = _lognormal(self.append_mean, self.append_sigma, ((x >> 32) + 0.5) * _U32, ((x & 0xFFFFFFFF) + 0.5) * _U32)
+        gf = _lognormal(self.gen_mean, self.gen_sigma, ((y >> 32) + 0.5) * _U32, ((y & 0xFFFFFFFF) + 0.5) * _U32)
+        a = min(max(int(af + 0.5), 1), self.append_max)
+        g = min(max(int(gf + 0.5), 1), 4096)
         return a, g
 
     def next_turn(self, agent: Agent) -> tuple[int, int, int] | None:

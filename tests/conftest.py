@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+
+# The simulator runs interpreted in the test process (and the processes it starts), whatever
+# compiled build sits in the user's cache: tests monkeypatch and inspect sim internals, and which
+# build a process gets must not depend on import order. tests/test_sim_accel.py checks the
+# compiled build against the interpreted one in child processes of its own.
+os.environ["DUALPATH_SIM_ACCEL"] = "0"
 
 import pytest
 import structlog

@@ -121,7 +121,8 @@ class Scheduler:
             self._pe_tok -= e.tok
         affected = sorted(e.requests.values(), key=_by_seq)
         e.requests = {}
-        requeued, failed = [], []
+        requeued: list[str] = []
+        failed: list[str] = []
         for p in affected:
             if e.role is Role.PREFILL:
                 p.pe = None                # PE gone: keep the DE, look for another PE
@@ -220,7 +221,8 @@ class Scheduler:
         g = self._group(Role.PREFILL, group_id)
         if telemetry is not None:
             self.apply_telemetry(telemetry)
-        heap, engines, alpha, beta = self._pe_queue, g.engines, self.alpha, self.beta
+        heap, engines, alpha = self._pe_queue, g.engines, self.alpha
+        beta: float = float(self.beta)
         pick = policy.pick_pe if self._balanced else None
         if pick is not None and self._pe_queued > 0:
             # fixed for the whole fetch: a placement moves load from the queue to a PE
@@ -361,8 +363,8 @@ class Scheduler:
             # Z only matters if the head fits on some DE: skip computing it when none has the
             # room (the common case while the group's HBM is full and its queue backs up).
             hbm = private[0].request.hbm_bytes
-            for e in engines:
-                if e.free_hbm >= hbm:
+            for en in engines:
+                if en.free_hbm >= hbm:
                     break
             else:
                 return []
@@ -401,6 +403,7 @@ class Scheduler:
         e.add(p, p.pe_tokens)
         self._pe_tok += p.pe_tokens
         r, de = p.request, p.de
+        assert de is not None
         side, node = self._read_side(r.hit_tokens, e.node, de.node)
         if node is not None:
             node.read_q += r.hit_tokens
@@ -441,11 +444,13 @@ class Scheduler:
         if p.read_pending:
             p.read_pending = False
             n = p.read_node
+            assert n is not None
             n.read_q = max(n.read_q - p.request.hit_tokens, 0)
 
     def _release_pe(self, p: Pending) -> None:
         """Take ``p``'s load off its PE (and off the cluster's Σ tok_e, by what actually left)."""
         e = p.pe
+        assert e is not None
         before = e.tok
         e.release(p, p.pe_tokens)
         self._pe_tok += e.tok - before

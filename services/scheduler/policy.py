@@ -53,7 +53,7 @@ from .state import Engine, Group, Node, Pending
 
 # --------------------------------------------------------------------------- PE placement
 
-def pick_pe(engines: Sequence[Engine], alpha: int, beta: int) -> Engine | None:
+def pick_pe(engines: Sequence[Engine], alpha: int, beta: float) -> Engine | None:
     """Algorithm 1's choice: smallest tok_e in C2, else in C3; ``None`` if every engine is C1."""
     best2 = best3 = None
     for e in engines:
@@ -80,7 +80,7 @@ def pe_share_limit(queued: int, total_tok: int, n_engines: int, factor: float) -
     return factor * (queued + total_tok) / n_engines
 
 
-def pick_pe_round_robin(group: Group, beta: int) -> Engine | None:
+def pick_pe_round_robin(group: Group, beta: float) -> Engine | None:
     """Baseline: the next engine in cyclic order that is not above β (β kept as flow control)."""
     engines = group.engines
     n = len(engines)

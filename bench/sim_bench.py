@@ -86,7 +86,7 @@ def _rerun(argv: list[str], want_compiled: bool) -> int | None:
     if accel.active() == want_compiled:
         return None
     if want_compiled:
-        if accel._mode(None) == "off":
+        if accel.requested_mode() == "off":
             print(f"simulator: {accel.status()}", flush=True)
             return None
         try:

@@ -87,10 +87,7 @@ def build_dir(root: Path = ROOT) -> Path:
 
 def _paths(d: Path) -> dict[str, Path]:
     """Module name -> extension file of a build directory (the group library included)."""
-    out = {f"{GROUP}__mypyc": d / f"{GROUP}__mypyc{_EXT}"}
-    for m in MODULES:
-        out[m] = d.joinpath(*m.split(".")[:-1], m.split(".")[-1] + _EXT)
-    return out
+    return {m: d / (m.replace(".", "/") + _EXT) for m in (f"{GROUP}__mypyc", *MODULES)}
 
 
 def is_built(d: Path | None = None) -> bool:
@@ -112,8 +109,9 @@ class _Finder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, str(p), loader=loader)
 
 
-def _mode(mode: str | None) -> str:
-    m = (mode if mode is not None else os.environ.get(ENV_MODE, "auto")).strip().lower()
+def requested_mode(value: str | None = None) -> str:
+    """``off``, ``auto`` or ``require``: ``value``, else ``$DUALPATH_SIM_ACCEL`` (default auto)."""
+    m = (value if value is not None else os.environ.get(ENV_MODE, "auto")).strip().lower()
     if m in ("0", "off", "no", "false"):
         return "off"
     if m in ("1", "on", "yes", "true", "require"):
@@ -124,7 +122,7 @@ def _mode(mode: str | None) -> str:
 def enable(mode: str | None = None) -> bool:
     """Load the compiled modules from now on, if allowed and a matching build exists."""
     global _status
-    m = _mode(mode)
+    m = requested_mode(mode)
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return active()
     if m == "off":
@@ -135,14 +133,14 @@ def enable(mode: str | None = None) -> bool:
     if not is_built(d):
         reason = f"no compiled build for these sources at {d} (run `make sim-accel`)"
     elif loaded:
-        reason = f"interpreted: {', '.join(loaded)} already imported as Python before sim"
+        reason = f"{', '.join(loaded)} already imported as Python before sim"
     else:
         sys.meta_path.insert(0, _Finder(_paths(d)))
         _status = f"compiled (mypyc, {d})"
         return True
     if m == "require":
         raise AccelError(reason)
-    _status = reason if reason.startswith("interpreted") else f"interpreted: {reason}"
+    _status = f"interpreted: {reason}"
     return False
 
 

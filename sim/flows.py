@@ -70,10 +70,6 @@ class Link:
         self.t = 0.0
 
     @property
-    def flows(self) -> tuple[dict[Flow, float], dict[Flow, float]]:
-        return self.sf, self.bf
-
-    @property
     def total(self) -> float:
         return self.st + self.bt
 

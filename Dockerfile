@@ -31,7 +31,7 @@ COPY sim/ sim/
 COPY configs/ configs/
 COPY deploy/ deploy/
 RUN pip install -q --no-deps . && rm -rf build *.egg-info \
-    && python -c "import services.cluster.serve, storage_gateway.service, services.replay.run"
+    && python -c "import tools.cluster.serve, storage_gateway.service, tools.replay.run"
 
 # Storage and state live under /data (a volume in docker-compose.yml).
 RUN mkdir -p /data/storage /data/cluster

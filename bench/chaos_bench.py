@@ -1,7 +1,7 @@
 """``dualpath bench chaos [--quick] [--out FILE]``: kill and pause node services mid-request.
 
 One local 1P2D cluster (subprocesses on loopback, directory storage in a temp dir, leases of
-2 s: ``services.cluster.chaos.CHAOS_SETTINGS``) runs agentic replays with byte-verified KV
+2 s: ``tools.cluster.chaos.CHAOS_SETTINGS``) runs agentic replays with byte-verified KV
 while, one at a time, a service is SIGKILLed or SIGSTOPped at a named failpoint
 (``common.faults``) — during a DE-path read, DE→PE forwarding, the PE→DE hand-off,
 write-back, decode and the gateway's read path — or from outside at a chosen moment. After
@@ -27,7 +27,7 @@ from bench.report import bench_parser, headline, print_table, write_results
 
 
 def faults(quick: bool) -> list:
-    from services.cluster.chaos import Fault as F
+    from tools.cluster.chaos import Fault as F
     # The dpl policy alternates the read side per DE node, so both d0 and d1 serve DE-path
     # reads (their gateways too); the DE-path points aim at d1.
     core = [
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--config", default=None, help="cluster TOML (default: embedded 1P2D)")
     args = p.parse_args(argv)
     from common.logging import configure_logging
-    from services.cluster.chaos import CHAOS_SETTINGS, MODE, ChaosHarness
+    from tools.cluster.chaos import CHAOS_SETTINGS, MODE, ChaosHarness
     configure_logging("error", None)
     plan = faults(args.quick)
     t0 = time.monotonic()

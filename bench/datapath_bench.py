@@ -41,7 +41,8 @@ import numpy as np
 from common.service import run
 from bench.report import (bench_parser, headline, print_table, read_json, send_json,
                           write_results)
-from common.config import DualpathConfig, build_config
+from common.config import build_config
+from tools.config import DualpathConfig
 from common.kv import PRESETS, block_keys_from_tokens
 from common.logging import configure_logging
 from common.protocol import Endpoint, RequestPlan
@@ -74,7 +75,7 @@ def config(max_tokens: int, lookahead: int, per_pull: int, in_flight: int = 2) -
 
 async def child_main(max_tokens: int, lookahead: int, per_pull: int) -> None:
     from services.de_loader.service import DELoaderService
-    from services.engine_sim.engines import EngineHost
+    from tools.engine_sim.engines import EngineHost
 
     configure_logging("warning", json=False)
     cfg = config(max_tokens, lookahead, per_pull)
@@ -249,8 +250,8 @@ class Bench:
     async def overlap(self, hit: int, load_per_layer_s: float) -> dict:
         """Emulated prefill, whole-prompt vs layer-wise; load not hidden = plan → hand-over
         plus the engine's waits for layers (measured by the engine, per request)."""
-        from services.engine_sim.config import EngineSimConfig
-        from services.engine_sim.engines import PrefillEngineSim
+        from tools.engine_sim.config import EngineSimConfig
+        from tools.engine_sim.engines import PrefillEngineSim
 
         L = SPEC.num_layers
         compute = 1.5 * load_per_layer_s

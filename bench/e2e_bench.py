@@ -27,7 +27,7 @@ GOAL = 1.8
 
 
 def workload(quick: bool, agents: int | None = None, turns: int | None = None):
-    from services.replay.workloads import AgenticSpec
+    from tools.replay.workloads import AgenticSpec
     return AgenticSpec("32k", agents or (16 if quick else 24), seed=1, scale=0.125,
                        max_turns=turns or (10 if quick else 12))
 
@@ -35,7 +35,7 @@ def workload(quick: bool, agents: int | None = None, turns: int | None = None):
 def predicted(cluster: Any, spec: Any, modes: tuple[str, ...]) -> dict[str, Any]:
     """The simulator's speedup per mode for this cluster (None per mode when unavailable)."""
     try:
-        from services.cluster.simhook import predict
+        from tools.cluster.simhook import predict
         return predict(cluster, spec, modes)
     except Exception as e:         # the simulator is optional here: report why it is missing
         return {"error": f"{type(e).__name__}: {e}"}
@@ -62,7 +62,7 @@ def row(mode: str, s: dict[str, Any], base_jct: float | None, pred: dict[str, An
 
 async def run_modes(cluster: Any, spec: Any, modes: tuple[str, ...], inprocess: bool,
                     echo: Any = print, **kw: Any) -> dict[str, dict[str, Any]]:
-    from services.replay.run import replay_fresh
+    from tools.replay.run import replay_fresh
     out = {}
     root = Path("data/bench-e2e").resolve()
     for mode in modes:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plots", type=Path, default=None, help="write the PNGs here")
     args = p.parse_args(argv)
     from common.logging import configure_logging
-    from services.cluster.config import load_cluster
+    from tools.cluster.config import load_cluster
     configure_logging("warning", None)
     cluster = load_cluster(args.config)
     cluster = cluster.with_overrides(cluster={"name": f"{cluster.spec.name}-bench"})
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                        "read_de_MB", "pe_to_de_MB", "de_to_pe_MB", "written_MB", "hit_rate",
                        "ttft_p50_s", "ok"])
     if args.plots is not None:
-        from services.replay.plots import plot_all
+        from tools.replay.plots import plot_all
         print("plots: " + ", ".join(str(x) for x in plot_all(results, args.plots)))
     dp = results.get("dualpath", {}).get("summary", {}).get("jct_s")
     value = (base / dp) if base and dp else 0.0

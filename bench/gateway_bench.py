@@ -47,7 +47,7 @@ from common.logging import configure_logging
 from common.service import run as run_loop
 from common.shm import ShmSegment
 from common.transport import PageTransport
-from services.cluster.launcher import proc_cpu_seconds
+from tools.cluster.launcher import proc_cpu_seconds
 from storage_gateway.block_format import HEADER_SIZE
 from storage_gateway.block_index import measure_bytes_per_block
 from storage_gateway.client import GatewayClient, block_slots

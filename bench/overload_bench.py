@@ -193,10 +193,10 @@ async def scheduler_stats(host: str, port: int, rpc: Any) -> dict[str, float]:
 async def run(root: Path, *, n: int = N_DEFAULT, connections: int = 4,
               data: dict[str, Any] | None = None, echo: Any = print) -> dict[str, Any]:
     """Cluster up → RSS before → burst → drain → RSS after → recovery replay → down."""
-    from services.cluster.config import load_data
-    from services.cluster.launcher import Launcher
-    from services.replay.run import ClusterTarget, replay
-    from services.replay.workloads import AgenticSpec
+    from tools.cluster.config import load_data
+    from tools.cluster.launcher import Launcher
+    from tools.replay.run import ClusterTarget, replay
+    from tools.replay.workloads import AgenticSpec
     from services.scheduler.client import SchedulerClient
 
     cluster = load_data(data or cluster_data(root), "overload", environ={})

@@ -45,7 +45,7 @@ def run_tests(out: Path) -> None:
 
 
 def run_chaos(out: Path, quick: bool) -> None:
-    cmd = [sys.executable, "-m", "common.cli", "bench", "chaos", "--out", str(out)]
+    cmd = [sys.executable, "-m", "tools.cli", "bench", "chaos", "--out", str(out)]
     if quick:
         cmd.insert(-2, "--quick")
     print("+", " ".join(cmd), flush=True)

@@ -1,6 +1,7 @@
 """Typed configuration: TOML files in ``configs/`` → frozen msgspec Structs, env overlay on top.
 
-One loader for every service (no second loader with its own defaults). Unknown keys are
+One loader for every service (no second loader with its own defaults); the caller names the
+root class (``tools.config.DualpathConfig`` for a whole host file). Unknown keys are
 rejected at start with the key's full path, e.g. ``unknown field `tlss` at $.transport.kv``.
 
 Environment overlay: ``DUALPATH__SECTION__KEY=value`` sets ``[section] key = value``; the value
@@ -106,42 +107,17 @@ class KVConfig(Section):
     dtype: str | None = None
 
 
-# Sections defined by services. Module imports (not ``from … import``) so either side may be
-# imported first: ``services.scheduler.config`` itself imports ``Section`` from here, and the
-# annotations below are strings resolved only when a config is first converted.
-import services.scheduler.config as _scheduler_config  # noqa: E402
-import services.scheduler.service_config as _scheduler_service_config  # noqa: E402
-import storage_gateway.config as _gateway_config  # noqa: E402
-import services.arbiter as _arbiter  # noqa: E402
-import services.engine_sim.config as _engine_sim_config  # noqa: E402
-import services.pe_receiver.config as _pe_receiver_config  # noqa: E402
-
-
-class DualpathConfig(Section):
-    """Root of a config file. Later sections (gateway, scheduler, cluster) extend this."""
+class CommonConfig(Section):
+    """The sections every process reads. Each layer's root extends the one below it —
+    ``storage_gateway.config.GatewayNodeConfig`` → ``services.config.ServicesConfig`` →
+    ``tools.config.DualpathConfig`` — so one file per host serves every service on it, and
+    ``common`` never imports a layer above it."""
 
     kv: KVConfig = msgspec.field(default_factory=KVConfig)
     rpc: RpcConfig = msgspec.field(default_factory=RpcConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     buffers: BufferConfig = msgspec.field(default_factory=BufferConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
-    # scheduler: placement constants (α, β, Z, policy) and the live service (port, leases, bounds)
-    scheduler: _scheduler_config.SchedulerConfig = msgspec.field(
-        default_factory=lambda: _scheduler_config.SchedulerConfig())
-    scheduler_service: _scheduler_service_config.SchedulerServiceConfig = msgspec.field(
-        default_factory=lambda: _scheduler_service_config.SchedulerServiceConfig())
-    # storage gateway: backend, capacity, read-queue limits, storage-link emulation
-    gateway: _gateway_config.GatewayConfig = msgspec.field(
-        default_factory=lambda: _gateway_config.GatewayConfig())
-    # data path: PE receiver / DE loader per node, emulated engines, KV egress arbiter
-    pe_receiver: _pe_receiver_config.PEReceiverConfig = msgspec.field(
-        default_factory=lambda: _pe_receiver_config.PEReceiverConfig())
-    de_loader: _pe_receiver_config.DELoaderConfig = msgspec.field(
-        default_factory=lambda: _pe_receiver_config.DELoaderConfig())
-    engine_sim: _engine_sim_config.EngineSimConfig = msgspec.field(
-        default_factory=lambda: _engine_sim_config.EngineSimConfig())
-    arbiter: _arbiter.ArbiterConfig = msgspec.field(
-        default_factory=lambda: _arbiter.ArbiterConfig())
 
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -179,7 +155,7 @@ def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
-def build_config(data: dict[str, Any], cls: type[T] = DualpathConfig, source: str = "config",
+def build_config(data: dict[str, Any], cls: type[T], source: str = "config",
                  environ: dict[str, str] | None = None) -> T:
     """Validate a dict (from TOML or built in code) into ``cls``; errors name the key."""
     data = env_overlay(data, environ)
@@ -189,7 +165,7 @@ def build_config(data: dict[str, Any], cls: type[T] = DualpathConfig, source: st
         raise ConfigError(f"{source}: {e}") from e
 
 
-def load_config(path: str | os.PathLike[str] | None = None, cls: type[T] = DualpathConfig,
+def load_config(path: str | os.PathLike[str] | None, cls: type[T],
                 environ: dict[str, str] | None = None) -> T:
     """Load ``path`` (TOML) into ``cls``; ``None`` gives the embedded defaults + env overlay."""
     if path is None:

@@ -34,7 +34,7 @@ from .config import SimConfig, mode_spec, scheduler_config
 from .engines import SIDE_DE, SIDE_NONE, SIDE_PE, DEGpu, PEGpu, PEUnit, Prefill
 from .events import EventLoop
 from .flows import FlowNet, Link, merge_links
-from .stats import LogHistogram, WindowSeries, link_summary
+from .stats import LogHistogram, WindowSeries
 
 _SIDE = {ReadSide.PE: SIDE_PE, ReadSide.DE: SIDE_DE, ReadSide.NONE: SIDE_NONE}
 

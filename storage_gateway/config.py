@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from common.config import Section
+import msgspec
 
-MiB = 1024 * 1024
+from common.config import CommonConfig, Section
+
+KiB, MiB = 1024, 1024 * 1024
 GiB = 1024 * MiB
 
 BACKENDS = ("fs", "memory")
@@ -53,3 +55,30 @@ class GatewayConfig(Section):
                      "link_burst_bytes", "temp_max_age_s", "overloaded_retry_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"gateway.{name} must be >= 0, got {getattr(self, name)}")
+
+
+class GatewayServiceConfig(Section):
+    """The gateway's network side (``[gateway_service]``): staging and per-request bounds."""
+
+    staging_bytes: int = 256 * MiB          # preallocated once; every batch / write is staged here
+    staging_page_bytes: int = 64 * KiB
+    pipeline_depth: int = 3                 # batches staged per read: reading, queued, sending
+    max_batch_bytes: int = 64 * MiB         # one ReadBatch, or one WriteBlocks' new blocks
+    max_slots_per_batch: int = 65_536       # bounds the planning work one batch can ask for
+    telemetry_min_interval_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("staging_bytes", "staging_page_bytes", "pipeline_depth", "max_batch_bytes",
+                     "max_slots_per_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"gateway_service.{name} must be positive, got {getattr(self, name)}")
+        if self.max_batch_bytes > self.staging_bytes:
+            raise ValueError("gateway_service.max_batch_bytes must not exceed staging_bytes")
+
+
+class GatewayNodeConfig(CommonConfig):
+    """Config root of a gateway process: the shared sections plus ``[gateway]`` and
+    ``[gateway_service]`` (``services.config.ServicesConfig`` extends it)."""
+
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    gateway_service: GatewayServiceConfig = msgspec.field(default_factory=GatewayServiceConfig)

@@ -38,14 +38,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import structlog
 from structlog.contextvars import bound_contextvars
 
 from common.auth import load_secret
 from common.buffers import Allocation, AsyncPagePool, PagePool
-from common.config import DualpathConfig, Section
 from common.errors import ConfigError, DualpathError, InvalidArgument
 from common.faults import failpoint
 from common.kv import KVSpec, spec_from_config, validate_keys
@@ -60,38 +58,13 @@ from common.shm import ShmUnavailable as SegmentUnavailable
 from common.transport import PageTransport
 from common.transport_plan import check_transfer_id, plan_messages
 from storage_gateway.destinations import stream_block_pieces
+from storage_gateway.config import GatewayNodeConfig, GatewayServiceConfig
 from storage_gateway.store import GatewayStore
 
 log = structlog.get_logger(__name__)
 
 KiB, MiB = 1024, 1024 * 1024
 SERVICE_NAME = "storage_gateway"
-
-
-class GatewayServiceConfig(Section):
-    """The gateway's network side (``[gateway_service]``): staging and per-request bounds."""
-
-    staging_bytes: int = 256 * MiB          # preallocated once; every batch / write is staged here
-    staging_page_bytes: int = 64 * KiB
-    pipeline_depth: int = 3                 # batches staged per read: reading, queued, sending
-    max_batch_bytes: int = 64 * MiB         # one ReadBatch, or one WriteBlocks' new blocks
-    max_slots_per_batch: int = 65_536       # bounds the planning work one batch can ask for
-    telemetry_min_interval_s: float = 0.05
-
-    def __post_init__(self) -> None:
-        for name in ("staging_bytes", "staging_page_bytes", "pipeline_depth", "max_batch_bytes",
-                     "max_slots_per_batch"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"gateway_service.{name} must be positive, got {getattr(self, name)}")
-        if self.max_batch_bytes > self.staging_bytes:
-            raise ValueError("gateway_service.max_batch_bytes must not exceed staging_bytes")
-
-
-class GatewayNodeConfig(DualpathConfig):
-    """Config root of a gateway process: every shared section (``[gateway]`` included) plus
-    ``[gateway_service]``, until the shared root carries that section too."""
-
-    gateway_service: GatewayServiceConfig = msgspec.field(default_factory=GatewayServiceConfig)
 
 
 # --------------------------------------------------------------------------- pure checks

@@ -2,7 +2,7 @@
 peers that send what no real client would, and the well-behaved clients that must keep working.
 
 Why a background loop: hypothesis drives synchronous test functions (one example per call),
-while the services are asyncio. The cluster (``services.engine_sim.local_cluster``: gateways,
+while the services are asyncio. The cluster (``tools.engine_sim.local_cluster``: gateways,
 scheduler, PE receiver, DE loader, emulated engines, real UCX on loopback) starts once per test
 module in its own thread; every example runs its coroutine there with a deadline
 (:meth:`LiveCluster.run`), so a hang fails the test instead of freezing it.
@@ -172,7 +172,7 @@ class LiveCluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def start(self) -> LiveCluster:
-        from services.engine_sim.local_cluster import local_datapath
+        from tools.engine_sim.local_cluster import local_datapath
         self._thread.start()
         self._cm = local_datapath(self.root, overrides=self._overrides)
         self.c = self.run(self._cm.__aenter__())

@@ -9,8 +9,8 @@ import pytest
 
 from common.kv import block_keys_from_tokens
 from common.protocol import Endpoint, RequestPlan
-from services.arbiter import ArbiterConfig, EgressArbiter, run_collective
-from services.engine_sim.local_cluster import local_datapath
+from services.node.arbiter import ArbiterConfig, EgressArbiter, run_collective
+from tools.engine_sim.local_cluster import local_datapath
 
 MiB = 1 << 20
 BT = 64

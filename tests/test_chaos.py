@@ -1,4 +1,4 @@
-"""Fault injection on a live local cluster (services.cluster.chaos): kill -9 or SIGSTOP one
+"""Fault injection on a live local cluster (tools.cluster.chaos): kill -9 or SIGSTOP one
 service at a named point of a request while a byte-verified replay runs.
 
 Each case asserts: the failpoint fired; no request lost (every submission finished with
@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from services.cluster.chaos import ChaosHarness, Fault
+from tools.cluster.chaos import ChaosHarness, Fault
 
 # Marker `chaos`: `make test-chaos` runs only these (they are part of `make test`).
 pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.chaos,

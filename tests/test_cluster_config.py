@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from common.errors import ConfigError
-from services.cluster.config import (MODES, check_local_resources, check_ports_free,
+from tools.cluster.config import (MODES, check_local_resources, check_ports_free,
                                      load_cluster, load_data, service_config)
-from services.cluster.toml_write import dumps
+from tools.cluster.toml_write import dumps
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TWO = [{"id": "p0", "role": "prefill"}, {"id": "d0", "role": "decode"}]

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from common.protocol import RequestFinished
-from services.cluster import cli
-from services.cluster.config import load_cluster
-from services.cluster.launcher import (STATE_FILE, Launcher, LaunchError, State,
+from tools.cluster import cli
+from tools.cluster.config import load_cluster
+from tools.cluster.launcher import (STATE_FILE, Launcher, LaunchError, State,
                                        proc_cpu_seconds, proc_start_ticks)
-from services.cluster.toml_write import dumps
+from tools.cluster.toml_write import dumps
 from services.scheduler.client import SyncSchedulerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]
@@ -114,7 +114,7 @@ def test_up_serves_two_turns_and_down_leaves_no_process(tmp_path, capsys):
 
 def test_a_service_that_fails_to_start_stops_the_others(tmp_path):
     d = small_cluster(tmp_path, transport={"kv_class": "nosuch"})   # transports refuse it
-    from services.cluster.config import load_data
+    from tools.cluster.config import load_data
     launcher = Launcher(load_data(d, "bad.toml", environ={}))
     with pytest.raises(LaunchError) as e:
         launcher.up()
@@ -137,7 +137,7 @@ def test_the_embedded_cluster_checks_without_starting(capsys):
 
 
 def test_serve_refuses_bad_arguments(capsys):
-    from services.cluster import serve
+    from tools.cluster import serve
     assert serve.main(["gateway"]) == 2
     assert "needs --node" in capsys.readouterr().err
     assert serve.main(["pe_receiver", "--node", "d0"]) == 2     # d0 is a decode node

@@ -7,14 +7,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.config import DualpathConfig, build_config, env_overlay, load_config
+from common.config import build_config, env_overlay, load_config
+from tools.config import DualpathConfig
 from common.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_load_without_a_file():
-    cfg = load_config(None, environ={})
+    cfg = load_config(None, DualpathConfig, environ={})
     assert cfg.rpc.host == "127.0.0.1"
     assert cfg.transport.traffic_classes["kv"].options["TLS"] == "tcp,sm,self"
 
@@ -23,7 +24,7 @@ def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[transport]\nmax_mesage_bytes = 5\n")
     with pytest.raises(ConfigError, match="max_mesage_bytes") as e:
-        load_config(p, environ={})
+        load_config(p, DualpathConfig, environ={})
     assert "transport" in str(e.value)
 
 
@@ -31,23 +32,23 @@ def test_unknown_section_is_named(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[rpcc]\nhost = '1'\n")
     with pytest.raises(ConfigError, match="rpcc"):
-        load_config(p, environ={})
+        load_config(p, DualpathConfig, environ={})
 
 
 def test_wrong_type_names_the_key(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[rpc]\nmax_frame_bytes = 'big'\n")
     with pytest.raises(ConfigError, match=r"max_frame_bytes"):
-        load_config(p, environ={})
+        load_config(p, DualpathConfig, environ={})
 
 
 def test_bad_toml_and_missing_file(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[rpc\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
-        load_config(p, environ={})
+        load_config(p, DualpathConfig, environ={})
     with pytest.raises(ConfigError, match="not found"):
-        load_config(tmp_path / "nope.toml", environ={})
+        load_config(tmp_path / "nope.toml", DualpathConfig, environ={})
 
 
 def test_env_overlay_parses_values_and_wins_over_file(tmp_path):
@@ -56,7 +57,7 @@ def test_env_overlay_parses_values_and_wins_over_file(tmp_path):
     env = {"DUALPATH__RPC__MAX_FRAME_BYTES": "2048", "DUALPATH__RPC__USE_UVLOOP": "false",
            "DUALPATH__TRANSPORT__TRAFFIC_CLASSES__KV__OPTIONS__IB_SL": "3",
            "DUALPATH__LOGGING__LEVEL": "debug", "OTHER": "x"}
-    cfg = load_config(p, environ=env)
+    cfg = load_config(p, DualpathConfig, environ=env)
     assert cfg.rpc.max_frame_bytes == 2048 and cfg.rpc.use_uvloop is False
     assert cfg.logging.level == "debug"
     assert cfg.transport.traffic_classes["kv"].ucx_options() == {"IB_SL": "3"}
@@ -64,7 +65,7 @@ def test_env_overlay_parses_values_and_wins_over_file(tmp_path):
 
 def test_env_overlay_typo_is_rejected():
     with pytest.raises(ConfigError, match="max_fram"):
-        build_config({}, environ={"DUALPATH__RPC__MAX_FRAM": "1"})
+        build_config({}, DualpathConfig, environ={"DUALPATH__RPC__MAX_FRAM": "1"})
 
 
 def test_env_overlay_cannot_descend_into_a_value():
@@ -73,7 +74,7 @@ def test_env_overlay_cannot_descend_into_a_value():
 
 
 def test_config_is_frozen():
-    cfg = load_config(None, environ={})
+    cfg = load_config(None, DualpathConfig, environ={})
     with pytest.raises(AttributeError):
         cfg.rpc = None  # type: ignore[misc]
 
@@ -87,6 +88,6 @@ SERVICE_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.toml")
 @pytest.mark.parametrize("path", SERVICE_CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     """Every plain service config shipped loads with the shared root."""
-    cfg = load_config(path, environ={})
+    cfg = load_config(path, DualpathConfig, environ={})
     assert isinstance(cfg, DualpathConfig)
     assert msgspec.to_builtins(cfg)

@@ -1,5 +1,5 @@
 """Data path in one process: gateways, scheduler, PE receiver, DE loader and engines on
-loopback with real UCX (``services.engine_sim.local_cluster``).
+loopback with real UCX (``tools.engine_sim.local_cluster``).
 
 Checks the issue's claims: the prefill engine sees exactly the stored hit KV on both read
 paths; the DE's full prompt KV is stored hit + computed new KV; write-back makes the next
@@ -23,8 +23,8 @@ from common.protocol import (AbortDecode, DataPathReply, Endpoint, LayerSlots, P
 from common.rpc import RpcClient
 from services.engine_api.decode import DecodePort
 from services.engine_api.prefill import PrefillPort
-from services.engine_sim.kv_pattern import fill_tokens, token_id
-from services.engine_sim.local_cluster import local_datapath
+from tools.engine_sim.kv_pattern import fill_tokens, token_id
+from tools.engine_sim.local_cluster import local_datapath
 from services.scheduler.client import SchedulerClient
 
 BT = 64

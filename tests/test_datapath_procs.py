@@ -22,7 +22,7 @@ import pytest
 from common.kv import block_keys_from_tokens
 from common.protocol import DataPathReply, Endpoint, GetStats, RequestPlan
 from common.rpc import RpcClient
-from services.engine_sim.local_cluster import base_config, local_datapath
+from tools.engine_sim.local_cluster import base_config, local_datapath
 from services.scheduler.client import SchedulerClient
 
 ROOT = Path(__file__).resolve().parents[1]

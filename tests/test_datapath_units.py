@@ -14,7 +14,7 @@ from common.protocol import DataPathRequest, union_members
 from common.rpc import check_handler_coverage
 from services.engine_api.kv_region import RegionPool
 from services.engine_api.prompt import make_prompt, next_block_key
-from services.engine_sim.kv_pattern import (check_tokens, fill_tokens, full_block, layer_pattern,
+from tools.engine_sim.kv_pattern import (check_tokens, fill_tokens, full_block, layer_pattern,
                                             synthetic_key, tail_key, token_id)
 
 SPEC = PRESETS["test-small"]        # 4 layers x 256 B, 64-token blocks
@@ -164,7 +164,7 @@ async def test_region_too_large_for_the_pool_is_invalid():
 # ---------------------------------------------------------------- services
 
 def test_de_loader_serves_the_whole_data_path_channel():
-    from common.config import DualpathConfig
+    from tools.config import DualpathConfig
     from services.de_loader.service import DELoaderService
 
     svc = DELoaderService(DualpathConfig(), "d0", spec=SPEC, engines=1)

@@ -41,10 +41,10 @@ from common.kv import KVSpec, block_keys_from_tokens, spec_from_config
 from common.protocol import ErrorReply, GetStats, GetStatsReply, Pong, RequestFinished
 from common.rpc import RpcClient
 from common.transport import PageTransport
-from services.cluster.config import load_data
-from services.cluster.inprocess import start_cluster
-from services.cluster.launcher import Launcher, State, alive, proc_start_ticks
-from services.engine_sim.kv_pattern import full_block
+from tools.cluster.config import load_data
+from tools.cluster.inprocess import start_cluster
+from tools.cluster.launcher import Launcher, State, alive, proc_start_ticks
+from tools.engine_sim.kv_pattern import full_block
 from services.scheduler.client import SchedulerClient
 from storage_gateway.block_format import (HEADER_SIZE, QUARANTINE_DIR, TEMP_PREFIX,
                                           decode_header)

@@ -91,7 +91,7 @@ def test_bad_env_is_reported_by_check_env():
 
 def test_serve_refuses_a_bad_spec(tmp_path):
     env = {**os.environ, faults.ENV: "nope=kill"}
-    r = subprocess.run([sys.executable, "-m", "services.cluster.serve", "gateway", "--node", "p0"],
+    r = subprocess.run([sys.executable, "-m", "tools.cluster.serve", "gateway", "--node", "p0"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown failpoint" in r.stderr
 

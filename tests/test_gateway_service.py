@@ -31,7 +31,7 @@ from common.protocol import (GatewayReply, GatewayRequest, LookupPrefix, ReadBat
 from common.rpc import RpcClient, check_handler_coverage
 from common.service import Status
 from common.transport import PageTransport
-from services.cluster.launcher import proc_cpu_seconds
+from tools.cluster.launcher import proc_cpu_seconds
 from storage_gateway.block_format import HEADER_SIZE, QUARANTINE_DIR
 from storage_gateway.client import GatewayClient, block_slots, layout_slots, plan_batches
 from storage_gateway.config import GatewayConfig

@@ -30,7 +30,8 @@ from storage_gateway.block_format import (HEADER_SIZE, QUARANTINE_DIR, BadHeader
 from storage_gateway.block_index import BlockIndex, measure_bytes_per_block
 from storage_gateway.config import GatewayConfig
 from storage_gateway.destinations import allocation_scatter_views, scatter_views
-from storage_gateway.link_shaper import LinkShaper, TokenBucket
+from common.rate import TokenBucket
+from storage_gateway.link_shaper import LinkShaper
 from storage_gateway.read_queue import ReadQueue
 from storage_gateway.store import GatewayStore
 

@@ -1,7 +1,7 @@
 """Replay of multi-turn sessions: against stub nodes, and through the real data path per mode.
 
 The data-path runs start every service of a 1P2D cluster in this process
-(``services.cluster.inprocess.start_cluster``) and check what the issue asks: every request
+(``tools.cluster.inprocess.start_cluster``) and check what the issue asks: every request
 finishes, every prompt byte is verified by the emulated engines, the hit each turn reports is
 what the previous turn wrote back (the client's prediction), storage bytes read equal the
 hits' blocks, and no buffer page is left behind.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.cluster.config import MODES, load_cluster
-from services.cluster.inprocess import start_cluster
-from services.replay.run import ClusterTarget, replay
-from services.replay.workloads import AgenticSpec
+from tools.cluster.config import MODES, load_cluster
+from tools.cluster.inprocess import start_cluster
+from tools.replay.run import ClusterTarget, replay
+from tools.replay.workloads import AgenticSpec
 
 
 
@@ -78,7 +78,7 @@ async def test_every_mode_hits_what_the_previous_turn_wrote(tmp_path, mode):
 
 
 def test_replay_command_writes_results_and_plots(tmp_path, capsys):
-    from services.replay import cli
+    from tools.replay import cli
     out = tmp_path / "out"
     rc = cli.main(["--inprocess", "--mode", "dualpath", "--agents", "2", "--max-turns", "2",
                    "--scale", "0.0625", "--out", str(out), "--no-progress"])
@@ -91,7 +91,7 @@ def test_replay_command_writes_results_and_plots(tmp_path, capsys):
 async def test_mooncake_requests_hit_prefixes_other_requests_stored(tmp_path):
     import json
 
-    from services.replay.workloads import TraceSpec
+    from tools.replay.workloads import TraceSpec
     lines = [{"timestamp": 0, "input_length": 1100, "output_length": 40, "hash_ids": [0, 1, 2]},
              {"timestamp": 1500, "input_length": 1600, "output_length": 8,
               "hash_ids": [0, 1, 5, 6]}]

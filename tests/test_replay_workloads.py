@@ -9,8 +9,8 @@ import pytest
 
 from common.errors import InvalidArgument
 from common.kv import block_keys_from_mooncake
-from services.replay.results import percentiles
-from services.replay.workloads import (AgenticSpec, AgenticWorkload, PromptBuilder, TraceSpec,
+from tools.replay.results import percentiles
+from tools.replay.workloads import (AgenticSpec, AgenticWorkload, PromptBuilder, TraceSpec,
                                        load_mooncake)
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"

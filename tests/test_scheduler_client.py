@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from common.config import RpcConfig, build_config
+from services.config import ServicesConfig
 from common.errors import (DeadlineExceeded, InvalidArgument, NotFound, PeerFailed,
                            Unavailable)
 from common.protocol import (FirstToken, RequestFailed, RequestFinished, RequestPlaced,
@@ -36,7 +37,7 @@ ORDER = [RequestQueued, RequestPlaced, FirstToken, RequestFinished]
 def make_cfg(**service):
     svc = {"lease_s": 1.0, "heartbeat_s": 0.1, "fetch_interval_s": 0.005, **service}
     return build_config({"kv": {"preset": "test-small"}, "rpc": msgspec.to_builtins(RPC),
-                         "scheduler_service": svc}, environ={})
+                         "scheduler_service": svc}, ServicesConfig, environ={})
 
 
 async def test_async_client_runs_requests_to_the_end():

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from common.config import RpcConfig, build_config
+from services.config import ServicesConfig
 from common.errors import (AlreadyExists, DualpathError, ErrorCode, InvalidArgument, NotFound,
                            Overloaded)
 from common.kv import block_keys_from_tokens
@@ -42,7 +43,7 @@ def make_cfg(scheduler: dict | None = None, **service: Any):
     svc = {"lease_s": 0.5, "heartbeat_s": 0.05, "lease_check_s": 0.02, "max_block_keys": 32,
            "drain_grace_s": 0.5, **service}
     return build_config({"kv": {"preset": "test-small"}, "rpc": msgspec.to_builtins(RPC),
-                         "scheduler": sched, "scheduler_service": svc}, environ={})
+                         "scheduler": sched, "scheduler_service": svc}, ServicesConfig, environ={})
 
 
 def keys(n: int, seed: int = 0) -> list[str]:

@@ -25,15 +25,17 @@ from hypothesis import strategies as st
 
 from common.config import (KVConfig, RpcConfig, TransportConfig, build_config,
                            load_config)
+from tools.config import DualpathConfig
+from services.config import ServicesConfig
 from common.errors import InvalidArgument, Unauthenticated
 from common.framing import FrameCodec
 from common.kv import spec_from_config
 from common.protocol import (DataPathReply, GatewayReply, GatewayRequest,
                              LookupPrefix, Ping, Pong, SchedulerRequest)
 from common.rpc import RpcClient
-from services.cluster import health
-from services.engine_sim.local_cluster import local_datapath
-from services.pe_receiver.config import DELoaderConfig, PEReceiverConfig
+from tools.cluster import health
+from tools.engine_sim.local_cluster import local_datapath
+from services.node.config import DELoaderConfig, PEReceiverConfig
 from services.scheduler.client import SchedulerClient
 from services.scheduler.service_config import SchedulerServiceConfig
 from storage_gateway.block_format import block_relpath
@@ -56,7 +58,7 @@ def test_defaults_bind_loopback_only():
     assert SchedulerServiceConfig().host is None            # None: falls back to rpc.host
     for cls in (PEReceiverConfig, DELoaderConfig):
         assert cls().host == LOOPBACK
-    cfg = load_config(ROOT / "configs" / "default.toml", environ={})
+    cfg = load_config(ROOT / "configs" / "default.toml", DualpathConfig, environ={})
     assert cfg.rpc.host == LOOPBACK and cfg.transport.host == LOOPBACK
     assert cfg.pe_receiver.host == LOOPBACK and cfg.de_loader.host == LOOPBACK
     assert cfg.transport.traffic_classes["kv"].ucx_options()["NET_DEVICES"] == "lo"
@@ -184,7 +186,7 @@ def test_secret_misconfiguration_fails_at_start(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="cannot be read"):
         from services.scheduler.service import SchedulerService
         SchedulerService(build_config({"rpc": {"auth_secret_file": str(tmp_path / "none")}},
-                                      environ={}))
+                                      ServicesConfig, environ={}))
     assert RpcServer  # the server side loads the same way (services call load_secret at start)
 
 

@@ -30,7 +30,7 @@ from common.config import TrafficClassConfig, TransportConfig
 from common.errors import (Cancelled, DeadlineExceeded, InvalidArgument, PeerFailed,
                            ProtocolError, Unavailable)
 from common.transport import PageTransport
-from services.cluster.launcher import proc_cpu_seconds
+from tools.cluster.launcher import proc_cpu_seconds
 from tests.transport_peer import gather, pattern, split_views
 
 ROOT = Path(__file__).resolve().parents[1]

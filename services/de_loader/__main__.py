@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from services.pe_receiver.runner import main_for
+from tools.cluster.node_runner import main_for
 
 if __name__ == "__main__":
     sys.exit(main_for("de_loader", sys.argv[1:]))

@@ -34,8 +34,8 @@ from common.protocol import (DecodeBinding, LayerSlots, PrefillDone, PrepareDeco
                              PullLayers)
 from services.engine_api.decode import DecodeRequest, GeneratedBlock
 from services.engine_api.prompt import PromptInfo, next_block_key
-from services.pe_receiver.attempt import _copy, _peer_error, with_hop
-from services.pe_receiver.node_base import OrderedReports, cancel_and_wait
+from services.node.errors import copy_error as _copy, peer_error as _peer_error, with_hop
+from services.node.reports import OrderedReports, cancel_and_wait
 
 if TYPE_CHECKING:
     from .service import DELoaderService

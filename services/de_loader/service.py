@@ -10,10 +10,11 @@ the engines through :class:`~services.engine_api.decode.DecodePort` s.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from common.config import DualpathConfig
 from common.errors import DualpathError, InvalidArgument, NotFound
 from common.kv import KVSpec
 from common.protocol import (AbortDecode, AbortDecodeReply, DataPathRequest, DecodeBinding,
@@ -24,9 +25,12 @@ from common.rpc import CallContext
 from services.engine_api.decode import DecodePort
 from services.engine_api.kv_region import KVRegion
 from services.engine_api.prompt import PromptInfo, make_prompt
-from services.pe_receiver.node_base import NodeBase
+from services.node.base import NodeBase
 
 from .attempt import DecodeAttempt
+
+if TYPE_CHECKING:
+    from services.config import ServicesConfig
 
 SERVICE_NAME = "de_loader"
 HitSource = Callable[[KVRegion, PromptInfo], Awaitable[int]]
@@ -39,7 +43,7 @@ class DELoaderService(NodeBase):
     role = "decode"
     request_union = DataPathRequest
 
-    def __init__(self, cfg: DualpathConfig, node_id: str, *, spec: KVSpec | None = None,
+    def __init__(self, cfg: ServicesConfig, node_id: str, *, spec: KVSpec | None = None,
                  engines: int | None = None, hit_source: HitSource | None = None) -> None:
         super().__init__(cfg, node_id, cfg.de_loader, spec=spec, engines=engines,
                          pool_name="de_buffer")

@@ -72,7 +72,7 @@ def make_prompt(spec: KVSpec, *, request_id: str, attempt: int, session_id: str,
     A hit without keys (``hit_tokens`` given by a frontend that sent no keys) is shortened to
     the keys there are: that part is recomputed, never read.
     """
-    from services.engine_sim.kv_pattern import synthetic_key, tail_key  # pure helpers
+    from tools.engine_sim.kv_pattern import synthetic_key, tail_key  # pure helpers
 
     bt, rid = spec.block_tokens, request_id
     if not request_id or attempt < 0:

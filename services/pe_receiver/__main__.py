@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from services.pe_receiver.runner import main_for
+from tools.cluster.node_runner import main_for
 
 if __name__ == "__main__":
     sys.exit(main_for("pe_receiver", sys.argv[1:]))

@@ -37,19 +37,13 @@ from common.protocol import (AbortDecode, LayerSlots, PrefillDone, PrepareDecode
 from services.engine_api.prefill import PrefillHandle
 from services.engine_api.prompt import PromptInfo
 
-from .node_base import OrderedReports, cancel_and_wait
+from services.node.errors import both as _both, copy_error as _copy, peer_error as _peer_error, with_hop
+from services.node.reports import OrderedReports, cancel_and_wait
 
 if TYPE_CHECKING:
     from .service import PEReceiverService
 
 log = structlog.get_logger(__name__)
-
-
-def with_hop(err: DualpathError, hop: str) -> DualpathError:
-    """Tag an error with the hop it came from (the first tag wins)."""
-    if getattr(err, "hop", None) is None:
-        err.hop = hop
-    return err
 
 
 class PrefillAttempt:
@@ -533,32 +527,3 @@ class PrefillAttempt:
                           timeout=1.0)
         except DualpathError:
             pass
-
-
-def _peer_error(err: DualpathError) -> DualpathError:
-    """A transfer the peer abandoned (its side cancelled: the link was aborted) is the peer's
-    failure — retryable — never a non-retryable CANCELLED of the request."""
-    if isinstance(err, Cancelled):
-        out = PeerFailed(f"the peer abandoned the transfer: {err.message}")
-        out.hop = getattr(err, "hop", None)
-        return out
-    return err
-
-
-def _copy(err: DualpathError) -> DualpathError:
-    out = type(err)(err.message, retry_after_s=err.retry_after_s)
-    out.hop = getattr(err, "hop", None)
-    return out
-
-
-async def _both(a, b) -> tuple[Any, Any]:
-    """Run two coroutines concurrently; the first failure cancels the other and is raised."""
-    ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
-    try:
-        await asyncio.wait({ta, tb}, return_when=asyncio.FIRST_EXCEPTION)
-        for t in (ta, tb):
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()
-        return await ta, await tb
-    finally:
-        await cancel_and_wait([t for t in (ta, tb) if not t.done()])

@@ -1,6 +1,6 @@
-"""``dualpath pe_receiver ...`` (common.cli COMMANDS entry)."""
+"""``dualpath pe_receiver ...`` (tools.cli COMMANDS entry)."""
 
-from services.pe_receiver.runner import main_for
+from tools.cluster.node_runner import main_for
 
 
 def main(argv: list[str] | None = None) -> int:

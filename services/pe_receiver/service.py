@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
-from common.config import DualpathConfig
 from common.errors import DualpathError, InvalidArgument
 from common.kv import KVSpec
 from common.protocol import (AdminRequest, DataPathReply, EngineLoad, Endpoint,
@@ -23,8 +22,14 @@ from common.rpc import RpcClient
 from services.engine_api.prefill import PrefillPort
 from services.engine_api.prompt import make_prompt
 
-from .attempt import PrefillAttempt, with_hop
-from .node_base import NodeBase, cancel_and_wait
+from services.node.base import NodeBase
+from services.node.errors import with_hop
+from services.node.reports import cancel_and_wait
+
+from .attempt import PrefillAttempt
+
+if TYPE_CHECKING:
+    from services.config import ServicesConfig
 
 SERVICE_NAME = "pe_receiver"
 
@@ -36,7 +41,7 @@ class PEReceiverService(NodeBase):
     role = "prefill"
     request_union = AdminRequest
 
-    def __init__(self, cfg: DualpathConfig, node_id: str, *, spec: KVSpec | None = None,
+    def __init__(self, cfg: ServicesConfig, node_id: str, *, spec: KVSpec | None = None,
                  engines: int | None = None) -> None:
         super().__init__(cfg, node_id, cfg.pe_receiver, spec=spec, engines=engines,
                          pool_name="pe_buffer")

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.config import load_config
+from tools.config import load_host_config
 from common.errors import ConfigError
 from common.logging import configure_logging
 from common.service import Status, run_cli
@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = load_config(args.config)
+        cfg = load_host_config(args.config)
         configure_logging(cfg.logging.level, cfg.logging.json)
         service = SchedulerService(cfg, host=args.host, port=args.port,
                                    on_listening=lambda h, p: _announce(h, p, args.port_file))

@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 
 from common.auth import load_secret
-from common.config import DualpathConfig
+from services.config import ServicesConfig
 from common.errors import (AlreadyExists, DualpathError, ErrorCode, InvalidArgument, NotFound,
                            Overloaded, Unavailable)
 from common.kv import ROOT_KEY, block_keys_from_tokens, spec_from_config
@@ -72,11 +72,11 @@ class SchedulerService(Service):
 
     name = "scheduler"
 
-    def __init__(self, config: DualpathConfig | None = None, *, host: str | None = None,
+    def __init__(self, config: ServicesConfig | None = None, *, host: str | None = None,
                  port: int | None = None, hit_lookup: HitLookup | None = None,
                  node_id: str = "scheduler", auth_secret: bytes | None = _UNSET,
                  on_listening: Callable[[str, int], None] | None = None) -> None:
-        cfg = config if config is not None else DualpathConfig()
+        cfg = config if config is not None else ServicesConfig()
         self.settings = s = cfg.scheduler_service
         super().__init__(node_id, drain_timeout_s=s.drain_grace_s)
         self.config = cfg

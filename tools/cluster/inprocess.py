@@ -76,8 +76,8 @@ async def _start_stub(stack: contextlib.AsyncExitStack, c: InProcessCluster) -> 
 
 
 async def _start_all(stack: contextlib.AsyncExitStack, c: InProcessCluster) -> None:
-    from services.engine_sim.engines import EngineHost
-    from services.pe_receiver.runner import build
+    from tools.engine_sim.engines import EngineHost
+    from tools.cluster.node_runner import build
     from storage_gateway.service import GatewayService
     spec = c.cluster.spec
     for n in spec.nodes:

@@ -222,7 +222,7 @@ class Launcher:
               ) -> tuple[str, str, list[str]]:
         c = self.cluster.spec
         name = service if node is None else f"{service}:{node}"
-        argv = [self.python, "-m", "services.cluster.serve", service, "-c", self.state.config]
+        argv = [self.python, "-m", "tools.cluster.serve", service, "-c", self.state.config]
         if node is not None:
             argv += ["--node", node]
         if c.metrics and _metrics_port(self.cluster, service, node) is None:

@@ -29,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import print_table
     from common.errors import DualpathError
     from common.logging import configure_logging
-    from services.cluster.config import load_cluster
-    from services.replay.cli import write_outputs
-    from services.replay.results import summary_rows
-    from services.replay.run import replay_fresh
-    from services.replay.workloads import AgenticSpec
+    from tools.cluster.config import load_cluster
+    from tools.replay.cli import write_outputs
+    from tools.replay.results import summary_rows
+    from tools.replay.run import replay_fresh
+    from tools.replay.workloads import AgenticSpec
 
     configure_logging("warning", None)
     t0 = time.monotonic()

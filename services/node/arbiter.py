@@ -13,7 +13,7 @@ stands in:
   ``kv_share`` of the link rate, so the high-priority flow keeps at least ``1 - kv_share``.
 
 Bytes are charged in ``chunk_bytes`` pieces before they are sent; the buckets keep debt
-(``storage_gateway.link_shaper.TokenBucket``), so long-run rates are exact.
+(``common.rate.TokenBucket``), so long-run rates are exact.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from common.config import Section
-from storage_gateway.link_shaper import TokenBucket
+from common.rate import TokenBucket
 
 MiB = 1024 * 1024
 

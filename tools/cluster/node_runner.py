@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from common.config import DualpathConfig, load_config
+from tools.config import DualpathConfig, load_host_config
 from common.errors import DualpathError
 from common.logging import configure_logging
 from common.service import run_cli
@@ -38,7 +38,7 @@ def build(kind: str, cfg: DualpathConfig, node: str, engines: int | None):
 
 
 async def serve(kind: str, cfg: DualpathConfig, args: argparse.Namespace) -> None:
-    from services.engine_sim.engines import EngineHost
+    from tools.engine_sim.engines import EngineHost
 
     svc = build(kind, cfg, args.node, args.engines)
     host = EngineHost(svc, cfg.engine_sim)
@@ -65,7 +65,7 @@ async def serve(kind: str, cfg: DualpathConfig, args: argparse.Namespace) -> Non
 def main_for(kind: str, argv: list[str] | None = None) -> int:
     args = _parser(kind).parse_args(argv)
     try:
-        cfg = load_config(args.config)
+        cfg = load_host_config(args.config)
         if args.port is not None:
             import msgspec
             section = getattr(cfg, kind)

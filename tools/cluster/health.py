@@ -1,4 +1,4 @@
-"""``python -m services.cluster.health HOST:PORT``: exit 0 when the service answers a Ping.
+"""``python -m tools.cluster.health HOST:PORT``: exit 0 when the service answers a Ping.
 
 Every dualpath service (scheduler, gateway, PE receiver, DE loader) serves ``Ping`` on its
 control port; container healthchecks and scripts use this probe (no UCX, no KV spec). Its
@@ -15,7 +15,7 @@ from typing import Union
 
 import msgspec
 
-from common.config import load_config
+from tools.config import load_host_config
 from common.errors import DualpathError
 from common.logging import configure_logging
 from common.protocol import ErrorReply, Ping, Pong
@@ -24,7 +24,7 @@ from common.rpc import RpcClient
 
 async def ping(host: str, port: int, timeout: float = 2.0) -> bool:
     try:
-        rpc = load_config().rpc
+        rpc = load_host_config(None).rpc
     except DualpathError as e:          # a bad DUALPATH__RPC__* overlay: say so, report down
         print(f"health: {e.message}", file=sys.stderr)
         return False
@@ -43,7 +43,7 @@ async def ping(host: str, port: int, timeout: float = 2.0) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or ":" not in argv[0]:
-        print("usage: python -m services.cluster.health HOST:PORT", file=sys.stderr)
+        print("usage: python -m tools.cluster.health HOST:PORT", file=sys.stderr)
         return 2
     host, _, port = argv[0].rpartition(":")
     configure_logging("error", False)

@@ -2,7 +2,7 @@
 
 Imports only ``common.config.Section`` (like every section module), so the shared config root
 may import it while it is itself being imported. Loading, validation across sections and
-rendering per service: :mod:`services.cluster.config`.
+rendering per service: :mod:`tools.cluster.config`.
 """
 
 from __future__ import annotations

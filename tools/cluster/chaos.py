@@ -1,7 +1,7 @@
 """Fault-injection harness: crash or pause one service of a live cluster mid-request, check
 that nothing is lost, nothing leaks, and the service rejoins and works again.
 
-The cluster is the ordinary local one (:class:`~services.cluster.launcher.Launcher`:
+The cluster is the ordinary local one (:class:`~tools.cluster.launcher.Launcher`:
 subprocesses on loopback, directory storage in a temp dir) with leases and timeouts tuned so a
 dead or paused service is noticed within a few seconds (:data:`CHAOS_SETTINGS`: config, not
 code). Every child gets ``DUALPATH_FAILPOINTS_FILE``, so one victim can be armed at a chosen
@@ -231,7 +231,7 @@ def chaos_cluster(config: str | None = None, root: Path | None = None) -> Cluste
 # --------------------------------------------------------------------------- load
 
 def _drive_classes():
-    from services.replay.driver import Replayer
+    from tools.replay.driver import Replayer
 
     class ChaosReplayer(Replayer):
         """The replay client, logging every submission with how and when it ended."""
@@ -266,8 +266,8 @@ def _drive_classes():
 async def drive(scheduler: tuple[str, int], seed: int, agents: int, turns: int,
                 log: list[Submission], rpc: Any, block_tokens: int) -> None:
     """An agentic replay (sessions ``agent-<seed>-<i>``) whose submissions land in ``log``."""
-    from services.replay.driver import ClientPool, _agent
-    from services.replay.workloads import AgenticSpec, AgenticWorkload
+    from tools.replay.driver import ClientPool, _agent
+    from tools.replay.workloads import AgenticSpec, AgenticWorkload
     w = AgenticWorkload(AgenticSpec("32k", agents, seed=seed, scale=0.125, max_turns=turns))
     async with ClientPool(*scheduler, agents, rpc) as pool:
         r = _drive_classes()(pool, deadline_s=DEADLINE_S, retries=3, log=log)

@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _run(a: argparse.Namespace) -> dict:
-    from services.cluster.config import load_cluster
-    from services.cluster.launcher import load_state_or_none
+    from tools.cluster.config import load_cluster
+    from tools.cluster.launcher import load_state_or_none
 
     from .run import ClusterTarget, replay, replay_fresh
     cluster = load_cluster(a.config, mode=a.mode)

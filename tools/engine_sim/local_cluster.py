@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import DualpathConfig, build_config
+from common.config import build_config
+from tools.config import DualpathConfig
 from common.kv import KVSpec, spec_from_config
 from services.de_loader.service import DELoaderService
 from services.pe_receiver.service import PEReceiverService
 from storage_gateway.client import GatewayClient
-from storage_gateway.service import GatewayNodeConfig, GatewayService
+from storage_gateway.service import GatewayService
 
 from .engines import EngineHost
 from .kv_pattern import full_block
@@ -89,8 +90,6 @@ def _cfg(data: dict[str, Any], cls=DualpathConfig, **sections: dict[str, Any]):
     merged = {k: dict(v) for k, v in data.items()}
     for section, values in sections.items():
         merged.setdefault(section, {}).update(values)
-    if cls is DualpathConfig:
-        merged.pop("gateway_service", None)
     return build_config(merged, cls, "local cluster", environ={})
 
 
@@ -106,7 +105,7 @@ async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
     c = LocalDatapath(cfg, spec)
     async with contextlib.AsyncExitStack() as stack:
         for node in (*prefill, *decode):
-            gw = GatewayService(_cfg(data, GatewayNodeConfig), f"{node}", spec=spec)
+            gw = GatewayService(_cfg(data), f"{node}", spec=spec)
             await stack.enter_async_context(gw)
             c.gateways[node] = gw
         sched_port = 0

@@ -46,7 +46,7 @@ def sim_config(cluster: Cluster) -> Any:
 def predict(cluster: Cluster, spec: Any, modes: tuple[str, ...]) -> dict[str, Any]:
     """``{mode: {"jct_s", "speedup_vs_basic", "snic_max_avg", ...}}`` from ``sim.predict_speedups``."""
     from sim import predict_speedups
-    from services.replay.workloads import DATASETS
+    from tools.replay.workloads import DATASETS
 
     ds = DATASETS[spec.dataset]
     turns_scale = (spec.max_turns / ds.turns) if spec.max_turns else 1.0

@@ -1,7 +1,7 @@
 """``dualpath serve <service> -c cluster.toml --node ID``: run one service of a cluster.
 
 What the launcher, the systemd units and docker-compose all run. The service's config is
-rendered from the cluster file (:func:`services.cluster.config.service_config`); addresses a
+rendered from the cluster file (:func:`tools.cluster.config.service_config`); addresses a
 local launcher learns at start are passed as flags:
 
     dualpath serve scheduler   -c configs/local-1p2d.toml [--lookup-gateway HOST:PORT]
@@ -150,8 +150,8 @@ class _Runner:
         return svc
 
     async def _node(self, service: str) -> Any:
-        from services.engine_sim.engines import EngineHost
-        from services.pe_receiver.runner import build
+        from tools.engine_sim.engines import EngineHost
+        from tools.cluster.node_runner import build
         a = self.args
         node = _need_node(a)
         cfg = service_config(self.cluster, service, node,

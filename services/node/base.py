@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import structlog
 
 from common.auth import load_secret
 from common.buffers import PagePool
-from common.config import DualpathConfig
 from common.errors import DualpathError, InvalidArgument
 from common.kv import KVSpec, spec_from_config
 from common.protocol import (EngineInfo, EngineLoad, Endpoint, FetchWorkReply, GetStats,
@@ -25,12 +24,15 @@ from common.protocol import (EngineInfo, EngineLoad, Endpoint, FetchWorkReply, G
 from common.rpc import CallContext, RpcServer
 from common.service import Service
 from common.transport import PageTransport
-from services.arbiter import EgressArbiter
+from services.node.arbiter import EgressArbiter
 from services.engine_api.kv_region import RegionPool
 from services.scheduler.node_client import NodeSession
 from storage_gateway.client import GatewayClient
 
 from .config import NodeServiceConfig
+
+if TYPE_CHECKING:
+    from services.config import ServicesConfig
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +46,7 @@ class NodeBase(Service):
     role = ""
     request_union: Any = None
 
-    def __init__(self, cfg: DualpathConfig, node_id: str, settings: NodeServiceConfig, *,
+    def __init__(self, cfg: ServicesConfig, node_id: str, settings: NodeServiceConfig, *,
                  spec: KVSpec | None = None, engines: int | None = None,
                  pool_name: str = "buffer") -> None:
         super().__init__(node_id, drain_timeout_s=1.0)
@@ -237,53 +239,3 @@ class NodeBase(Service):
         out.update(rpc_port=float(self.rpc.port), ucx_port=float(self.transport.address[1]),
                    regions_live=float(self.regions.live))
         return out
-
-
-async def cancel_and_wait(tasks) -> None:
-    """Cancel ``tasks`` (not the caller's own) and wait until every one has ended."""
-    me = asyncio.current_task()
-    tasks = [t for t in tasks if t is not me]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.wait(tasks)
-    for t in tasks:
-        if not t.cancelled():
-            t.exception()       # retrieved: the owner reported what mattered
-
-
-class OrderedReports:
-    """Progress reports of one attempt, sent in order by one background task.
-
-    ``on_stale(stage)`` runs when the scheduler answers that the attempt is no longer
-    current. ``flush()`` waits (bounded) until everything queued was sent, then stops.
-    """
-
-    def __init__(self, svc: NodeBase, request_id: str, attempt: int, on_stale) -> None:
-        self._svc, self._rid, self._attempt, self._on_stale = svc, request_id, attempt, on_stale
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._task: asyncio.Task | None = None
-
-    def send(self, stage: str, **kw: Any) -> None:
-        self._queue.put_nowait((stage, kw))
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def _loop(self) -> None:
-        while True:
-            stage, kw = await self._queue.get()
-            try:
-                if not await self._svc.report(self._rid, self._attempt, stage, **kw) \
-                        and stage not in ("failed", "finished"):
-                    self._on_stale(stage)
-            finally:
-                self._queue.task_done()
-
-    async def flush(self, timeout_s: float) -> None:
-        if self._task is None:
-            return
-        try:
-            await asyncio.wait_for(self._queue.join(), timeout_s)
-        except TimeoutError:
-            log.warning("reports_not_delivered", request_id=self._rid, attempt=self._attempt)
-        await cancel_and_wait([self._task])

@@ -37,7 +37,8 @@ from typing import Any
 
 import msgspec
 
-from common.config import DualpathConfig, build_config, env_overlay
+from common.config import build_config, env_overlay
+from tools.config import DualpathConfig
 from common.errors import ConfigError
 
 from .schema import ClusterSection, NodeSpec, Role  # noqa: F401  (re-exported)
@@ -68,9 +69,7 @@ MODES: dict[str, ModeSpec] = {
 
 def _cluster_root() -> type:
     # The gateway's root adds [gateway_service]; a cluster file carries every section.
-    from storage_gateway.service import GatewayNodeConfig
-
-    class ClusterConfig(GatewayNodeConfig):
+    class ClusterConfig(DualpathConfig):
         """Root of a cluster file: every service section plus ``[cluster]``."""
 
         cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
@@ -338,10 +337,6 @@ def service_config(cluster: Cluster, service: str, node_id: str | None = None, *
             raise ConfigError(f"node {node_id!r} is a {node.role} node: it runs {want}, "
                               f"not {service}")
         data = _merge(data, _node_overrides(cluster, node, service, scheduler, gateway_port))
-    if service == "gateway":
-        from storage_gateway.service import GatewayNodeConfig
-        return build_config(_drop_none(data), GatewayNodeConfig, cluster.source, environ={})
-    data.pop("gateway_service", None)
     return build_config(_drop_none(data), DualpathConfig, cluster.source, environ={})
 
 

@@ -1,6 +1,6 @@
 """Configuration of the data path's node services: ``[pe_receiver]`` and ``[de_loader]``.
 
-Both sections live in this one module (``services.de_loader.config`` re-exports its class):
+Both sections live in this one module (``services.node.config`` re-exports its class):
 ``common.config`` imports it while it may itself be mid-import, so it must not import other
 section modules.
 """

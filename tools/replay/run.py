@@ -42,7 +42,7 @@ class ClusterTarget:
     def for_cluster(cls, cluster: Any, scheduler: tuple[str, int],
                     gateways: dict[str, tuple[str, int]],
                     nodes: dict[str, tuple[str, int]]) -> ClusterTarget:
-        from services.cluster.config import ROLE_SERVICE
+        from tools.cluster.config import ROLE_SERVICE
         c, cfg = cluster.spec, cluster.cfg
         spec = spec_from_config(cfg.kv)
         roles = {n.id: n.role for n in c.nodes}
@@ -76,7 +76,7 @@ class ClusterTarget:
 
     @classmethod
     def from_inprocess(cls, c: Any) -> ClusterTarget:
-        """A :func:`services.cluster.inprocess.start_cluster` cluster."""
+        """A :func:`tools.cluster.inprocess.start_cluster` cluster."""
         return cls.for_cluster(c.cluster, c.scheduler, c.gateway_endpoints(),
                                c.node_endpoints())
 
@@ -147,8 +147,8 @@ async def _replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec, *, mode
     import shutil
     from pathlib import Path
 
-    from services.cluster.inprocess import start_cluster
-    from services.cluster.launcher import Launcher
+    from tools.cluster.inprocess import start_cluster
+    from tools.cluster.launcher import Launcher
 
     cl = cluster.with_mode(mode) if mode is not None else cluster
     shutil.rmtree(storage_root, ignore_errors=True)

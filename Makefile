@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv test test-fast test-chaos demo bench bench-quick reliability sim-accel clean
+.PHONY: venv lint test test-fast test-chaos demo bench bench-quick reliability sim-accel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# ruff, mypy (files in pyproject's [tool.mypy]) and the import-linter layering contracts; all
+# three run, each failure is named, and any failure fails the target (.ci/run runs it first)
+lint: $(STAMP)
+	@rc=0; \
+	echo "== ruff check"; $(VENV)/bin/ruff check . || { echo "lint FAILED: ruff check" >&2; rc=1; }; \
+	echo "== mypy"; $(VENV)/bin/mypy || { echo "lint FAILED: mypy" >&2; rc=1; }; \
+	echo "== lint-imports"; $(VENV)/bin/lint-imports --no-logo \
+		|| { echo "lint FAILED: lint-imports (import-linter contracts)" >&2; rc=1; }; \
+	exit $$rc
 
 test: $(STAMP)
 	$(PY) -m pytest -q

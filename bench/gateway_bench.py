@@ -65,7 +65,7 @@ SHAPED_RATE = 200e6
 # ---------------------------------------------------------------- gateway process
 
 class GatewayProc:
-    """``python -m storage_gateway`` with a generated config; CPU read from /proc."""
+    """``dualpath serve gateway`` with a generated config; CPU read from /proc."""
 
     def __init__(self, workdir: Path, preset: str, root: Path, **gateway) -> None:
         cfg = workdir / f"gateway-{preset}.toml"
@@ -76,8 +76,8 @@ class GatewayProc:
                   f"max_batch_bytes = {64 * MiB}", '[logging]\nlevel = "warning"']
         cfg.write_text("\n".join(lines) + "\n")
         self.log = open(workdir / f"gateway-{preset}.log", "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "storage_gateway", "-c", str(cfg),
-                                      "--node", "bench", "--port", "0"], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools.cluster.serve", "gateway",
+                                      "-c", str(cfg), "--node", "bench", "--port", "0"], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()
         if not line:

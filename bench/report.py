@@ -15,6 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The table printer lives in the tools layer (the demo prints the same tables); every
+# benchmark imports it from here.
+from tools.tables import print_table
+
+__all__ = ["bench_parser", "headline", "print_table", "write_results", "send_json", "read_json"]
+
 
 def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
     """An argument parser with the flags every benchmark takes (``--quick``, ``--out``)."""
@@ -27,20 +33,6 @@ def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
 def headline(metric: str, value: float, goal: float, higher_is_better: bool = True) -> dict[str, Any]:
     return {"metric": metric, "value": value, "goal": goal, "higher_is_better": higher_is_better,
             "met": (value >= goal) if higher_is_better else (value <= goal)}
-
-
-def print_table(rows: list[dict[str, Any]], columns: list[str], file=sys.stdout) -> None:
-    """Print ``rows`` as an aligned text table of ``columns``."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
-        return str(v)
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
-              for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)), file=file)
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=file)
 
 
 def write_results(out: Path | None, name: str, head: dict[str, Any], results: dict[str, Any]) -> None:

@@ -188,7 +188,7 @@ class PagePool:
             if left == 0:
                 break
         extents = []
-        for i, first, k in sorted(taken, key=lambda t: t[1]):
+        for _i, first, k in sorted(taken, key=lambda t: t[1]):
             extents.append((first, k))
         for i, first, k in sorted(taken, key=lambda t: -t[0]):
             n = self._free[i][1]

@@ -12,9 +12,11 @@ taken as a bare string. Example: ``DUALPATH__RPC__MAX_FRAME_BYTES=1048576``.
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -22,17 +24,31 @@ from common.errors import ConfigError
 
 ENV_PREFIX = "DUALPATH__"
 
+# Declared field constraints (CONVENTIONS §15): msgspec checks them when a file or dict is
+# decoded (build_config / load_config) and names the key, e.g. "Expected `int` >= 1 - at
+# `$.pe_receiver.engines`". A direct constructor call does not check them: code that builds a
+# section from outside input goes through build_config.
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]    # NaN fails too
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+# msgspec takes no infinite bound; the largest finite float keeps inf out (TOML can write inf)
+FinitePositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=sys.float_info.max)]
+FiniteNonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=sys.float_info.max)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]      # 0: any free port
+Device = Literal["host", "cuda"]                          # numpy host memory | cupy (extra "gpu")
+
 
 class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base of every config section: immutable, typos rejected."""
 
 
-class LoggingConfig(Section):
+class LoggingConfig(Section, frozen=True):
     level: str = "info"
     json: bool | None = None  # None: JSON when stderr is not a TTY
 
 
-class RpcConfig(Section):
+class RpcConfig(Section, frozen=True):
     """Control-plane RPC limits (msgspec msgpack over TCP, length-prefixed frames)."""
 
     host: str = "127.0.0.1"
@@ -51,7 +67,7 @@ class RpcConfig(Section):
     auth_secret_env: str | None = None
 
 
-class TrafficClassConfig(Section):
+class TrafficClassConfig(Section, frozen=True):
     """UCX options of one traffic class (``UCX_`` prefix omitted), e.g. the low-priority KV lane.
 
     ``IB_SL`` / ``IB_TRAFFIC_CLASS`` put KV on a lower InfiniBand service level or RoCE class
@@ -72,7 +88,7 @@ def _default_traffic_classes() -> dict[str, TrafficClassConfig]:
     return {"kv": TrafficClassConfig(options={"TLS": "tcp,sm,self", "NET_DEVICES": "lo"})}
 
 
-class TransportConfig(Section):
+class TransportConfig(Section, frozen=True):
     """UCX page transport. Defaults measured on 2-core loopback hosts (docs/performance.md)."""
 
     host: str = "127.0.0.1"
@@ -89,15 +105,15 @@ class TransportConfig(Section):
     shared_memory: bool = True                  # sets UCX_{POSIX,SYSV}_ERROR_HANDLING=y
 
 
-class BufferConfig(Section):
+class BufferConfig(Section, frozen=True):
     """A preallocated host page pool (PE buffer, DE buffer, staging)."""
 
     page_bytes: int = 256 * 1024
     num_pages: int = 1024
-    device: str = "host"                        # "host" (numpy) or "cuda" (cupy, lazily)
+    device: Device = "host"                     # "host" (numpy) or "cuda" (cupy, lazily)
 
 
-class KVConfig(Section):
+class KVConfig(Section, frozen=True):
     """The model's KV layout; ``preset`` names one in ``common.kv.PRESETS``."""
 
     preset: str = "test-small"
@@ -107,7 +123,7 @@ class KVConfig(Section):
     dtype: str | None = None
 
 
-class CommonConfig(Section):
+class CommonConfig(Section, frozen=True):
     """The sections every process reads. Each layer's root extends the one below it —
     ``storage_gateway.config.GatewayNodeConfig`` → ``services.config.ServicesConfig`` →
     ``tools.config.DualpathConfig`` — so one file per host serves every service on it, and
@@ -130,12 +146,12 @@ def _parse_env_value(raw: str) -> Any:
         return raw
 
 
-def env_overlay(data: dict[str, Any], environ: dict[str, str] | None = None,
+def env_overlay(data: dict[str, Any], environ: Mapping[str, str] | None = None,
                 prefix: str = ENV_PREFIX) -> dict[str, Any]:
     """Return ``data`` with every ``PREFIX__A__B=v`` applied as ``data[a][b] = v``."""
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     out = _deep_copy(data)
-    for key, raw in sorted(environ.items()):
+    for key, raw in sorted(env.items()):
         if not key.startswith(prefix):
             continue
         path = [p.lower() for p in key[len(prefix):].split("__") if p]

@@ -83,7 +83,7 @@ class FrameCodec:
         return tag is None or tag not in self._tags
 
 
-def tag_of(cls: type) -> Any:
+def tag_of(cls: type[msgspec.Struct]) -> Any:
     return cls.__struct_config__.tag
 
 
@@ -121,7 +121,7 @@ class FrameSender:
     def __init__(self, writer: asyncio.StreamWriter, limit: int, name: str) -> None:
         self._writer = writer
         self._limit = limit
-        self._frames: deque[bytes] = deque()
+        self._frames: deque[bytes | bytearray] = deque()
         self._has_frames = asyncio.Event()
         self._has_space = asyncio.Event()
         self._has_space.set()
@@ -133,7 +133,7 @@ class FrameSender:
     def broken(self) -> bool:
         return self._error is not None
 
-    async def send(self, frame: bytes) -> None:
+    async def send(self, frame: bytes | bytearray) -> None:
         while True:
             self._raise_if_closed()
             if len(self._frames) < self._limit:
@@ -143,7 +143,7 @@ class FrameSender:
         self._frames.append(frame)
         self._has_frames.set()
 
-    def push(self, frame: bytes) -> None:
+    def push(self, frame: bytes | bytearray) -> None:
         """Queue a control frame now, even past the bound (cancellations, a last error).
 
         Callers guarantee these stay few (one per call, one per connection); a closed

@@ -122,6 +122,23 @@ def chain_key(parent: str, payload: bytes) -> str:
     return hashlib.blake2b(bytes.fromhex(parent) + payload, digest_size=KEY_BYTES).hexdigest()
 
 
+def tail_key(parent: str, tail_token_ids: Sequence[int] | None, tail_tokens: int) -> str:
+    """Key of a prompt's partial last block (its token ids when known, else its length).
+
+    Never stored; it names the tail's KV so the prefill and the decode side agree on it.
+    """
+    if tail_token_ids is not None:
+        payload = np.asarray(tail_token_ids, dtype="<u4").tobytes()
+    else:
+        payload = b"tail-len:%d" % tail_tokens
+    return chain_key(parent, b"tail:" + payload)
+
+
+def synthetic_key(session_id: str, index: int) -> str:
+    """Stand-in key of block ``index`` of a request that came without keys (never stored)."""
+    return chain_key(ROOT_KEY, b"synthetic:%s:%d" % (session_id.encode(), index))
+
+
 def block_keys_from_tokens(token_ids: Sequence[int] | np.ndarray, block_tokens: int = 64,
                            parent: str = ROOT_KEY) -> list[str]:
     """Chained keys of every *full* block of ``token_ids`` (the partial tail gets none)."""

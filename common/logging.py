@@ -24,7 +24,7 @@ def configure_logging(level: str = "info", json: bool | None = None, stream=None
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         raise ValueError(f"unknown log level {level!r}")
-    processors = [
+    processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

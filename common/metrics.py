@@ -36,8 +36,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = structlog.get_logger(__name__)
 
 Source = Callable[[], dict[str, float]]
 
@@ -52,6 +55,7 @@ class _Registry:
         self.registry = CollectorRegistry(auto_describe=True)
         self.sources: dict[tuple[str, str], Source] = {}
         self.snapshot: dict[tuple[str, str], dict[str, float]] = {}
+        self.failing: set[tuple[str, str]] = set()     # sources whose last snapshot raised
         self.lock = threading.Lock()
         self.registry.register(_StatsCollector(self))
         self.ttft = self._hist("dualpath_ttft_seconds", "Submit to first token")
@@ -68,8 +72,15 @@ class _Registry:
         for key, fn in list(self.sources.items()):
             try:
                 snap[key] = {k: float(v) for k, v in fn().items()}
-            except Exception:        # a source that fails keeps its previous snapshot
+            except Exception:
+                # Metrics must never take a service down: the source keeps its previous
+                # snapshot. The traceback is logged once per failing streak, not every refresh.
+                if key not in self.failing:
+                    log.exception("metrics_source_failed", service=key[0], node=key[1])
+                    self.failing.add(key)
                 snap[key] = self.snapshot.get(key, {})
+            else:
+                self.failing.discard(key)
         with self.lock:
             self.snapshot = snap
 
@@ -95,6 +106,7 @@ def register_source(service: str, node: str, fn: Source) -> None:
 def unregister_source(service: str, node: str) -> None:
     r = registry()
     r.sources.pop((service, node), None)
+    r.failing.discard((service, node))
     with r.lock:
         r.snapshot.pop((service, node), None)
 

@@ -366,6 +366,7 @@ class RpcClient:
             log.debug("rpc_connect_retrying", address=self.address, attempt=attempt + 1,
                       delay_s=round(delay, 3), error=last.message)
             await asyncio.sleep(delay)
+        raise AssertionError("unreachable: itertools.count() does not end")
 
     async def _open(self) -> _Connection:
         """One connection attempt; transient failures raise Unavailable (retryable)."""
@@ -470,7 +471,8 @@ class RpcStream:
                                        self._deadline - loop.time(), self._window)
 
     async def _next_envelope(self) -> Any:
-        slot = self._slot
+        slot, conn = self._slot, self._conn
+        assert slot is not None and conn is not None    # __anext__ ran _start() first
         while not slot.items:
             if slot.finished:
                 if slot.error is not None:
@@ -484,7 +486,7 @@ class RpcStream:
         self._unacked += 1
         if self._unacked >= max(1, self._window // 2) and not slot.finished:
             unacked, self._unacked = self._unacked, 0
-            await self._conn.grant(self._call_id, unacked)
+            await conn.grant(self._call_id, unacked)
         return env
 
     async def aclose(self) -> None:

@@ -15,7 +15,7 @@ import inspect
 import itertools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -141,8 +141,9 @@ class RpcServer:
         self._entries = _build_entries(handlers, request_type)
         self._codec = FrameCodec(request_type, cfg.max_frame_bytes)
         self._hello_checks = (self._check_version, self._check_auth, self._check_kv_spec)
-        self._envelope_handlers = {Call: self._on_call, CancelCall: self._on_cancel,
-                                   StreamCredit: self._on_credit}
+        envelope_handlers: dict[type, Callable[[ServerConnection, Any], Awaitable[None]]] = {
+            Call: self._on_call, CancelCall: self._on_cancel, StreamCredit: self._on_credit}
+        self._envelope_handlers = envelope_handlers
         self._lock = asyncio.Lock()
         self._server: asyncio.Server | None = None
         self._port = 0
@@ -217,6 +218,7 @@ class RpcServer:
             await close_writer(writer)
             return
         task = asyncio.current_task()
+        assert task is not None     # start_server runs every client callback in a task
         self._conn_tasks.add(task)  # start_server does not keep a reference on 3.11
         conn_id = next(self._conn_ids)
         peer_addr = writer.get_extra_info("peername")
@@ -308,6 +310,7 @@ class RpcServer:
             self._counters["handshakes_rejected"] += 1
             log.warning("handshake_rejected", code=answer.code, **ev, **_hello_fields(hello))
             return None
+        assert isinstance(hello, Hello)     # _answer_hello turns anything else into an error
         log.info("connection_accepted", role=hello.role, node_id=hello.node_id, **ev)
         return hello
 

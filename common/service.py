@@ -8,6 +8,10 @@ the others, every task is referenced, and failures are logged with their traceba
 
 Shutdown order (CONVENTIONS, from aiohttp/nats): stop accepting, drain requests up to a grace
 period, cancel the rest, then ``on_stop`` closes endpoints and releases pools.
+
+The process shell lives here too, once: :func:`serve_process` (signal handling, the ordered
+stop, the one JSON ready line of :func:`announce_ready`), which ``dualpath serve`` runs every
+role in and :meth:`Service.serve_forever` runs a lone service in.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ import asyncio
 import contextlib
 import enum
 import faulthandler
+import json
+import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import Any
 
 import structlog
 
-from common.errors import DualpathError
+from common.errors import DualpathError, InternalError
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +106,7 @@ class Service:
     async def on_start(self) -> None:
         """Bind listeners, allocate pools. Raise to fail the start (on_stop is still called)."""
 
-    def loops(self) -> list[Callable[[], Awaitable[None]]]:
+    def loops(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         """Fixed loops run for the service's life (each returns only on shutdown)."""
         return []
 
@@ -167,25 +174,95 @@ class Service:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    async def serve_forever(self) -> None:
-        """Start, run until SIGTERM/SIGINT (or a fatal loop error), then stop in order."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, lambda s=sig: self._on_signal(s))
-        await self.start()
-        try:
-            await self.wait_stopped()
-        finally:
-            await self.stop()
-
-    def _on_signal(self, sig: signal.Signals) -> None:
-        self.log.info("signal_received", signal=sig.name)
-        self._request_stop()
+    async def serve_forever(self, ready_file: Path | None = None) -> None:
+        """This service alone as a process (:func:`serve_process`): start, one ready line, run
+        until SIGTERM/SIGINT, stop in order; raises if it stops on its own (a fatal loop)."""
+        async def start(stack: contextlib.AsyncExitStack) -> tuple[Service, dict[str, Any]]:
+            await stack.enter_async_context(self)
+            return self, {"event": "ready", "service": self.name, "node_id": self.node_id,
+                          "pid": os.getpid()}
+        await serve_process(start, ready_file)
 
     def _request_stop(self) -> None:
         if self._stop_task is None:
             self._stop_task = asyncio.get_running_loop().create_task(self.stop(), name=f"{self.name}.stop")
+
+
+# --------------------------------------------------------------------------- process shell
+
+class StopSignals:
+    """SIGTERM/SIGINT as one stop event: the only signal handling a dualpath process has.
+
+    Installed before anything starts and removed only after everything stopped, so a signal
+    during start or during the ordered stop never kills the process half-way (default action).
+    """
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._event = asyncio.Event()
+        self._installed: list[signal.Signals] = []
+
+    def __enter__(self) -> StopSignals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not main thread
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                self._installed.append(sig)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self._installed:
+            loop.remove_signal_handler(sig)
+        self._installed.clear()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("signal_received", signal=sig.name)
+        self.received = sig
+        self._event.set()
+
+    async def wait(self, service: Service) -> bool:
+        """Until a signal arrives (True) or ``service`` stops on its own (False)."""
+        tasks = [asyncio.ensure_future(self._event.wait()),
+                 asyncio.ensure_future(service.wait_stopped())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+        return self._event.is_set()
+
+
+def announce_ready(info: Mapping[str, Any], ready_file: Path | None = None) -> None:
+    """The one ready line: JSON on stdout and, written atomically, in ``ready_file``.
+
+    Scripts read the first stdout line, launchers poll the file; readers never see half a line.
+    """
+    line = json.dumps(dict(info))
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(ready_file.suffix + ".tmp")
+        tmp.write_text(line + "\n")
+        tmp.replace(ready_file)
+    print(line, flush=True)
+
+
+StartFn = Callable[[contextlib.AsyncExitStack], Awaitable[tuple[Service, dict[str, Any]]]]
+
+
+async def serve_process(start: StartFn, ready_file: Path | None = None) -> None:
+    """The process shell: signals first, ``start`` (everything it enters into the exit stack
+    stops in reverse order), one ready line, then wait for a signal or the service's end.
+
+    ``start`` returns the main service and its ready info. A service that stops on its own
+    (a fatal loop error) raises :class:`InternalError` after the ordered stop: exit status 1.
+    """
+    with StopSignals() as signals:
+        async with contextlib.AsyncExitStack() as stack:
+            svc, info = await start(stack)
+            announce_ready(info, ready_file)
+            if not await signals.wait(svc):
+                raise InternalError(f"{info.get('service', svc.name)} stopped on its own "
+                                    f"(status {svc.status.value})")
 
 
 def run(main: Coroutine[Any, Any, Any], use_uvloop: bool = True) -> Any:

@@ -97,7 +97,8 @@ def pid_alive(pid: int) -> bool:
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Unlink our uid's segments of this host + pid namespace whose owner pid is dead."""
-    removed, tag, uid = [], _namespace_tag(), os.geteuid()
+    removed: list[str] = []
+    tag, uid = _namespace_tag(), os.geteuid()
     try:
         names = os.listdir(directory)
     except OSError:

@@ -74,7 +74,9 @@ def create_context(options: dict[str, str], traffic_class: str) -> tuple[Any, li
 
 
 def _probe_options(options: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    u, accepted, skipped = ucxx(), {}, []
+    u = ucxx()
+    accepted: dict[str, str] = {}
+    skipped: list[str] = []
     for key, value in options.items():
         try:
             u.lib.UCXContext({**accepted, key: value})

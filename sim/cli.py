@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 from common.errors import ConfigError
+from services.scheduler.modes import ABLATION_MODES
 
 from .config import MODES, load
 from .plots import plot_runs
 from .report import print_summary
 from .run import simulate
 
-ALL = ("basic", "+layer", "+dpl", "dualpath", "oracle")
+ALL = ABLATION_MODES              # what --mode all runs: the ablation sweep
 
 
 def parse_modes(text: str) -> list[str]:

@@ -25,70 +25,50 @@ from pathlib import Path
 
 import msgspec
 
-from common.config import Section, load_config
+from common.config import (NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Section,
+                           load_config)
 from common.kv import PRESETS as KV_PRESETS
 from common.kv import KVSpec
 from services.scheduler import SchedulerConfig
 from services.scheduler.cost_model import ModelCost, cost_model
-
-MODES = ("basic", "+layer", "+dpl", "dualpath", "dualpath-rr", "oracle")
+# The mode table is the scheduler's (one copy, shared with tools.cluster); re-exported here.
+from services.scheduler.modes import MODE_SPECS, MODES, ModeSpec, mode_spec  # noqa: F401
 
 
 class HardwareConfig(Section):
-    prefill_nodes: int = 2
-    decode_nodes: int = 4
-    gpus_per_node: int = 8
-    snic_bytes_per_s: float = 50e9        # one 400 Gbps storage NIC per node (paper §6.1)
-    cnic_bytes_per_s: float = 50e9        # one 400 Gbps compute NIC per GPU
-    dram_bytes_per_s: float = 500e9       # M ≈ 10 × SNIC (digest §9)
-    pe_hbm_kv_bytes: float = 16e9         # whole-prompt (basic) batches must fit here
-    de_hbm_kv_bytes: float = 50e9         # DE HBM for request KV (the scheduler's HBM stop)
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_nodes", "decode_nodes", "gpus_per_node"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"hardware.{name} must be positive, got {getattr(self, name)}")
-        for name in ("snic_bytes_per_s", "cnic_bytes_per_s", "dram_bytes_per_s",
-                     "pe_hbm_kv_bytes", "de_hbm_kv_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"hardware.{name} must be positive, got {getattr(self, name)}")
+    prefill_nodes: PositiveInt = 2
+    decode_nodes: PositiveInt = 4
+    gpus_per_node: PositiveInt = 8
+    snic_bytes_per_s: PositiveFloat = 50e9   # one 400 Gbps storage NIC per node (paper §6.1)
+    cnic_bytes_per_s: PositiveFloat = 50e9   # one 400 Gbps compute NIC per GPU
+    dram_bytes_per_s: PositiveFloat = 500e9  # M ≈ 10 × SNIC (digest §9)
+    pe_hbm_kv_bytes: PositiveFloat = 16e9    # whole-prompt (basic) batches must fit here
+    de_hbm_kv_bytes: PositiveFloat = 50e9    # DE HBM for request KV (the scheduler's HBM stop)
 
 
 class ModelSection(Section):
     preset: str = "deepseek-v3.2"
-    ep_sync: bool = True                  # DP attention + EP MoE: a node's PEs run forward passes together
-    batch_eff_tokens: float = 755.0       # linear-layer efficiency 1 − exp(−tokens/k); 0 disables
+    ep_sync: bool = True                   # DP attention + EP MoE: a node's PEs run forward passes together
+    batch_eff_tokens: NonNegFloat = 755.0  # linear-layer efficiency 1 − exp(−tokens/k); 0 disables
 
     def __post_init__(self) -> None:
         if self.preset not in KV_PRESETS:
             raise ValueError(f"unknown model.preset {self.preset!r}; known: {sorted(KV_PRESETS)}")
-        if self.batch_eff_tokens < 0:
-            raise ValueError("model.batch_eff_tokens must be >= 0")
 
 
 class EngineSection(Section):
-    fetch_interval_s: float = 0.1         # group leaders fetch on a common tick (pull-based)
-    compute_quota_s: float = 0.300        # intra-engine batching quota (dualpath, oracle)
-    max_batch_new_tokens: int = 8192      # token cap of a forward batch in the modes without the quota
-    read_concurrency: int = 1             # reads served at once per node read queue (FIFO)
-    prefetch_layers: int = 1              # layer-wise: layers loaded ahead of the one computing
-
-    def __post_init__(self) -> None:
-        if self.fetch_interval_s <= 0 or self.compute_quota_s <= 0:
-            raise ValueError("engine.fetch_interval_s and compute_quota_s must be positive")
-        if self.max_batch_new_tokens <= 0 or self.read_concurrency <= 0 or self.prefetch_layers < 0:
-            raise ValueError("engine: max_batch_new_tokens, read_concurrency > 0, prefetch_layers >= 0")
+    fetch_interval_s: PositiveFloat = 0.1     # group leaders fetch on a common tick (pull-based)
+    compute_quota_s: PositiveFloat = 0.300    # intra-engine batching quota (dualpath, oracle)
+    max_batch_new_tokens: PositiveInt = 8192  # token cap of a forward batch in the modes without the quota
+    read_concurrency: PositiveInt = 1         # reads served at once per node read queue (FIFO)
+    prefetch_layers: NonNegInt = 1            # layer-wise: layers loaded ahead of the one computing
 
 
 class SimSection(Section):
-    time_scale: float = 1.0
-    window_s: float = 1.0                 # SNIC max/avg and utilisation time series window
+    time_scale: PositiveFloat = 1.0
+    window_s: PositiveFloat = 1.0         # SNIC max/avg and utilisation time series window
     seed: int = 1
     exact_layers: bool = False            # per-layer flows/events instead of the aggregated model
-
-    def __post_init__(self) -> None:
-        if self.time_scale <= 0 or self.window_s <= 0:
-            raise ValueError("sim.time_scale and sim.window_s must be positive")
 
 
 class SimConfig(Section):
@@ -112,33 +92,6 @@ class SimConfig(Section):
     def shape(self) -> str:
         h = self.hardware
         return f"{h.prefill_nodes}P{h.decode_nodes}D x {h.gpus_per_node}"
-
-
-class ModeSpec(msgspec.Struct, frozen=True):
-    """What a mode switches on (digest §9 ablation switches)."""
-
-    policy: str                 # SchedulerConfig.policy
-    placement: str              # SchedulerConfig.placement
-    oracle: bool
-    layerwise: bool
-    quota: bool                 # intra-engine 300 ms quota batching (part of "+sched")
-
-
-MODE_SPECS: dict[str, ModeSpec] = {
-    "basic": ModeSpec("basic", "auto", False, False, False),
-    "+layer": ModeSpec("basic", "auto", False, True, False),
-    "+dpl": ModeSpec("dpl", "auto", False, True, False),
-    "dualpath": ModeSpec("dualpath", "auto", False, True, True),
-    "dualpath-rr": ModeSpec("dualpath", "round_robin", False, True, True),
-    "oracle": ModeSpec("dualpath", "auto", True, True, True),
-}
-
-
-def mode_spec(mode: str) -> ModeSpec:
-    try:
-        return MODE_SPECS[mode]
-    except KeyError:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}") from None
 
 
 def scheduler_config(cfg: SimConfig, mode: str) -> SchedulerConfig:

@@ -242,11 +242,11 @@ class Prefill:
         if st.lb <= 0.0:
             st.loaded = st.next_load = self.L
             return
-        l = st.next_load
-        if st.loading or l >= self.L or l - self.prefetch - 1 >= st.computed:
+        layer = st.next_load
+        if st.loading or layer >= self.L or layer - self.prefetch - 1 >= st.computed:
             return
         st.loading = True
-        st.next_load = l + 1
+        st.next_load = layer + 1
         self.net.start(st.load_links, st.lb / self.L, self._layer_loaded, st, stream=True)
 
     def _layer_loaded(self, st: Step) -> None:

@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaleout-json", type=Path, default=None,
                     help="take the scale-out row from a `dualpath bench sim --out` file")
     ap.add_argument("--run-scaleout", action="store_true", help="simulate 48P96D here (~10 min)")
-    ap.add_argument("--only", default=None, help="comma-separated sections: fig7,pd,append,ablation,snic,online,scaleout")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections: fig7,pd,append,ablation,snic,online,scaleout")
     args = ap.parse_args(argv)
     level = "full" if args.full else "quick"
     lv = LEVELS[level]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from services.scheduler.modes import ABLATION_MODES
+
 from .cluster import Cluster
 from .config import SimConfig, load
 from .workload import TraceWorkload
@@ -26,8 +28,7 @@ def simulate(cfg: SimConfig | str | Path | None, mode: str = "dualpath", dataset
 
 
 def predict_speedups(cfg: SimConfig | str | Path | None, dataset: str = "64k", agents: int = 256,
-                     modes: tuple[str, ...] = ("basic", "+layer", "+dpl", "dualpath", "oracle"),
-                     **kw) -> dict[str, dict]:
+                     modes: tuple[str, ...] = ABLATION_MODES, **kw) -> dict[str, dict]:
     """JCT and speedup over ``basic`` per mode, same workload (for the live ablation cross-check)."""
     if not isinstance(cfg, SimConfig):
         cfg = load(cfg)

@@ -19,7 +19,8 @@ Trajectory model ([inference]; the paper publishes only the averages of Table 2)
   append over all turns stays Table 2's.
 * When a turn would overflow the dataset's maximum length the agent compacts its context: it keeps
   the task prompt (the prefix up to the end of the first real turn, stored, so it is a hit) and
-  drops the rest; the turn's append follows it. This saw-tooth is what makes Table 2 consistent: with 157 turns of 429 + 176 tokens a trajectory
+  drops the rest; the turn's append follows it. This saw-tooth is what makes Table 2 consistent:
+  with 157 turns of 429 + 176 tokens a trajectory
   would grow to 95K tokens, yet MaxLen is 64K and the mean context is 32.7K ≈ MaxLen/2 (likewise
   17.2K for 32K and 25.1K for 48K). ``table2_check`` prints the generated statistics next to
   Table 2's (docs/simulator.md has the table).
@@ -31,36 +32,13 @@ from __future__ import annotations
 
 import math
 
-import msgspec
+# Table 2 lives below the simulator and the replay (one copy); re-exported here.
+from common.datasets import DATASETS, Dataset, dataset  # noqa: F401
 
 M64 = (1 << 64) - 1
 BASE_TRAJECTORIES = 500
 _TWO_PI = 2.0 * math.pi
 _U32 = 1.0 / 4294967296.0
-
-
-class Dataset(msgspec.Struct, frozen=True):
-    name: str
-    max_len: int
-    turns: int
-    append: int
-    gen: int
-    total: int          # Table 2 (for comparison only)
-    context: int        # Table 2 (for comparison only)
-
-
-DATASETS: dict[str, Dataset] = {
-    "32k": Dataset("32k", 32 * 1024, 60, 608, 148, 28_639, 17_183),
-    "48k": Dataset("48k", 48 * 1024, 106, 474, 172, 42_607, 25_120),
-    "64k": Dataset("64k", 64 * 1024, 157, 429, 176, 55_958, 32_721),
-}
-
-
-def dataset(name: str) -> Dataset:
-    try:
-        return DATASETS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}") from None
 
 
 def _mix(x: int) -> int:

@@ -318,7 +318,7 @@ class FsBackend:
         if n < HEADER_SIZE:
             return ReadStatus.CORRUPT, "truncated header"
         status, reason, h = self._judge(head, key)
-        if status is not ReadStatus.OK:
+        if h is None:                   # not OK: _judge gives the header only when it is
             return status, reason
         return self._check_payload(h, n - HEADER_SIZE, payload_checksum(views))
 
@@ -328,7 +328,7 @@ class FsBackend:
         if n < HEADER_SIZE:
             return ReadStatus.CORRUPT, "truncated header"
         status, reason, h = self._judge(buf[:HEADER_SIZE], key)
-        if status is not ReadStatus.OK:
+        if h is None:                   # not OK: _judge gives the header only when it is
             return status, reason
         payload = buf[HEADER_SIZE:self.stored_bytes]
         status, reason = self._check_payload(h, n - HEADER_SIZE, payload_checksum([payload]))

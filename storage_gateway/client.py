@@ -64,7 +64,8 @@ def block_slots(base: int, block_bytes: int, n_blocks: int) -> list[Slots]:
 
 def _by_layer(slots: Slots, spec: KVSpec) -> list[Slots]:
     """One block's slots cut at layer boundaries: the pieces of layer 0, of layer 1, ..."""
-    lb, out, pos = spec.layer_block_bytes, [[] for _ in range(spec.num_layers)], 0
+    lb, pos = spec.layer_block_bytes, 0
+    out: list[Slots] = [[] for _ in range(spec.num_layers)]
     for off, n in slots:
         while n > 0:
             layer = pos // lb
@@ -205,6 +206,7 @@ class GatewayClient:
                         plan: list[tuple[int, Slots]], layer_major: bool,
                         deadline_s: float) -> ReadBlocksReply | None:
         """The same-host read; None when the gateway cannot reach the segment (use UCX)."""
+        assert self._shm is not None        # the caller checked: this client reads over shm
         seg, base = self._shm
         limit = self.arena.nbytes
         for i, slots in enumerate(dest_slots):

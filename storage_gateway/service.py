@@ -35,8 +35,9 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -44,7 +45,7 @@ from structlog.contextvars import bound_contextvars
 
 from common.auth import load_secret
 from common.buffers import Allocation, AsyncPagePool, PagePool
-from common.errors import ConfigError, DualpathError, InvalidArgument
+from common.errors import ConfigError, DualpathError, InvalidArgument, Unavailable
 from common.faults import failpoint
 from common.kv import KVSpec, spec_from_config, validate_keys
 from common.protocol import (BlocksWritten, GatewayRequest, GatewayTelemetry, GetStats,
@@ -62,6 +63,7 @@ from storage_gateway.config import GatewayNodeConfig, GatewayServiceConfig
 from storage_gateway.store import GatewayStore
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 KiB, MiB = 1024, 1024 * 1024
 SERVICE_NAME = "storage_gateway"
@@ -178,10 +180,10 @@ class GatewayService(Service):
         self.spec = spec or spec_from_config(cfg.kv)
         self.block_bytes = self.spec.full_block_bytes
         self._rpc_port = rpc_port
-        self.store: GatewayStore | None = None
-        self.transport: PageTransport | None = None
-        self.rpc: RpcServer | None = None
-        self.staging: AsyncPagePool | None = None
+        self._store: GatewayStore | None = None         # these four: set by on_start()
+        self._transport: PageTransport | None = None
+        self._rpc: RpcServer | None = None
+        self._staging: AsyncPagePool | None = None
         self._owners = itertools.count(1)
         self.shm_maps = ShmMappings(cfg.gateway.shm_max_mappings)
         self._shm_running: dict[tuple[str, str], list[asyncio.Event]] = {}
@@ -197,31 +199,54 @@ class GatewayService(Service):
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
         svc = self.svc
-        self.staging = AsyncPagePool(PagePool(
+        self._staging = AsyncPagePool(PagePool(
             svc.staging_page_bytes, -(-svc.staging_bytes // svc.staging_page_bytes), name="staging"))
-        self.store = GatewayStore(self.cfg.gateway, self.spec)
-        await self.store.start()
-        self.transport = PageTransport(self.cfg.transport, self.node_id)
-        await self.transport.start()
-        self.rpc = RpcServer(self.cfg.rpc, service=SERVICE_NAME, node_id=self.node_id,
-                             handlers=self.handlers(), request_type=GatewayRequest,
-                             kv_fingerprint=self.spec.fingerprint(),
-                             auth_secret=load_secret(self.cfg.rpc))
-        await self.rpc.start(port=self._rpc_port)
+        self._store = GatewayStore(self.cfg.gateway, self.spec)
+        await self._store.start()
+        self._transport = PageTransport(self.cfg.transport, self.node_id)
+        await self._transport.start()
+        self._rpc = RpcServer(self.cfg.rpc, service=SERVICE_NAME, node_id=self.node_id,
+                              handlers=self.handlers(), request_type=GatewayRequest,
+                              kv_fingerprint=self.spec.fingerprint(),
+                              auth_secret=load_secret(self.cfg.rpc))
+        await self._rpc.start(port=self._rpc_port)
         self.log.info("gateway_listening", rpc_port=self.rpc.port, ucx_port=self.transport.address[1],
                       kv=self.spec.describe(), staging_bytes=self.staging.pool.arena.nbytes)
 
     async def on_stop(self) -> None:
         # Stop accepting and drain calls, then the transport (aborts what is left), then the store.
-        if self.rpc is not None:
-            await self.rpc.stop(self.drain_timeout_s)
+        if self._rpc is not None:
+            await self._rpc.stop(self.drain_timeout_s)
         self.shm_maps.clear()
-        if self.transport is not None:
-            await self.transport.stop()
-        if self.store is not None:
-            await self.store.close()
+        if self._transport is not None:
+            await self._transport.stop()
+        if self._store is not None:
+            await self._store.close()
 
-    def handlers(self) -> dict[type, object]:
+    @property
+    def store(self) -> GatewayStore:
+        return self._started(self._store)
+
+    @property
+    def transport(self) -> PageTransport:
+        return self._started(self._transport)
+
+    @property
+    def rpc(self) -> RpcServer:
+        return self._started(self._rpc)
+
+    @property
+    def staging(self) -> AsyncPagePool:
+        return self._started(self._staging)
+
+    def _started(self, part: _T | None) -> _T:
+        """A part ``on_start`` makes; before that, a typed error instead of ``None``."""
+        if part is None:
+            raise Unavailable(f"storage gateway {self.node_id} is {self.status.value}: "
+                              "not started")
+        return part
+
+    def handlers(self) -> dict[type, Callable[..., Any]]:
         return {LookupPrefix: self._lookup, ReadBlocks: self._read, WriteBlocks: self._write,
                 WatchTelemetry: self._watch, Ping: self._ping, GetStats: self._get_stats,
                 ShmFence: self._fence}
@@ -447,7 +472,7 @@ class GatewayService(Service):
             total_ms=round((time.monotonic() - t0) * 1e3, 3), read_q=self.read_q)
 
     # ------------------------------------------------------------------ writes
-    async def _write(self, msg: WriteBlocks, ctx: CallContext) -> AsyncIterator:
+    async def _write(self, msg: WriteBlocks, ctx: CallContext) -> AsyncGenerator[Any, None]:
         with bound_contextvars(request_id=msg.request_id):
             t0 = time.monotonic()
             outcome, written = "cancelled", 0
@@ -499,7 +524,7 @@ class GatewayService(Service):
         return keys, send
 
     async def _receive_and_store(self, msg: WriteBlocks, send: list[bool], new_keys: list[str],
-                                 ctx: CallContext) -> AsyncIterator:
+                                 ctx: CallContext) -> AsyncGenerator[Any, None]:
         """Post receives into staging, announce them, store the blocks; yields then the count."""
         deadline_at = self._deadline_at(ctx)
         nbytes = len(new_keys) * self.block_bytes

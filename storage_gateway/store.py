@@ -384,7 +384,7 @@ class GatewayStore:
                      failed=len(errors), write_ms=round((time.monotonic() - t0) * 1e3, 3))
             if errors:
                 raise errors[0]
-            return list(results)
+            return [r for r in results if not isinstance(r, BaseException)]   # all of them
 
     async def _write_one(self, key: str, views: list[memoryview]) -> bool:
         while True:

@@ -2,7 +2,7 @@
 peers that send what no real client would, and the well-behaved clients that must keep working.
 
 Why a background loop: hypothesis drives synchronous test functions (one example per call),
-while the services are asyncio. The cluster (``tools.engine_sim.local_cluster``: gateways,
+while the services are asyncio. The cluster (``tools.cluster.inprocess``: gateways,
 scheduler, PE receiver, DE loader, emulated engines, real UCX on loopback) starts once per test
 module in its own thread; every example runs its coroutine there with a deadline
 (:meth:`LiveCluster.run`), so a hang fails the test instead of freezing it.
@@ -34,6 +34,7 @@ from common.protocol import (PROTOCOL_VERSION, AbortDecode, AdminReply, Call, Ca
                              LookupPrefix, Message, Ping, Pong, Reply, ServerHello, StreamEnd,
                              StreamItem)
 from common.rpc import RpcClient
+from tests.helpers import until
 
 KNOWN_CODES = frozenset(c.value for c in ErrorCode)
 ANSWER_TIMEOUT_S = 15.0        # generous: 2 shared cores; only guards against hangs
@@ -172,7 +173,7 @@ class LiveCluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def start(self) -> LiveCluster:
-        from tools.engine_sim.local_cluster import local_datapath
+        from tools.cluster.inprocess import local_datapath
         self._thread.start()
         self._cm = local_datapath(self.root, overrides=self._overrides)
         self.c = self.run(self._cm.__aenter__())
@@ -250,20 +251,16 @@ class LiveCluster:
 
     async def quiet(self, timeout: float = 20.0) -> None:
         """Wait until no attempt is live and every node buffer is empty (nothing leaked)."""
+        await until(lambda: not any(self._held().values()), timeout,
+                    lambda: f"quiet (still held: {self._held()})", interval=0.02)
+
+    def _held(self) -> dict[str, Any]:
+        """What the cluster still holds: pages per pool, staging, attempts, scheduler requests."""
         c = self.c
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while True:
-            leaks = c.leaks()
-            live = sum(len(s.attempts) for s in (*c.pe.values(), *c.de.values()))
-            sched_live = c.scheduler.active_requests
-            staging = sum(g.staging.pool.used_pages for g in c.gateways.values())
-            if not any(leaks.values()) and not live and not sched_live and not staging:
-                return
-            if loop.time() > end:
-                raise AssertionError(f"not quiet after {timeout}s: pages {leaks}, staging "
-                                     f"{staging}, attempts {live}, scheduler requests {sched_live}")
-            await asyncio.sleep(0.02)
+        return {"pages": {k: v for k, v in c.leaks().items() if v},
+                "staging": sum(g.staging.pool.used_pages for g in c.gateways.values()),
+                "attempts": sum(len(s.attempts) for s in (*c.pe.values(), *c.de.values())),
+                "scheduler requests": c.scheduler.active_requests}
 
 
 def frame_of(payload: bytes) -> bytes:

@@ -7,10 +7,13 @@ import asyncio
 
 import pytest
 
+from common.config import build_config
+from common.errors import ConfigError
 from common.kv import block_keys_from_tokens
 from common.protocol import Endpoint, RequestPlan
 from services.node.arbiter import ArbiterConfig, EgressArbiter, run_collective
-from tools.engine_sim.local_cluster import local_datapath
+from tools.cluster.inprocess import local_datapath
+from tests.helpers import until
 
 MiB = 1 << 20
 BT = 64
@@ -52,8 +55,8 @@ async def test_without_the_cap_kv_takes_a_fair_half():
 def test_arbiter_config_is_checked():
     with pytest.raises(ValueError):
         ArbiterConfig(enabled=True)                        # a share of what rate?
-    with pytest.raises(ValueError):
-        ArbiterConfig(kv_share=0)
+    with pytest.raises(ConfigError, match="kv_share"):
+        build_config({"kv_share": 0}, ArbiterConfig, environ={})
     assert not EgressArbiter(ArbiterConfig()).active       # real fabric: no pacing at all
 
 
@@ -74,21 +77,20 @@ async def test_collective_keeps_its_share_against_real_de_path_kv(tmp_path):
                                        "d0", 8 * BT, 5, 2, 1 << 20, keys[:8], [], ep, None,
                                        30.0, toks[8 * BT:]))
         a = de.arbiter
-        while a.counters["kv_bytes"] < 256 << 10:         # the pulls are streaming
-            await asyncio.sleep(0.005)
+        await until(lambda: a.counters["kv_bytes"] >= 256 << 10, 60, "the pulls to stream")
         start = a.counters["high_bytes"]
         collective = asyncio.ensure_future(run_collective(a, 12 * MiB, 64 << 10))
         # Steady state: KV reserved before the collective began drains first (a link
         # cannot take back bytes already on it), so the window opens 2 MiB in.
-        while a.counters["high_bytes"] - start < 2 * MiB:
-            await asyncio.sleep(0.002)
+        await until(lambda: a.counters["high_bytes"] - start >= 2 * MiB, 60,
+                    "the window to open 2 MiB into the collective", interval=0.002)
         kv0, hi0 = a.counters["kv_bytes"], a.counters["high_bytes"]
         await collective
         kv, hi = a.counters["kv_bytes"] - kv0, a.counters["high_bytes"] - hi0
         assert hi / (hi + kv) >= 1 - 0.1 - 0.05, (hi, kv)
         assert kv > 0                                       # KV is slowed, never starved
-        while sum(r.stage == "finished" for r in de.reports) < len(rids):
-            await asyncio.sleep(0.01)
+        await until(lambda: sum(r.stage == "finished" for r in de.reports) >= len(rids), 60,
+                    "every request to finish", interval=0.01)
         counters = c.engine_counters()
         assert counters["verified_requests"] == len(rids)
         assert counters.get("prompt_mismatches", 0) == 0

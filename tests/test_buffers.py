@@ -110,7 +110,7 @@ async def test_async_alloc_waits_for_a_free_and_times_out():
     apool = AsyncPagePool(PagePool(10, 2))
     a = await apool.alloc(20, "a", timeout_s=1)
     waiter = asyncio.create_task(apool.alloc(10, "b", timeout_s=5))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)                   # let it run: it must wait, not allocate
     assert not waiter.done()
     await apool.free(a)
     b = await waiter

@@ -16,6 +16,7 @@ from tools.cluster.launcher import (STATE_FILE, Launcher, LaunchError, State,
                                        proc_cpu_seconds, proc_start_ticks)
 from tools.cluster.toml_write import dumps
 from services.scheduler.client import SyncSchedulerClient
+from tests.helpers import poll, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]
 
@@ -54,21 +55,25 @@ def metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
+def shows(p, name: str, value: float | None = None) -> bool:
+    """The service's /metrics exports ``name`` with ``value`` (any value > 0 when None)."""
+    try:
+        got = metric(scrape(p), name)
+    except AssertionError:                   # not in a snapshot yet
+        return False
+    return got > 0 if value is None else got == value
+
+
 def gone(pids: list[int], timeout: float = 5.0) -> bool:
     """Every pid has exited (zombies count as exited)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if all(proc_start_ticks(p) is None for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
+    return poll(lambda: all(proc_start_ticks(p) is None for p in pids), timeout, interval=0.05)
 
 
 def idle_cpu_share(pids: list[int], settle_s: float, window_s: float) -> dict[int, float]:
     """Share of one core each process used over ``window_s`` (after ``settle_s`` of quiet)."""
-    time.sleep(settle_s)
+    time.sleep(settle_s)                     # time passes on purpose: the cluster goes idle
     before, t0 = {p: proc_cpu_seconds(p) for p in pids}, time.monotonic()
-    time.sleep(window_s)
+    time.sleep(window_s)                     # ... and its CPU is measured over a window
     dt = time.monotonic() - t0
     return {p: (proc_cpu_seconds(p) - before[p]) / dt for p in pids}
 
@@ -94,7 +99,12 @@ def test_up_serves_two_turns_and_down_leaves_no_process(tmp_path, capsys):
             # the second turn hits what the first wrote back: prompt + output[:-1], full blocks
             assert second.hit_tokens == (200 + 70 - 1) // 64 * 64
         assert cli.main(["status", "-c", str(cfg)]) == 0
-        time.sleep(1.1)                     # services refresh their snapshot each second
+        # services refresh their snapshot each second: poll until it shows both turns
+        wait_until(lambda: shows(state.proc("scheduler"), "dualpath_ttft_seconds_count", 2.0),
+                   what="the scheduler's snapshot of both turns")
+        wait_until(lambda: shows(state.proc("gateway:p0"),
+                                 'dualpath_storage_bytes_total{direction="read",node="p0"}'),
+                   what="the gateway's snapshot of the reads")
         sched = scrape(state.proc("scheduler"))
         assert metric(sched, "dualpath_ttft_seconds_count") == 2.0
         gw = scrape(state.proc("gateway:p0"))

@@ -7,6 +7,7 @@ import urllib.request
 
 from common import metrics
 from common.protocol import RequestFinished
+from tests.helpers import until
 
 
 def fetch(port: int) -> str:
@@ -26,7 +27,8 @@ async def test_endpoint_exports_sources_and_latency_histograms():
     port = await ep.start(0)
     try:
         stats["bytes_read"] = 99.0
-        await asyncio.sleep(0.15)                  # the loop refreshes the snapshot
+        await until(lambda: metrics.registry().snapshot[("storage_gateway", "n9")]["bytes_read"]
+                    == 99.0, what="the refresh loop to snapshot the new value")
         text = await asyncio.to_thread(fetch, port)
     finally:
         await ep.stop()

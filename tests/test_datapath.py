@@ -1,5 +1,5 @@
 """Data path in one process: gateways, scheduler, PE receiver, DE loader and engines on
-loopback with real UCX (``tools.engine_sim.local_cluster``).
+loopback with real UCX (``tools.cluster.inprocess``).
 
 Checks the issue's claims: the prefill engine sees exactly the stored hit KV on both read
 paths; the DE's full prompt KV is stored hit + computed new KV; write-back makes the next
@@ -10,7 +10,6 @@ and revocation leave every page pool empty. Conditions are polled, never slept f
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -24,18 +23,11 @@ from common.rpc import RpcClient
 from services.engine_api.decode import DecodePort
 from services.engine_api.prefill import PrefillPort
 from tools.engine_sim.kv_pattern import fill_tokens, token_id
-from tools.engine_sim.local_cluster import local_datapath
+from tools.cluster.inprocess import local_datapath
 from services.scheduler.client import SchedulerClient
+from tests.helpers import until
 
 BT = 64
-
-
-async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -79,7 +71,7 @@ async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path):
         stored: dict[int, int] = {s: 0 for s in prompts}     # blocks the test expects stored
         sides = set()
         for turn in range(3):
-            async def one(s: int):
+            async def one(s: int, turn: int = turn):  # awaited in this turn; bound for clarity
                 toks = prompts[s]
                 keys = block_keys_from_tokens(toks, BT)
                 expect_hit = min(stored[s], (len(toks) - 1) // BT) * BT
@@ -210,7 +202,7 @@ async def test_de_path_pulls_stay_within_the_lookahead_of_the_engine(tmp_path):
         h = await asyncio.wait_for(c.pe["p0"].ports["p0.e0"].next_request(), 5)
         await h.layer(0)                                    # consumed: layer 0
         await until(lambda: att.layer_arrival[1] is not None, what="layer 1 (look-ahead)")
-        for _ in range(20):
+        for _ in range(20):                                 # let it run: no third pull may start
             await asyncio.sleep(0)
         assert att.layer_requested[2] is None               # 1 consumed + 1 ahead, no more
         await h.layer(1)

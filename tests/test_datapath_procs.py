@@ -1,5 +1,5 @@
 """Data path across processes: real UCX between a PE receiver and a DE loader in different
-processes (``python -m services.de_loader`` / ``python -m services.pe_receiver``), both read
+processes (``dualpath serve de_loader`` / ``dualpath serve pe_receiver``), both read
 paths byte-checked by the emulated engines, and kill -9 of either side mid-request: the
 survivor fails the attempt with a retryable error naming the dead hop and frees every page.
 Every process started here is stopped or killed by the end of its test.
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,20 +22,17 @@ import pytest
 from common.kv import block_keys_from_tokens
 from common.protocol import DataPathReply, Endpoint, GetStats, RequestPlan
 from common.rpc import RpcClient
-from tools.engine_sim.local_cluster import base_config, local_datapath
+from tools.cluster.inprocess import base_config, local_datapath
 from services.scheduler.client import SchedulerClient
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 BT = 64
 pytestmark = pytest.mark.slow
 
 
-async def until(cond, timeout: float = 15.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+# node services in subprocesses, on a shared machine: a longer guard than the default
+until = functools.partial(helpers.until, timeout=15.0, interval=0.01)
 
 
 def _toml(data: dict) -> str:
@@ -55,7 +52,7 @@ class NodeProc:
         path.write_text(_toml({k: v for k, v in cfg.items() if k != "gateway_service"}))
         self.log = tmp / f"{node}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{kind}", "-c", str(path), "--node", node],
+            [sys.executable, "-m", "tools.cluster.serve", kind, "-c", str(path), "--node", node],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
             env={**os.environ, "DUALPATH__LOGGING__LEVEL": "warning"})
         self.ready: dict = {}
@@ -141,10 +138,8 @@ async def test_both_paths_between_processes_are_byte_exact(tmp_path):
                 async def de_done():
                     s.update(await stats(c, ep))
                     return s.get("finished") == 2 and s["de_buffer_pages_used"] == 0
-                end = time.monotonic() + 15
-                while not await de_done():
-                    assert time.monotonic() < end, s
-                    await asyncio.sleep(0.05)
+                await until(de_done, what=lambda: f"both decodes done, DE buffer empty: {s}",
+                            interval=0.05)
                 assert s["engine_verified_requests"] == 2          # decode checked every byte
                 assert "engine_prompt_mismatches" not in s
                 assert s["layers_pulled"] == c.spec.num_layers     # the DE path ran
@@ -222,10 +217,11 @@ async def _drain(stream):
 
 async def _gateway(c, tmp_path: Path, node: str, gateway: dict | None = None):
     from common.config import build_config
-    from storage_gateway.service import GatewayNodeConfig, GatewayService
+    from storage_gateway.service import GatewayService
+    from tools.config import DualpathConfig     # base_config has every section, not just the gateway's
 
     data = base_config(tmp_path, {"gateway": gateway or {}})
-    gw = GatewayService(build_config(data, GatewayNodeConfig, "test", environ={}), node,
+    gw = GatewayService(build_config(data, DualpathConfig, "test", environ={}), node,
                         spec=c.spec)
     await gw.start()
     return gw

@@ -16,6 +16,7 @@ from services.engine_api.kv_region import RegionPool
 from services.engine_api.prompt import make_prompt, next_block_key
 from tools.engine_sim.kv_pattern import (check_tokens, fill_tokens, full_block, layer_pattern,
                                             synthetic_key, tail_key, token_id)
+from tests.helpers import until
 
 SPEC = PRESETS["test-small"]        # 4 layers x 256 B, 64-token blocks
 B, BT, L = SPEC.kv_bytes_per_token_per_layer, SPEC.block_tokens, SPEC.num_layers
@@ -144,7 +145,7 @@ async def test_region_falls_back_to_one_extent_per_layer_then_waits():
     with pytest.raises(DeadlineExceeded):
         await pool.allocate(SPEC, 80, "big", 0.05)
     waiter = asyncio.ensure_future(pool.allocate(SPEC, 80, "big", 5.0))
-    await asyncio.sleep(0.01)
+    await until(lambda: pool._freed._waiters, what="the allocation to wait for a free")
     for h in holes[1::2]:
         pool.free(h)
     pool.free(r)
@@ -178,7 +179,7 @@ def test_scheduler_remembers_generated_blocks_the_decode_side_writes_back():
     blocks the DE loader persists: full blocks of prompt + output[:-1]."""
     from common.protocol import SubmitRequest
     from services.scheduler.request_state import check_submit
-    from services.scheduler.service import _stored_keys
+    from services.scheduler.node_channel import _stored_keys
     from services.scheduler.service_config import SchedulerServiceConfig
 
     prompt = list(range(150))                       # 2 full blocks + 22-token tail

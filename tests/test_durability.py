@@ -51,6 +51,7 @@ from storage_gateway.block_format import (HEADER_SIZE, QUARANTINE_DIR, TEMP_PREF
 from storage_gateway.client import GatewayClient, block_slots
 from storage_gateway.config import GatewayConfig
 from storage_gateway.service import GatewayNodeConfig, GatewayService, GatewayServiceConfig
+from tests.helpers import wait_until
 from tests.test_gateway_service import run_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.usefixtures("keep_logging")]
@@ -147,10 +148,8 @@ def kill9(launcher: Launcher, state: State, already_stopped: bool = False) -> No
     for p in state.procs:
         if alive(p):
             os.kill(p.pid, signal.SIGKILL)
-    end = time.monotonic() + 15.0
-    while any(proc_start_ticks(p.pid) is not None for p in state.procs):
-        assert time.monotonic() < end, "a SIGKILLed service is still running"
-        time.sleep(0.02)
+    wait_until(lambda: all(proc_start_ticks(p.pid) is None for p in state.procs), 15.0,
+               "every SIGKILLed service to exit", interval=0.02)
     launcher.down()                 # nothing alive: reaps the children, removes the state file
 
 
@@ -326,18 +325,18 @@ async def test_acknowledged_turns_survive_kill9_of_the_whole_cluster(tmp_path, r
 def wait_all_threads_stopped(pid: int, timeout_s: float = 5.0) -> None:
     """Until every thread of ``pid`` is in state T (stopped): a thread inside a syscall stops
     only when it returns from it, after ``kill(SIGSTOP)`` has already returned."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        states = []
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            try:
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-            except (OSError, IndexError):
-                continue
-        if states and all(s in ("T", "t") for s in states):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+    wait_until(lambda: all_threads_stopped(pid), timeout_s, f"process {pid} to stop",
+               interval=0.001)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(s in ("T", "t") for s in states)
 
 
 def freeze_mid_write(state: State, root: Path) -> list[Path]:
@@ -446,7 +445,7 @@ async def test_corrupt_block_is_never_served_end_to_end(tmp_path, reliability):
     p0 = prompt(7, 5 * 64 + 20)
     async with start_cluster(cluster, storage_root=root) as c:
         spec = spec_from_config(cluster.cfg.kv)
-        async with SchedulerClient(*c.scheduler, rpc=cluster.cfg.rpc) as sched:
+        async with SchedulerClient(*c.scheduler_address, rpc=cluster.cfg.rpc) as sched:
             out0 = assert_finished(await sched.run("x-t0", "x", len(p0), GEN, token_ids=p0,
                                                    deadline_s=60.0)).output_token_ids
             keys = block_keys_from_tokens(p0, spec.block_tokens)
@@ -554,7 +553,7 @@ async def test_disk_full_through_the_cluster_still_finishes_requests(tmp_path, m
     root = tmp_path / "storage"
     p0 = prompt(21, 4 * 64 + 10)
     async with start_cluster(cluster, storage_root=root) as c:
-        async with SchedulerClient(*c.scheduler, rpc=cluster.cfg.rpc) as sched:
+        async with SchedulerClient(*c.scheduler_address, rpc=cluster.cfg.rpc) as sched:
             full_disk(monkeypatch)                         # every gateway shares this disk
             out0 = assert_finished(await sched.run("f-t0", "f", len(p0), GEN, token_ids=p0,
                                                    deadline_s=60.0)).output_token_ids

@@ -9,6 +9,7 @@ import pytest
 from common.errors import (DualpathError, ErrorCode, InternalError, Overloaded, all_error_classes,
                            error_from_code)
 from common.service import Service, Status, Supervisor
+from tests.helpers import until
 
 
 def test_every_code_has_exactly_one_class():
@@ -58,10 +59,7 @@ async def test_lifecycle_is_idempotent_and_ordered():
     async with svc:
         await svc.start()
         assert svc.status is Status.RUNNING
-        for _ in range(100):
-            if "loop" in svc.events:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: "loop" in svc.events, what="the fixed loop to start")
         slow = svc.requests.spawn(asyncio.sleep(10))
     await svc.stop()
     assert svc.status is Status.CLOSED and slow.cancelled()

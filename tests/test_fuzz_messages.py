@@ -22,7 +22,6 @@ stays allocated anywhere.
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import msgspec
@@ -38,6 +37,7 @@ from common.protocol import (AbortDecode, AdminRequest, CancelCall, CancelReques
                              ReportProgress, SchedulerRequest, StreamItem, SubmitRequest,
                              WatchTelemetry, WriteBlocks, union_members)
 from tests.fuzz_rig import LiveCluster, RawPeer, closed_port, error_code, fuzz_examples
+from tests.helpers import until
 
 pytestmark = [pytest.mark.reliability]
 
@@ -236,11 +236,8 @@ async def _retire_fuzz_leaders(live: LiveCluster) -> None:
                                                             0, "127.0.0.1", 0, [], m.epoch + 1))
             assert error_code(env) is None, env
     # epochs that cannot grow: the lease runs out (scheduler_service.lease_s)
-    for _ in range(500):
-        if not any(r.node_id.startswith("fz-") and r.engines for r in sched.leases):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("a fuzzed group leader outlived its lease")
+    await until(lambda: not any(r.node_id.startswith("fz-") and r.engines for r in sched.leases),
+                10.0, "every fuzzed group leader's lease to run out", interval=0.02)
 
 
 # --------------------------------------------------------------------------- gateway

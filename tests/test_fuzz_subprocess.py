@@ -1,5 +1,5 @@
 """Fuzzing a real scheduler process (issue 8, item 3): the in-process fuzz files prove the
-handlers; this proves the deployed shape — ``python -m services.scheduler`` on uvloop, its own
+handlers; this proves the deployed shape — ``dualpath serve scheduler`` on uvloop, its own
 logging setup — survives the same input, and exits cleanly on SIGTERM afterwards.
 
 Stand-in group leaders (``StubCluster``) and a frontend stay connected the whole time; after
@@ -9,6 +9,7 @@ every fuzz batch the frontend's request must run to RequestFinished.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -65,15 +66,15 @@ async def _attack(port: int, kind: str, value) -> None:
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    port_file = tmp_path / "port"
+    port_file = tmp_path / "ready"
     env = {**os.environ, "DUALPATH__LOGGING__LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.scheduler", "-c",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cluster.serve", "scheduler", "-c",
                              str(ROOT / "configs" / "default.toml"), "--port", "0",
-                             "--port-file", str(port_file)], cwd=ROOT, env=env,
+                             "--ready-file", str(port_file)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for _ in range(600):
         if port_file.exists():
-            return proc, int(port_file.read_text())
+            return proc, json.loads(port_file.read_text())["rpc_port"]
         if proc.poll() is not None:
             raise AssertionError(f"scheduler exited: {proc.stderr.read().decode()[-2000:]}")
         time.sleep(0.05)

@@ -2,7 +2,7 @@
 
 In-process tests run a GatewayService and a requester (its own PageTransport, arena and
 GatewayClient) in the same event loop over real UCX on loopback. Multi-process tests run the
-gateway as ``python -m storage_gateway`` or a bare receiver (``tests/gateway_proc.py``) that is
+gateway as ``dualpath serve gateway`` or a bare receiver (``tests/gateway_proc.py``) that is
 SIGKILLed part-way. Every process started here is stopped or killed by the end of its test.
 """
 
@@ -37,6 +37,7 @@ from storage_gateway.client import GatewayClient, block_slots, layout_slots, pla
 from storage_gateway.config import GatewayConfig
 from storage_gateway.service import (GatewayNodeConfig, GatewayService, GatewayServiceConfig,
                                      check_read)
+from tests.helpers import until
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -64,14 +65,6 @@ def chain(n: int, start: int = 0, spec: KVSpec = SPEC) -> list[str]:
 def tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in root.rglob("*")}
-
-
-async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 @contextlib.asynccontextmanager
@@ -339,7 +332,7 @@ async def test_deadline_and_cancelled_requester_free_staging(tmp_path):
 
 @contextlib.contextmanager
 def gateway_process(tmp_path: Path, preset: str):
-    """``python -m storage_gateway`` for ``preset`` on a store under ``tmp_path``."""
+    """``dualpath serve gateway`` for ``preset`` on a store under ``tmp_path``."""
     with run_gateway(tmp_path, f'[kv]\npreset = "{preset}"\n[gateway]\n'
                      f'root = "{tmp_path / "pstore"}"\nio_threads = 2\n[gateway_service]\n'
                      f'staging_bytes = {64 * MiB}\n[transport]\nstaging_bytes = {16 * MiB}\n'
@@ -354,12 +347,12 @@ def run_gateway(tmp_path: Path, config_toml: str, node: str):
     cfg = tmp_path / "gateway.toml"
     cfg.write_text(config_toml)
     with open(tmp_path / "gateway.log", "a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "storage_gateway", "-c", str(cfg),
-                                 "--node", node, "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=log, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "tools.cluster.serve", "gateway", "-c",
+                                 str(cfg), "--node", node, "--port", "0"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         ready = json.loads(proc.stdout.readline() or "{}")
-        assert ready.get("event") == "gateway_ready", (tmp_path / "gateway.log").read_text()
+        assert ready.get("event") == "ready", (tmp_path / "gateway.log").read_text()
         yield proc, ready
     finally:
         if proc.poll() is None:
@@ -397,7 +390,7 @@ async def test_round_trip_with_gateway_process(tmp_path):
                 stats = await client.stats()
                 assert stats["staging_pages_used"] == 0 and stats["reads_ok"] == 2
                 cpu0, t0 = proc_cpu_seconds(proc.pid), time.monotonic()
-                await asyncio.sleep(1.0)                  # idle gateway, live connections
+                await asyncio.sleep(1.0)                  # time passes: idle gateway, live connections
                 assert (proc_cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0) < 0.10
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0

@@ -1,7 +1,7 @@
 """Same-host shared-memory reads: the gateway preads straight into the requester's segment.
 
 Unit parts (segment names, sweep of dead owners, the gateway's mapping checks, stream → block
-mapping) run in-process; the end-to-end cases run the gateway as ``python -m storage_gateway``
+mapping) run in-process; the end-to-end cases run the gateway as ``dualpath serve gateway``
 and this process as the requester with its arena in a ``/dev/shm/dualpath-*`` segment, so the
 bytes really cross processes through shared memory (and not UCX: the gateway's transport
 counters are checked). Every segment and process made here is removed by the end of its test.
@@ -30,8 +30,9 @@ from common.transport import PageTransport
 from storage_gateway.block_format import HEADER_SIZE
 from storage_gateway.client import GatewayClient, block_slots, layout_slots, plan_batches
 from storage_gateway.destinations import stream_block_pieces
+from tests.helpers import until
 from tests.test_gateway_service import (BB, SPEC, TCFG, blocks, chain, cluster, gateway_process,
-                                        tree, until)
+                                        tree)
 
 MiB = 1 << 20
 
@@ -70,8 +71,8 @@ def test_stream_block_pieces_match_the_wire_order(layer_major):
         for i, pieces in enumerate(stream_block_pieces(slots, n, SPEC, layer_major)):
             got = np.concatenate([arena_stream[o:o + k] for o, k in pieces])
             if layer_major:
-                want = np.concatenate([np.arange((l * n + i) * lb, (l * n + i + 1) * lb)
-                                       for l in range(SPEC.num_layers)])
+                want = np.concatenate([np.arange((layer * n + i) * lb, (layer * n + i + 1) * lb)
+                                       for layer in range(SPEC.num_layers)])
             else:
                 want = np.arange(i * bb, (i + 1) * bb)
             assert np.array_equal(got, want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import random
 import signal
@@ -33,7 +34,10 @@ from storage_gateway.destinations import allocation_scatter_views, scatter_views
 from common.rate import TokenBucket
 from storage_gateway.link_shaper import LinkShaper
 from storage_gateway.read_queue import ReadQueue
+from storage_gateway import link_shaper as link_shaper_mod
+from storage_gateway import store as store_mod
 from storage_gateway.store import GatewayStore
+from tests.helpers import VirtualTime, until
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = PRESETS["test-small"]          # 4 layers x 64 tokens x 256 B = 64 KiB Full Blocks
@@ -70,14 +74,6 @@ def tree(root: Path) -> dict[str, tuple[int, int, int]]:
 
 def files(root: Path, pattern: str) -> list[Path]:
     return sorted(p for p in root.rglob(pattern) if QUARANTINE_DIR not in p.parts)
-
-
-async def until(cond, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
 
 
 def gate_reads(store: GatewayStore):
@@ -215,14 +211,14 @@ def test_kill9_mid_write_leaves_no_torn_block(tmp_path):
     root = tmp_path / "store"
     spec = KVSpec("crash-test", 16, 4096)                 # 4 MiB blocks: kills land mid-write
     acked: list[str] = []
-    for round_ in range(2):
+    for _round in range(2):
         proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "gateway_crash_writer.py"),
                                  str(root), "16", "4096"], stdout=subprocess.PIPE, text=True, cwd=REPO)
         try:
             assert proc.stdout.readline().strip() == "ready"
             for _ in range(2):
                 acked.append(proc.stdout.readline().strip())
-            time.sleep(random.uniform(0, 0.03))
+            time.sleep(random.uniform(0, 0.03))     # kill at a random point of a write
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -548,21 +544,54 @@ async def test_cancelled_and_timed_out_reads_release_queue_and_pins(tmp_path):
 
 # ----------------------------------------------------------------------------- link shaping
 
-async def test_link_shaper_rate_and_fair_interleaving():
+class _VirtualAsyncio:
+    """``asyncio`` as ``storage_gateway.link_shaper`` sees it, its ``sleep`` on virtual time."""
+
+    def __init__(self, vt: VirtualTime) -> None:
+        self.sleep = vt.sleep
+
+    def __getattr__(self, name: str):
+        return getattr(asyncio, name)
+
+
+def virtual_link(monkeypatch) -> VirtualTime:
+    """Every LinkShaper made from here on (the store's too) runs on one virtual clock."""
+    vt = VirtualTime()
+    monkeypatch.setattr(link_shaper_mod, "asyncio", _VirtualAsyncio(vt))
+    monkeypatch.setattr(store_mod, "LinkShaper", functools.partial(LinkShaper, clock=vt.clock))
+    return vt
+
+
+async def test_link_shaper_rate_and_fair_interleaving(monkeypatch):
     rate, burst = 20e6, 256 * 1024
-    shaper = LinkShaper(rate, burst_bytes=burst, chunk_bytes=256 * 1024)
-    t0 = time.monotonic()
+    vt = virtual_link(monkeypatch)
+    shaper = LinkShaper(rate, burst_bytes=burst, chunk_bytes=256 * 1024, clock=vt.clock)
     done: list[float] = []
 
     async def reader() -> None:
         await shaper.acquire(5_000_000)
-        done.append(time.monotonic() - t0)
+        done.append(vt.now)
 
-    await asyncio.gather(reader(), reader())
-    elapsed = max(done)
-    measured = (10_000_000 - burst) / elapsed
-    assert 0.75 * rate < measured < 1.25 * rate, measured
-    assert min(done) > 0.75 * elapsed                              # interleaved, not one then the other
+    await vt.run(asyncio.gather(reader(), reader()))
+    assert max(done) == pytest.approx((10_000_000 - burst) / rate, rel=1e-12)   # rate exact
+    chunk_s = burst / rate
+    # the burst is free; then each reader waits for its chunk and the other's: interleaved
+    assert vt.sleeps[:4] == pytest.approx([chunk_s, 2 * chunk_s, 2 * chunk_s, 2 * chunk_s])
+    assert min(done) > 0.75 * max(done)                            # interleaved, not one then the other
+
+
+def test_token_bucket_long_run_rate_is_exact_even_when_woken_late():
+    for late in (0.0, 0.01):                       # on time, and every wake-up 10 ms late
+        now = [0.0]
+        bucket = TokenBucket(1000.0, 100, clock=lambda now=now: now[0])
+        waits = []
+        for _ in range(50):
+            waits.append(bucket.reserve(40))
+            now[0] += waits[-1]
+            cleared = now[0]                       # when this chunk's debt is paid
+            now[0] += late if waits[-1] else 0.0
+        assert waits[:4] == pytest.approx([0.0, 0.0, 0.02, 0.04 - late])
+        assert cleared == pytest.approx((50 * 40 - 100) / 1000.0)   # burst free, then exact rate
 
 
 def test_token_bucket_accounts_debt_exactly():
@@ -576,17 +605,16 @@ def test_token_bucket_accounts_debt_exactly():
     assert LinkShaper(0).enabled is False
 
 
-async def test_store_charges_reads_and_writes_to_the_link(tmp_path):
+async def test_store_charges_reads_and_writes_to_the_link(tmp_path, monkeypatch):
     cfg = make_cfg(tmp_path, "memory", link_rate_bytes_per_s=8e6, link_burst_bytes=BB,
                    link_chunk_bytes=BB)
     keys = rand_keys(4)
+    vt = virtual_link(monkeypatch)
     async with GatewayStore(cfg, SPEC) as store:
-        t0 = time.monotonic()
-        await store.write_blocks(keys, rand_blocks(4))
-        await store.read_blocks(keys, empty_dests(4))
-        elapsed = time.monotonic() - t0
+        await vt.run(store.write_blocks(keys, rand_blocks(4)))
+        await vt.run(store.read_blocks(keys, empty_dests(4)))
         assert store.stats()["link_bytes_charged"] == 8 * BB
-        assert elapsed > 0.75 * (7 * BB) / 8e6
+        assert vt.now == pytest.approx((7 * BB) / 8e6, rel=1e-12)   # one burst free, then the rate
 
 
 # ----------------------------------------------------------------------------- misc

@@ -36,7 +36,7 @@ SPEC = AgenticSpec("32k", agents=3, seed=2, scale=0.0625, max_turns=3)
 
 async def test_replay_against_stub_nodes_finishes_every_turn(tmp_path):
     async with start_cluster(cluster(), storage_root=tmp_path, stub=True) as c:
-        res = await replay(ClusterTarget(c.scheduler), SPEC, progress=False)
+        res = await replay(ClusterTarget(c.scheduler_address), SPEC, progress=False)
         assert c.stub.completed == 12
     s = res["summary"]
     assert (s["requests"], s["finished"], s["checks"]["all_finished"]) == (12, 12, True)

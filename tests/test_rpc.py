@@ -25,6 +25,7 @@ from common.protocol import (
     Message, Ping, Pong, Reply, ServerHello,
 )
 from common.rpc import RpcClient, RpcServer, check_handler_coverage
+from tests.helpers import until
 
 
 # --------------------------------------------------------------------------- test channel
@@ -199,16 +200,6 @@ class Rig:
             await server.stop(grace_s=0)
         me = asyncio.current_task()
         await until(lambda: not (asyncio.all_tasks() - {me}), what="tasks left behind")
-
-
-async def until(cond, timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll ``cond`` until true (the timeout only guards against hangs)."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not cond():
-                await asyncio.sleep(0.002)
-    except TimeoutError:
-        raise AssertionError(f"{what} not reached within {timeout}s") from None
 
 
 @pytest.fixture

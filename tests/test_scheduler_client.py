@@ -7,12 +7,12 @@ request at once, so these tests see whole request lives through the public clien
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import msgspec
@@ -27,6 +27,7 @@ from common.protocol import (FirstToken, RequestFailed, RequestFinished, Request
 from services.scheduler.client import SchedulerClient, SyncSchedulerClient, failure_error
 from services.scheduler.service import SchedulerService
 from services.scheduler.stub_nodes import StubCluster
+from tests.helpers import poll, until
 
 RPC = RpcConfig(reconnect_initial_s=0.01, reconnect_max_s=0.05, reconnect_attempts=5,
                 default_deadline_s=10.0)
@@ -68,9 +69,7 @@ async def test_run_with_check_raises_the_typed_failure_and_breaking_out_cancels(
             async for ev in fe.submit("brief", "s", 100, 2):
                 assert isinstance(ev, RequestQueued)
                 break
-            async with asyncio.timeout(5):
-                while svc.active_requests:
-                    await asyncio.sleep(0.005)
+            await until(lambda: not svc.active_requests, 5, "the abandoned stream's request to end")
             with pytest.raises(InvalidArgument):
                 await fe.run("bad", "s", -3, 2)
 
@@ -127,9 +126,7 @@ def test_sync_client_leaving_a_stream_cancels_the_request():
         events = sched.submit("q", "s", 100, 2)
         assert isinstance(next(events), RequestQueued)
         events.close()                                   # generator finally → stream closed
-        deadline = time.monotonic() + 5
-        while server.svc.active_requests and time.monotonic() < deadline:
-            time.sleep(0.005)
+        poll(lambda: not server.svc.active_requests, 5, interval=0.005)
         assert server.svc.active_requests == 0
         sched.close()
         sched.close()                                    # idempotent
@@ -153,18 +150,19 @@ def test_sync_client_sees_the_server_go_away():
 
 
 def test_entry_point_serves_on_its_printed_port_and_stops_on_sigterm(tmp_path):
-    port_file = tmp_path / "port"
+    port_file = tmp_path / "ready"
     env = {**os.environ, "DUALPATH__SCHEDULER_SERVICE__LEASE_S": "1.0",
            "DUALPATH__SCHEDULER_SERVICE__HEARTBEAT_S": "0.2",
            "DUALPATH__LOGGING__LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.scheduler", "--port", "0",
-                             "--port-file", str(port_file)], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cluster.serve", "scheduler",
+                             "--port", "0", "--ready-file", str(port_file)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
-        assert line.startswith("scheduler listening on 127.0.0.1:"), line
-        port = int(line.rsplit(":", 1)[1])
-        assert int(port_file.read_text()) == port
+        ready = json.loads(line or "{}")
+        assert (ready.get("event"), ready.get("host")) == ("ready", "127.0.0.1"), line
+        port = ready["rpc_port"]
+        assert json.loads(port_file.read_text())["rpc_port"] == port
         with SyncSchedulerClient("127.0.0.1", port, rpc=RPC) as sched:
             assert sched.cluster_status().policy == "dualpath"
         proc.send_signal(signal.SIGTERM)
@@ -180,6 +178,7 @@ def test_entry_point_serves_on_its_printed_port_and_stops_on_sigterm(tmp_path):
 def test_entry_point_rejects_a_bad_config(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[scheduler_service]\nlease_s = 1.0\nheartbeat_s = 2.0\n")
-    proc = subprocess.run([sys.executable, "-m", "services.scheduler", "-c", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "tools.cluster.serve", "scheduler", "-c",
+                           str(bad)],
                           cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "heartbeat_s" in proc.stderr

@@ -30,6 +30,7 @@ from services.scheduler.client import SchedulerClient
 from services.scheduler.hit_lookup import FunctionHitLookup
 from services.scheduler.node_client import NodeSession
 from services.scheduler.service import SchedulerService
+from tests.helpers import until
 
 RPC = RpcConfig(reconnect_initial_s=0.01, reconnect_max_s=0.05, reconnect_attempts=5,
                 default_deadline_s=10.0)
@@ -48,16 +49,6 @@ def make_cfg(scheduler: dict | None = None, **service: Any):
 
 def keys(n: int, seed: int = 0) -> list[str]:
     return block_keys_from_tokens([seed] * (n * BT), BT)
-
-
-async def until(cond, what: str, timeout: float = WAIT_S) -> None:
-    """Poll ``cond`` (no fixed sleeps); fail naming ``what`` if it never holds."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not cond():
-                await asyncio.sleep(0.005)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 class Env:
@@ -284,7 +275,7 @@ async def test_prefill_node_lease_expiry_replans_onto_the_other_pe_keeping_the_d
         assert (plan0.pe_node, plan0.attempt) == ("p0", 0)
         assert (await nxt(stream)).pe_node == "p0"
         await p0.close()                                  # p0 dies: heartbeats stop
-        await until(lambda: env.svc.request_state("r") == "queued", "re-plan")
+        await until(lambda: env.svc.request_state("r") == "queued", what="re-plan")
         rebind = await d0.fetch()                         # same DE, new attempt
         assert [(r.request_id, r.attempt) for r in rebind.revoked] == [("r", 0)]
         assert [(b.request_id, b.attempt) for b in rebind.bindings] == [("r", 1)]
@@ -318,7 +309,7 @@ async def test_decode_node_lease_expiry_replans_onto_the_other_de_and_read_side(
         await nxt(stream)
         await p0.report("r", 0, "allocated")
         await d0.close()
-        await until(lambda: env.svc.request_state("r") == "queued", "re-plan")
+        await until(lambda: env.svc.request_state("r") == "queued", what="re-plan")
         assert len((await d1.fetch()).bindings) == 1
         reply = await p0.fetch()
         assert [(r.request_id, r.attempt) for r in reply.revoked] == [("r", 0)]
@@ -426,7 +417,7 @@ async def test_frontend_disconnect_cancels_its_requests_and_frees_them():
         await d0.fetch()
         await p0.fetch()
         await leaving.close()
-        await until(lambda: env.svc.active_requests == 1, "cancellation")
+        await until(lambda: env.svc.active_requests == 1, what="cancellation")
         revoked = {r.request_id for r in (await d0.fetch()).revoked}
         assert revoked == {"x0", "x1", "x2"}
         assert env.svc.request_state("kept") == "loading"
@@ -440,7 +431,7 @@ async def test_leaving_the_stream_early_cancels_the_request():
         stream = fe.submit("gone", "s", 100, 2)
         await nxt(stream)
         await stream.aclose()
-        await until(lambda: env.svc.active_requests == 0, "cancel")
+        await until(lambda: env.svc.active_requests == 0, what="cancel")
 
 
 class SubmitWithExtra(Message, tag="sched.submit"):
@@ -571,7 +562,9 @@ async def test_fetch_replies_are_bounded_and_resent_until_acknowledged():
             await nxt(s)
         assert len((await d0.fetch()).bindings) == 5
         raw = await env.raw()
-        ask = lambda ack: raw.call(FetchWork("p0", "", "prefill", p0.epoch, ack_seq=ack))
+
+        def ask(ack):
+            return raw.call(FetchWork("p0", "", "prefill", p0.epoch, ack_seq=ack))
         r1 = await ask(0)
         assert [p.request_id for p in r1.plans] == ["b0", "b1"] and r1.more
         assert await ask(0) == r1                       # reply lost: the same one again
@@ -677,7 +670,7 @@ async def test_an_idle_groups_fetch_is_held_until_work_arrives():
         p0, d0 = await env.pair()
         assert d0.fetch_wait_s == 5.0                        # told at registration (≤ lease/4)
         held = asyncio.ensure_future(d0.fetch([EngineLoad("d0.e0", 0, 0)]))
-        await until(lambda: env.svc.counters["fetch_holds"] >= 1, "the fetch to be held")
+        await until(lambda: env.svc.counters["fetch_holds"] >= 1, what="the fetch to be held")
         assert not held.done()
         fe = await env.client()
         stream = fe.submit("w1", "s", 300, 4)

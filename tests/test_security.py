@@ -34,7 +34,7 @@ from common.protocol import (DataPathReply, GatewayReply, GatewayRequest,
                              LookupPrefix, Ping, Pong, SchedulerRequest)
 from common.rpc import RpcClient
 from tools.cluster import health
-from tools.engine_sim.local_cluster import local_datapath
+from tools.cluster.inprocess import local_datapath
 from services.node.config import DELoaderConfig, PEReceiverConfig
 from services.scheduler.client import SchedulerClient
 from services.scheduler.service_config import SchedulerServiceConfig
@@ -130,7 +130,7 @@ async def test_shared_secret_on_every_hop_and_never_leaked(tmp_path, monkeypatch
                 assert second.hit_tokens == 192, second
             # 2. strangers are refused with a typed error on every endpoint
             errors = []
-            for label, client, msg in _strangers(c, ports):
+            for _label, client, msg in _strangers(c, ports):
                 with pytest.raises(Unauthenticated) as info:
                     await client.call(msg, timeout=10)
                 errors.append(info.value)

@@ -21,10 +21,10 @@ def one(link, w=1.0):
 
 def test_equal_share_then_the_survivor_takes_the_link():
     loop, fn = net()
-    l = Link("l", 10.0)
-    a = fn.start(one(l), 1e9, None)
-    b = fn.start(one(l), 1e9, None)
-    assert a.rate == b.rate == 5.0 and l.total == 10.0
+    link = Link("l", 10.0)
+    a = fn.start(one(link), 1e9, None)
+    b = fn.start(one(link), 1e9, None)
+    assert a.rate == b.rate == 5.0 and link.total == 10.0
     fn.cancel(a)
     assert b.rate == 10.0
 
@@ -43,9 +43,9 @@ def test_classic_two_link_max_min():
 
 def test_rate_cap_and_weights():
     loop, fn = net()
-    l = Link("l", 10.0)
-    capped = fn.start(one(l), 1e9, None, cap=2.0)
-    other = fn.start(one(l), 1e9, None)
+    link = Link("l", 10.0)
+    capped = fn.start(one(link), 1e9, None, cap=2.0)
+    other = fn.start(one(link), 1e9, None)
     assert (capped.rate, other.rate) == pytest.approx((2.0, 8.0))
     m = Link("m", 3.0)
     half = fn.start(one(m, 0.5), 1e9, None)  # puts half its rate on m
@@ -62,10 +62,10 @@ def test_normalized_weights_measure_the_busiest_link():
 
 def test_streams_go_first_bulk_takes_the_rest():
     loop, fn = net()
-    l = Link("l", 10.0)
-    bulk = fn.start(one(l), 1e9, None)
+    link = Link("l", 10.0)
+    bulk = fn.start(one(link), 1e9, None)
     assert bulk.rate == 10.0
-    stream = fn.start(one(l), 1e9, None, cap=6.0, stream=True)
+    stream = fn.start(one(link), 1e9, None, cap=6.0, stream=True)
     assert (stream.rate, bulk.rate) == pytest.approx((6.0, 4.0))
     fn.cancel(stream)
     assert bulk.rate == pytest.approx(10.0)
@@ -73,14 +73,14 @@ def test_streams_go_first_bulk_takes_the_rest():
 
 def test_completion_times_by_hand():
     loop, fn = net()
-    l = Link("l", 2.0)
+    link = Link("l", 2.0)
     done = []
-    fn.start(one(l), 10.0, lambda tag: done.append((tag, loop.now)), "a")
-    fn.start(one(l), 20.0, lambda tag: done.append((tag, loop.now)), "b")
+    fn.start(one(link), 10.0, lambda tag: done.append((tag, loop.now)), "a")
+    fn.start(one(link), 20.0, lambda tag: done.append((tag, loop.now)), "b")
     loop.run()
     # both at 1 B/s until a finishes at t=10; b has 10 B left at 2 B/s -> t = 15
     assert done == [("a", pytest.approx(10.0)), ("b", pytest.approx(15.0))]
-    assert l.bytes_at(loop.now) == pytest.approx(30.0)
+    assert link.bytes_at(loop.now) == pytest.approx(30.0)
 
 
 def test_zero_byte_flow_completes_at_once():

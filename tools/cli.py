@@ -1,7 +1,9 @@
 """The ``dualpath`` command: one entry point for services, tools and benchmarks.
 
 Subcommands are looked up in tables (name → module), so a new benchmark or service is one
-line here and its own module with ``main(argv) -> int``.
+line here and its own module with ``main(argv) -> int``. Every service runs in one process
+shell, ``dualpath serve <service>``; ``dualpath scheduler|gateway|pe_receiver|de_loader ...``
+are aliases of it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ BENCHMARKS: dict[str, str] = {
 }
 
 COMMANDS: dict[str, str] = {
-    "scheduler": "services.scheduler.__main__",
-    "gateway": "storage_gateway.__main__",
     "cluster": "tools.cluster.cli",
     "serve": "tools.cluster.serve",
     "replay": "tools.replay.cli",
@@ -31,14 +31,15 @@ COMMANDS: dict[str, str] = {
     "simulate": "sim.cli",
     "check-config": "sim.check",
     "sim-accel": "sim.accel",
-    "pe_receiver": "services.pe_receiver.cli",
-    "de_loader": "services.de_loader.cli",
 }
+
+SERVE_ALIASES = ("scheduler", "gateway", "pe_receiver", "de_loader")  # dualpath serve <alias>
 
 
 def _usage() -> str:
     lines = ["usage: dualpath <command> [args]", "", "commands:"]
     lines += [f"  {name}" for name in sorted(COMMANDS)]
+    lines += [f"  {name}   (= serve {name})" for name in SERVE_ALIASES]
     lines += ["  bench <name> [--quick] [--out FILE]   benchmarks: " + ", ".join(sorted(BENCHMARKS))]
     return "\n".join(lines)
 
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_module(BENCHMARKS[rest[0]], rest[1:])
     if cmd in COMMANDS:
         return _run_module(COMMANDS[cmd], rest)
+    if cmd in SERVE_ALIASES:
+        return _run_module(COMMANDS["serve"], [cmd, *rest])
     print(f"unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -1,41 +1,36 @@
-"""One request attempt on a DE loader: DE buffer region, assembly, hand-off, write-back.
+"""One request attempt on a DE loader: the asyncio shell around its transfer core.
 
-Driven by the PE receiver's data-path calls and by the decode engine (docs/datapath.md):
+:class:`~services.de_loader.transfer.DecodeTransfer` decides (docs/datapath.md): which receives
+to post, what to send on ``PullLayers``, when to hand the prompt KV to the decode engine, what
+to write back and when pages go. This shell feeds it the PE receiver's data-path calls, the
+decode engine's calls (it is the engine request's backend), I/O completions and the deadline,
+and runs the actions it returns: allocations, UCX receives and sends, gateway reads and
+writes, reports.
 
-* ``PrepareDecode``: allocate ``[L, prompt, B]``; PE/none path — post one receive per layer
-  ``[l, 0:prompt]`` from the PE; DE path — read the hit Full Blocks from the gateway into
-  ``[l, 0:hit]`` (missing blocks shorten the hit);
-* ``PullLayers`` (DE path): once the read is done, post receives for the return of
-  ``[l, hit:prompt]`` and send ``[l, 0:hit]`` into the PE's slots, layer by layer;
-* ``PrefillDone``: every receive completed → the full prompt KV is here → hand it to the
-  decode engine and persist the prompt's new complete blocks;
-* engine: ``took_kv`` (host pages freed once the write-back read them), generated blocks
-  (``new_block``/``put_block``: persisted), ``finish`` (reported once write-backs are durable).
-
-Failures: the PE's transfers failing (peer death) fail the attempt with a retryable error
-naming ``pe_receiver`` (reported); a revocation, an ``AbortDecode`` or the deadline drop it.
-Either way every sub-task is cancelled, every posted receive cancelled and every page freed
-(after the engine let go of its views).
+Failures: every sub-task is cancelled, every posted receive cancelled and every page freed
+(after the engine let go of its views) by :meth:`DecodeAttempt.release`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, DualpathError,
-                           InternalError, InvalidArgument)
+from common.errors import DualpathError
 from common.faults import failpoint
-from common.protocol import (DecodeBinding, LayerSlots, PrefillDone, PrepareDecode,
-                             PullLayers)
+from common.protocol import DecodeBinding, LayerSlots, PrefillDone, PrepareDecode, PullLayers
 from services.engine_api.decode import DecodeRequest, GeneratedBlock
-from services.engine_api.prompt import PromptInfo, next_block_key
-from services.node.errors import copy_error as _copy, peer_error as _peer_error, with_hop
-from services.node.reports import OrderedReports, cancel_and_wait
+from services.engine_api.prompt import PromptInfo
+from services.node.reports import OrderedReports
+from services.node.subtasks import SubTasks
+
+from .transfer import (Action, AwaitEngine, DecodeTransfer, FreeBlock, FreeRegion,
+                       HandToEngine, Log, PostReceive, ReadHit, Release, Report, SendLayers,
+                       WriteGenerated, WritePrompt)
 
 if TYPE_CHECKING:
     from .service import DELoaderService
@@ -53,64 +48,105 @@ class DecodeAttempt:
         self.request_id, self.attempt = request_id, attempt
         self.engine_id = engine_id
         self.deadline_at = deadline_at
+        self.core = DecodeTransfer(request_id, attempt, engine_id, svc.spec,
+                                   writeback=svc.settings.writeback, counters=svc.counters)
         self.binding: DecodeBinding | None = None
-        self.info: PromptInfo | None = None
         self.pe_ucx: tuple[str, int] | None = None
-        self.region = None
-        self.hbm_bytes = 0
-        self.tokens = 0
-        self.state = "reserved"
-        self.error: DualpathError | None = None
-        self.dropped_reason: str | None = None
-        self.hit_tokens = 0
-        self.first_token_id: int | None = None
-        self.pulled: set[int] = set()
+        self.region: Any = None
         self.receives: list[Any] = []
-        self.expected_receives = 0
-        self.received = 0
-        self.tasks: set[asyncio.Task] = set()
+        self.sub = SubTasks(lambda: self.core.error)
         self.writebacks: set[asyncio.Task] = set()
-        self.sending: set[asyncio.Task] = set()   # layer sends to the PE in flight
         self.request: DecodeRequest | None = None
-        self.engine_holds_kv = False
-        self.blocks: set[GeneratedBlock] = set()
-        self.last_key: str | None = None
-        self.persist = False
-        self._failed = asyncio.Event()
-        self._read_done = asyncio.Event()
-        self._all_received = asyncio.Event()
-        self._engine_released = asyncio.Event()
+        self._failed, self._read_done = asyncio.Event(), asyncio.Event()
+        self._all_received, self._engine_released = asyncio.Event(), asyncio.Event()
         self._prompt_written = asyncio.Event()
-        self._releasing = False
-        self._released = False
         self._release_task: asyncio.Task | None = None
-        self._busy = 0                    # handler calls that may still create resources
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.blocks_put = 0
         self._reports = OrderedReports(svc, request_id, attempt, self._stale)
         self.t_start = time.monotonic()
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_at(deadline_at, self._on_deadline)
+        self._timer = asyncio.get_running_loop().call_at(deadline_at, self._on_deadline)
 
-    # ------------------------------------------------------------------ state helpers
+    # ------------------------------------------------------------------ state (the core's)
+    info = property(lambda self: self.core.info)
+    state = property(lambda self: self.core.state)
+    error = property(lambda self: self.core.error)
+    dropped_reason = property(lambda self: self.core.dropped_reason)
+    hit_tokens = property(lambda self: self.core.hit_tokens)
+    received = property(lambda self: self.core.received)
+    tokens = property(lambda self: self.core.tokens)
+    hbm_bytes = property(lambda self: self.core.hbm_bytes)
+    done = property(lambda self: self.core.done)
+
     @property
     def remaining(self) -> float:
         return max(0.0, self.deadline_at - asyncio.get_running_loop().time())
 
-    @property
-    def done(self) -> bool:
-        return self._released or self._releasing
-
     def dropped(self) -> bool:
-        return self.error is not None
+        return self.core.error is not None
 
     def _check(self) -> None:
-        if self.error is not None:
-            raise _copy(self.error)
+        self.core.check()
 
+    # ------------------------------------------------------------------ running the core
+    def _feed(self, event: Callable[..., Any], *args: Any) -> Any:
+        """Feed one event to the core, wake the waiters, run the synchronous actions."""
+        try:
+            out = event(*args)
+        finally:
+            self._wake()
+        for action in out if isinstance(out, list) else ():
+            self._RUN[type(action)](self, action)
+        return out
+
+    def _wake(self) -> None:
+        c = self.core
+        for event, flag in ((self._failed, c.ending), (self._read_done, c.read_done),
+                            (self._all_received, c.all_received),
+                            (self._engine_released, c.engine_let_go),
+                            (self._prompt_written, c.prompt_written)):
+            if flag and not event.is_set():
+                event.set()
+
+    def _report(self, a: Report) -> None:
+        self._reports.send(a.stage, **a.fields)
+
+    def _log(self, a: Log) -> None:
+        getattr(log, a.level)(a.event, **a.fields)
+
+    def _release_later(self, a: Release) -> None:
+        self._release_task = asyncio.get_running_loop().create_task(self.release())
+
+    def _free_region(self, a: FreeRegion) -> None:
+        self.svc.regions.free(self.region)
+
+    def _free_block(self, a: FreeBlock) -> None:
+        self.svc.regions.free(cast(GeneratedBlock, a.block).region)
+
+    def _hand_to_engine(self, a: HandToEngine) -> None:
+        self.request = DecodeRequest(self.info, self.engine_id, a.hit_tokens, a.first_token_id,
+                                     self.region, self)
+        self.svc.ports[self.engine_id].put(self.request)
+
+    def _start_prompt_write(self, a: WritePrompt) -> None:
+        self.sub.spawn(self._write_prompt(a))
+
+    def _start_generated_write(self, a: WriteGenerated) -> None:
+        task = self.sub.spawn(self._write_generated(cast(GeneratedBlock, a.block)))
+        self.writebacks.add(task)
+        task.add_done_callback(self.writebacks.discard)
+
+    def _by_caller(self, a: Action) -> None:
+        """Receives, sends, the hit read, the engine wait: run inline by the handler."""
+
+    _RUN: dict[type, Callable[[DecodeAttempt, Any], None]] = {
+        Report: _report, Log: _log, Release: _release_later, FreeRegion: _free_region,
+        FreeBlock: _free_block, HandToEngine: _hand_to_engine,
+        WritePrompt: _start_prompt_write, WriteGenerated: _start_generated_write,
+        ReadHit: _by_caller, PostReceive: _by_caller, SendLayers: _by_caller,
+        AwaitEngine: _by_caller}
+
+    # ------------------------------------------------------------------ asyncio helpers
     async def _wait(self, event: asyncio.Event) -> None:
-        if not event.is_set() and self.error is None:
+        if not event.is_set() and self.core.error is None:
             waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._failed.wait())}
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -119,78 +155,35 @@ class DecodeAttempt:
                     w.cancel()
         self._check()
 
-    async def _guard(self, coro) -> Any:
-        """Run ``coro`` as a sub-task release() can cancel; its cancellation by a failure
-        reaches the caller as the attempt's typed error (an RPC handler then replies it)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            if asyncio.current_task().cancelling() or self.error is None:
-                raise
-            raise _copy(self.error) from None
-
-    @contextlib.contextmanager
-    def _using(self):
-        """A handler creating resources (pages, receives): release() waits for it to end."""
-        self._busy += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._busy -= 1
-            if not self._busy:
-                self._idle.set()
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
+    async def _allocate(self, tokens: int, owner: str, **kw: Any) -> Any:
+        """Pages from the DE buffer; given straight back if the attempt ended meanwhile."""
+        region = await self.sub.guard(self.svc.regions.allocate(
+            self.spec, tokens, owner, min(self.remaining, self.svc.settings.alloc_timeout_s),
+            **kw))
+        if self.core.ending:
+            self.svc.regions.free(region)
+            self._check()
+        return region
 
     # ------------------------------------------------------------------ binding / prepare
     def bind(self, b: DecodeBinding) -> None:
         self.binding = b
-        self.hbm_bytes = b.hbm_bytes
-        self.tokens = b.prompt_tokens + b.gen_tokens
+        self.core.bind(b.hbm_bytes, b.prompt_tokens + b.gen_tokens)
 
     async def prepare(self, msg: PrepareDecode, info: PromptInfo) -> list[LayerSlots]:
-        """Allocate, then post the forward receives or start the hit read (see module doc)."""
-        if self.info is not None:
-            raise AlreadyExists(f"attempt {self.request_id}#{self.attempt} was prepared already")
-        self._check()
-        svc, spec = self.svc, self.spec
-        self.info, self.pe_ucx, self.state = info, (msg.ucx_host, msg.ucx_port), "preparing"
-        if self.binding is None:
-            self.hbm_bytes = spec.bytes_per_token * (info.prompt_tokens + info.gen_tokens)
-            self.tokens = info.prompt_tokens + info.gen_tokens
-        self.hit_tokens = info.hit_tokens
-        self.persist = (svc.settings.writeback and info.fully_keyed
-                        and (info.tail_token_ids is not None or info.tail_tokens == 0))
-        self.last_key = info.last_key()
-        with self._using():
-            region = await self._guard(svc.regions.allocate(
-                spec, info.prompt_tokens, f"{self.request_id}#{self.attempt}",
-                min(self.remaining, svc.settings.alloc_timeout_s)))
-            if self._releasing or self.error is not None:
-                svc.regions.free(region)
-                self._check()
-            self.region = region
-            return await self._prepare_side(msg, info)
+        """Allocate, then post the forward receives or start the hit read."""
+        self._feed(self.core.prepare, info)
+        self.pe_ucx = (msg.ucx_host, msg.ucx_port)
+        with self.sub.using():
+            self.region = await self._allocate(info.prompt_tokens,
+                                               f"{self.request_id}#{self.attempt}")
+            actions = self._feed(self.core.region_allocated)
+            for a in actions:
+                if isinstance(a, ReadHit):
+                    self.sub.spawn(self._read(msg, a.blocks))
+            return [await self._post(a) for a in actions if isinstance(a, PostReceive)]
 
-    async def _prepare_side(self, msg: PrepareDecode, info: PromptInfo) -> list[LayerSlots]:
-        spec = self.spec
-        if info.read_side == "de":
-            self._spawn(self._read(msg))
-            self.expected_receives = spec.num_layers
-            return []
-        self._read_done.set()
-        self.expected_receives = spec.num_layers
-        return [await self._post(layer, 0) for layer in range(spec.num_layers)]
-
-    async def _post(self, layer: int, first: int) -> LayerSlots:
+    async def _post(self, a: PostReceive) -> LayerSlots:
         """Post the receive of ``[layer, first:prompt]`` from the PE; watch it.
 
         Runs inline (not as a sub-task) so the handle can never be lost between the
@@ -199,158 +192,88 @@ class DecodeAttempt:
         self._check()
         t = self.svc.transport
         tid = t.new_transfer_id()
-        slot = self.region.slot(layer, first, self.info.prompt_tokens)
+        slot = self.region.slot(a.layer, a.first, self.info.prompt_tokens)
         h = await t.expect(self.pe_ucx, tid, self.region.arena, [slot], self.remaining)
         self.receives.append(h)
-        if self._releasing or self.error is not None:
+        if self.core.ending:
             await h.cancel()
             self._check()
-        self._spawn(self._watch(h))
-        return LayerSlots(layer, tid, [slot])
+        self.sub.spawn(self._watch(h))
+        return LayerSlots(a.layer, tid, [slot])
 
     async def _watch(self, h) -> None:
         try:
             await h.wait()
         except DualpathError as e:
-            self.abort(with_hop(_peer_error(e), "pe_receiver"),
-                       report=not isinstance(e, DeadlineExceeded))
+            self._feed(self.core.peer_failed, e)
             return
-        self.received += 1
-        if self.received == self.expected_receives:
-            self._all_received.set()
+        self._feed(self.core.layer_received)
 
-    async def _read(self, msg: PrepareDecode) -> None:
+    async def _read(self, msg: PrepareDecode, blocks: int) -> None:
         """DE path: the hit Full Blocks from storage, scattered per layer into ``[l, 0:hit]``."""
-        info, svc = self.info, self.svc
+        source = self.svc.hit_source
         try:
-            if svc.hit_source is not None:
-                hit = await svc.hit_source(self.region, info)
+            if source is not None:
+                event: Callable[[int], list[Action]] = self.core.hit_read
+                value = await source(self.region, self.info)
             else:
-                hit = await self._read_gateway(msg)
+                event, value = self.core.hit_blocks_read, await self._read_gateway(msg, blocks)
         except DualpathError as e:
-            self.abort(with_hop(e, "gateway"), report=True)
+            self._feed(self.core.read_failed, e)
             return
-        if hit < info.hit_tokens:
-            svc.counters["hit_shortened"] += 1
-            log.info("hit_shortened", request_id=self.request_id, planned=info.hit_tokens,
-                     hit=hit, side="de")
-        self.hit_tokens = hit
-        self._read_done.set()
+        self._feed(event, value)
 
-    async def _read_gateway(self, msg: PrepareDecode) -> int:
-        info = self.info
+    async def _read_gateway(self, msg: PrepareDecode, n: int) -> int:
+        """Blocks of the hit's leading ``n`` the gateway holds (0 without a gateway)."""
         client = self.svc.gateway(msg.read_gateway)
         if client is None:
             log.warning("no_gateway_for_read", request_id=self.request_id)
             return 0
-        n = info.hit_blocks
         failpoint("de.read.batch")
-        reply = await client.read_blocks(self.request_id, info.keys[:n],
+        reply = await client.read_blocks(self.request_id, self.info.keys[:n],
                                          [self.region.block_dest(j) for j in range(n)],
                                          self.remaining, self.svc.settings.read_batch_bytes,
                                          layer_major=True)
-        return min(info.hit_tokens, reply.prefix_blocks * info.block_tokens)
+        return reply.prefix_blocks
 
     # ------------------------------------------------------------------ DE path: pulls
     async def pull(self, msg: PullLayers) -> tuple[int, list[LayerSlots]]:
         """Send the pulled layers' ``[l, 0:hit]``; returns (usable hit, return slots)."""
-        info = self._prepared()
-        if info.read_side != "de":
-            raise InvalidArgument(f"PullLayers for {self.request_id}: its read side is "
-                                  f"{info.read_side!r}, not 'de'")
-        L, row = self.spec.num_layers, info.hit_tokens * self.spec.kv_bytes_per_token_per_layer
-        layers = [ls.layer for ls in msg.layers]
-        for ls in msg.layers:
-            if not 0 <= ls.layer < L:
-                raise InvalidArgument(f"PullLayers: layer {ls.layer} out of range [0, {L})")
-            if sum(n for _, n in ls.slots) != row or any(o < 0 or n < 0 for o, n in ls.slots):
-                raise InvalidArgument(f"PullLayers: layer {ls.layer} slots hold "
-                                      f"{sum(n for _, n in ls.slots)} B, the hit is {row} B")
-        if len(set(layers)) != len(layers) or self.pulled & set(layers):
-            raise InvalidArgument(f"PullLayers: layers {layers} pulled twice")
-        groups = _transfers(msg.layers)
-        self.pulled.update(layers)
+        plan = self.core.pull(msg.layers)
         await self._wait(self._read_done)
-        t, arb = self.svc.transport, self.svc.arbiter
-        with self._using():
-            returns = [await self._post(layer, self.hit_tokens) for layer in layers]
+        with self.sub.using():
+            actions = self._feed(self.core.pull_ready, plan)
+            returns = [await self._post(a) for a in actions if isinstance(a, PostReceive)]
             self._check()
-            sends = []
-            for tid, group in groups:     # every transfer of the call in flight at once
-                views = [self.region.flat(ls.layer, 0, info.hit_tokens) for ls in group]
-                slots = [s for ls in group for s in ls.slots]
-                sends.append(self._send_layers(t, arb, tid, views, slots))
-            task = asyncio.get_running_loop().create_task(_all(sends))
-            self.sending.add(task)
-            task.add_done_callback(self.sending.discard)
-            await self._guard(_await(task))
-        self.svc.counters["layers_pulled"] += len(layers)
-        return self.hit_tokens, returns
+            await self.sub.send_all([     # every transfer of the call in flight at once
+                self._send_layers(a, [self.region.flat(layer, 0, a.tokens) for layer in a.layers])
+                for a in actions if isinstance(a, SendLayers)])
+        return self.core.layers_sent(plan), returns
 
-    async def _send_layers(self, t, arb, tid: int, views: list, slots: list) -> None:
-        await arb.kv(sum(v.nbytes for v in views))
+    async def _send_layers(self, a: SendLayers, views: list) -> None:
+        await self.svc.arbiter.kv(sum(v.nbytes for v in views))
         self._check()
         failpoint("de.pull.send")
-        await t.send(self.pe_ucx, tid, views, slots, self.remaining)
-
-    def _prepared(self) -> PromptInfo:
-        self._check()
-        if self.info is None or self.region is None:
-            raise InvalidArgument(f"attempt {self.request_id}#{self.attempt} is not prepared "
-                                  "(PrepareDecode first)")
-        return self.info
+        await self.svc.transport.send(self.pe_ucx, a.transfer_id, views, list(a.slots),
+                                      self.remaining)
 
     # ------------------------------------------------------------------ assembly
     async def prefill_done(self, msg: PrefillDone) -> None:
         """Wait until every receive completed, then hand the prompt KV to the engine."""
-        info = self._prepared()
-        if self.state != "preparing":
-            raise AlreadyExists(f"PrefillDone for {self.request_id}#{self.attempt} twice")
-        bt = info.block_tokens
-        if info.read_side == "de":
-            if len(self.pulled) != self.spec.num_layers:
-                raise InvalidArgument(f"PrefillDone after pulling {len(self.pulled)} of "
-                                      f"{self.spec.num_layers} layers")
-            if msg.hit_tokens != self.hit_tokens:
-                raise InvalidArgument(f"PrefillDone: hit {msg.hit_tokens}, the DE read "
-                                      f"{self.hit_tokens}")
-        elif not 0 <= msg.hit_tokens <= info.hit_tokens or msg.hit_tokens % bt:
-            raise InvalidArgument(f"PrefillDone: hit {msg.hit_tokens} outside the plan's "
-                                  f"{info.hit_tokens}")
-        self.state = "assembling"
+        self.core.prefill_done(msg.hit_tokens, msg.first_token_id)
         failpoint("de.assemble")
         await self._wait(self._all_received)
-        self._check()
-        self.hit_tokens = msg.hit_tokens
-        self.first_token_id = msg.first_token_id
-        self._hand_off()
+        self._feed(self.core.assembled)
 
-    def _hand_off(self) -> None:
-        svc, info = self.svc, self.info
-        self.state = "ready"
-        self.request = DecodeRequest(info, self.engine_id, self.hit_tokens, self.first_token_id,
-                                     self.region, self)
-        self.engine_holds_kv = True
-        svc.ports[self.engine_id].put(self.request)
-        svc.counters["handed_off"] += 1
-        first = self.hit_tokens // info.block_tokens
-        keys = info.keys[first:] if svc.settings.writeback else ()
-        if keys:
-            self._spawn(self._write_prompt(first, list(keys)))
-        else:
-            self._prompt_written.set()
-
-    async def _write_prompt(self, first: int, keys: list[str]) -> None:
+    async def _write_prompt(self, a: WritePrompt) -> None:
         """Persist the prompt's new complete blocks (gathered from the request layout)."""
         try:
             per = await self.svc.writeback_batch(self.spec.full_block_bytes)
-            for i in range(0, len(keys), per):
-                batch = keys[i:i + per]
-                await self._write(batch, [self.region.block_views(first + i + j)
-                                          for j in range(len(batch))])
+            for first, keys in a.batches(per):
+                await self._write(list(keys), [self.region.block_views(first + j)
+                                               for j in range(len(keys))])
         finally:
-            self._prompt_written.set()
-            self._maybe_free_region()
+            self._feed(self.core.prompt_write_done)
 
     async def _write(self, keys: list[str], payloads: list) -> None:
         svc = self.svc
@@ -370,181 +293,86 @@ class DecodeAttempt:
             log.warning("writeback_failed", request_id=self.request_id, blocks=len(keys),
                         error=repr(e))
 
-    def _maybe_free_region(self) -> None:
-        if (self.region is not None and not self.engine_holds_kv
-                and self._prompt_written.is_set() and self.state in ("decoding", "finishing")):
-            self.svc.regions.free(self.region)
-
     # ------------------------------------------------------------------ engine side
     async def took_kv(self, req: DecodeRequest) -> None:
-        self.engine_holds_kv = False
-        self._engine_released.set()
-        self._check()
-        self.state = "decoding"
-        self._maybe_free_region()
+        self._feed(self.core.took_kv)
 
     async def second_token(self, req: DecodeRequest) -> None:
         self._check()
         failpoint("de.decode")
-        self._reports.send("second_token")
+        self._feed(self.core.second_token)
 
     async def new_block(self, req: DecodeRequest, token_ids) -> GeneratedBlock:
-        self._check()
-        info, svc = self.info, self.svc
-        key = next_block_key(self.last_key or info.last_key(), token_ids, info.block_tokens)
-        with self._using():
-            region = await self._guard(svc.regions.allocate(
-                self.spec, info.block_tokens, f"{self.request_id}#{self.attempt}/gen",
-                min(self.remaining, svc.settings.alloc_timeout_s), one_extent=True))
-            if self._releasing or self.error is not None:
-                svc.regions.free(region)
-                self._check()
-        self.last_key = key
-        index = info.n_full + len(self.blocks) + self.blocks_put
-        blk = GeneratedBlock(index, key, tuple(int(t) for t in token_ids), region.whole(), region)
-        self.blocks.add(blk)
+        key = self.core.block_key(token_ids)
+        with self.sub.using():
+            region = await self._allocate(self.spec.block_tokens,
+                                          f"{self.request_id}#{self.attempt}/gen",
+                                          one_extent=True)
+        blk = GeneratedBlock(self.core.next_block_index, key,
+                             tuple(int(t) for t in token_ids), region.whole(), region)
+        self.core.block_opened(blk, key)
         return blk
 
     async def put_block(self, req: DecodeRequest, blk: GeneratedBlock) -> None:
-        if blk not in self.blocks:
-            raise InvalidArgument(f"block {blk.index} does not belong to {self.request_id}")
-        self.blocks.discard(blk)
-        self.blocks_put += 1
-        if self.error is not None or not self.persist:
-            self.svc.regions.free(blk.region)
-            self._check()
-            return
-        task = self._spawn(self._write_generated(blk))
-        self.writebacks.add(task)
-        task.add_done_callback(self.writebacks.discard)
+        self._feed(self.core.put_block, blk, blk.index)
+        self._check()
 
     async def _write_generated(self, blk: GeneratedBlock) -> None:
         try:
             await self._write([blk.key], [blk.region.block_views(0)])
         finally:
-            self.svc.regions.free(blk.region)
+            self._feed(self.core.block_written, blk)
 
     async def finish(self, req: DecodeRequest, output_token_ids: list[int]) -> None:
-        self._check()
-        self.state = "finishing"
-        self.engine_holds_kv = False
-        self._engine_released.set()
-        svc = self.svc
-        if svc.settings.finish_after_writeback:
+        self._feed(self.core.finish)
+        settings = self.svc.settings
+        if settings.finish_after_writeback:
             pending = [t for t in self.writebacks if not t.done()]
             pending += [asyncio.ensure_future(self._prompt_written.wait())]
             await asyncio.wait(pending, timeout=min(self.remaining or 1.0,
-                                                    svc.settings.writeback_timeout_s))
+                                                    settings.writeback_timeout_s))
             pending[-1].cancel()
-        self._check()
-        self._reports.send("finished", tokens=len(output_token_ids),
-                           output_token_ids=list(output_token_ids))
-        svc.counters["finished"] += 1
-        self.state = "done"
+        self._feed(self.core.finished, output_token_ids)
         await self.release()
 
     async def fail(self, req: DecodeRequest | None, error: BaseException | None) -> None:
-        self.engine_holds_kv = False
-        self._engine_released.set()
-        for blk in list(self.blocks):
-            self.blocks.discard(blk)
-            self.svc.regions.free(blk.region)
-        if self.error is None:
-            err = error if isinstance(error, DualpathError) else InternalError(
-                f"decode engine {self.engine_id} gave up: {error!r}")
-            self.abort(with_hop(err, "engine"), report=True)
+        self._feed(self.core.engine_failed, error)
 
     # ------------------------------------------------------------------ failure / release
     def abort(self, err: DualpathError, report: bool) -> None:
         """End the attempt with ``err`` (reported when the PE cannot know it)."""
-        if self.error is not None or self.done:
-            return
-        self.error = err
-        self._failed.set()
-        if report:
-            self.svc.counters["attempts_failed"] += 1
-            log.warning("decode_attempt_failed", request_id=self.request_id,
-                        attempt=self.attempt, hop=getattr(err, "hop", None),
-                        code=err.code.value, error=err.message)
-            self._reports.send("failed", code=err.code.value, message=err.message[:500],
-                               retryable=err.retryable, hop=getattr(err, "hop", "") or "de_loader")
-        self._release_task = asyncio.get_running_loop().create_task(self.release())
+        self._feed(self.core.abort, err, report)
 
     def drop(self, reason: str) -> None:
-        if self.error is None and not self.done:
-            self.dropped_reason = reason
-            self.svc.counters["attempts_dropped"] += 1
-            self.abort(with_hop(Cancelled(f"attempt dropped: {reason}"), "scheduler"), report=False)
+        self._feed(self.core.drop, reason)
 
     def _stale(self, stage: str) -> None:
-        self.drop(f"scheduler: attempt no longer current (after {stage})")
+        self._feed(self.core.stale, stage)
 
     def _on_deadline(self) -> None:
-        if self.state not in ("done",) and not self.done:
-            self.abort(with_hop(DeadlineExceeded(
-                f"{self.request_id}#{self.attempt} passed its deadline on the DE loader "
-                f"({self.state})"), "de_loader"), report=False)
+        self._feed(self.core.deadline)
 
     async def release(self) -> None:
         """Cancel sub-tasks and receives, wait for the engine, free every page (idempotent)."""
-        if self._releasing:
+        if not self._feed(self.core.begin_release):
             return
-        self._releasing = True
         svc = self.svc
         self._timer.cancel()
-        self._failed.set()
-        if self.sending:      # a send cancelled mid-way aborts the endpoint to the PE, failing
-            await asyncio.wait(list(self.sending), timeout=2.0)    # its other transfers too
-        await cancel_and_wait(list(self.tasks) + list(self.sending))
-        while self._busy:                     # handlers notice the failure and unwind
-            await self._idle.wait()
-        await cancel_and_wait(list(self.tasks))
+        await self.sub.stop()
         for h in self.receives:
             await h.cancel()
-        if self.request is not None and svc.ports[self.engine_id].discard(self.request):
-            self.engine_holds_kv = False
-        if self.engine_holds_kv or self.blocks:
+        taken_back = self.request is not None and svc.ports[self.engine_id].discard(self.request)
+        if AwaitEngine() in self._feed(self.core.unwound, taken_back):
             try:
                 await asyncio.wait_for(self._engine_released.wait(),
                                        svc.settings.engine_release_timeout_s)
             except TimeoutError:
                 log.error("engine_did_not_release", request_id=self.request_id)
-        for blk in list(self.blocks):
-            svc.regions.free(blk.region)
-        self.blocks.clear()
-        if self.region is not None:
-            svc.regions.free(self.region)
+        self._feed(self.core.free_all)
         if svc.attempts.get(self.key) is self:
             del svc.attempts[self.key]
         await self._reports.flush(svc.settings.control_timeout_s)
-        self._released = True
+        outcome = self.core.end()
         log.info("decode_attempt_done", request_id=self.request_id, attempt=self.attempt,
-                 state=self.state, outcome="ok" if self.error is None else self.error.code.value,
+                 state=self.state, outcome=outcome,
                  ms=round((time.monotonic() - self.t_start) * 1e3, 3))
-
-
-def _transfers(layers: list[LayerSlots]) -> list[tuple[int, list[LayerSlots]]]:
-    """Consecutive entries sharing a transfer id form one transfer (protocol.PullLayers)."""
-    out: list[tuple[int, list[LayerSlots]]] = []
-    for ls in layers:
-        if out and out[-1][0] == ls.transfer_id:
-            out[-1][1].append(ls)
-        elif any(tid == ls.transfer_id for tid, _ in out):
-            raise InvalidArgument(f"PullLayers: transfer {ls.transfer_id} is not consecutive")
-        else:
-            out.append((ls.transfer_id, [ls]))
-    return out
-
-
-async def _await(task: asyncio.Task) -> None:
-    """Wait for ``task`` without cancelling it when the waiter is cancelled."""
-    await asyncio.shield(task)
-
-
-async def _all(coros) -> None:
-    """Await every coroutine concurrently; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        await cancel_and_wait([t for t in tasks if not t.done()])

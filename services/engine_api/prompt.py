@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.errors import InvalidArgument
-from common.kv import ROOT_KEY, KVSpec, chain_key, validate_keys
+from common.kv import (
+    ROOT_KEY,
+    KVSpec,
+    chain_key,
+    synthetic_key,
+    tail_key,
+    validate_keys,
+)
 
 READ_SIDES = ("pe", "de", "none")
 
@@ -72,8 +79,6 @@ def make_prompt(spec: KVSpec, *, request_id: str, attempt: int, session_id: str,
     A hit without keys (``hit_tokens`` given by a frontend that sent no keys) is shortened to
     the keys there are: that part is recomputed, never read.
     """
-    from tools.engine_sim.kv_pattern import synthetic_key, tail_key  # pure helpers
-
     bt, rid = spec.block_tokens, request_id
     if not request_id or attempt < 0:
         raise InvalidArgument(f"request {rid!r}: bad request id or attempt {attempt}")

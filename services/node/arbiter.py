@@ -22,30 +22,29 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Annotated
 
-from common.config import Section
+import msgspec
+
+from common.config import NonNegFloat, NonNegInt, PositiveInt, Section
 from common.rate import TokenBucket
 
 MiB = 1024 * 1024
+Share = Annotated[float, msgspec.Meta(gt=0, le=1)]    # a fraction in (0, 1]
 
 
 class ArbiterConfig(Section):
     """``[arbiter]``: emulated CNIC rate per node and KV's share under higher-priority load."""
 
-    enabled: bool = False                 # cap KV at kv_share while a high-priority flow runs
-    link_rate_bytes_per_s: float = 0.0    # emulated CNIC per node; 0 = unlimited (real fabric)
-    link_burst_bytes: int = 4 * MiB
-    kv_share: float = 0.05                # the paper reserves ~99% for inference traffic
-    chunk_bytes: int = 1 * MiB
-    charge_h2d: bool = True               # PE-path layer loads cross the CNIC too (§5.2)
+    enabled: bool = False                     # cap KV at kv_share while a high-priority flow runs
+    link_rate_bytes_per_s: NonNegFloat = 0.0  # emulated CNIC per node; 0 = unlimited (real fabric)
+    link_burst_bytes: NonNegInt = 4 * MiB
+    kv_share: Share = 0.05                    # the paper reserves ~99% for inference traffic
+    chunk_bytes: PositiveInt = 1 * MiB
+    charge_h2d: bool = True                   # PE-path layer loads cross the CNIC too (§5.2)
 
     def __post_init__(self) -> None:
-        if not 0 < self.kv_share <= 1:
-            raise ValueError(f"arbiter.kv_share must be in (0, 1], got {self.kv_share}")
-        if self.link_rate_bytes_per_s < 0 or self.link_burst_bytes < 0:
-            raise ValueError("arbiter.link_rate_bytes_per_s and link_burst_bytes must be >= 0")
-        if self.chunk_bytes <= 0:
-            raise ValueError("arbiter.chunk_bytes must be positive")
+        # cross-field; the per-field bounds are declared above and checked at decode
         if self.enabled and self.link_rate_bytes_per_s <= 0:
             raise ValueError("arbiter.enabled needs arbiter.link_rate_bytes_per_s (the share "
                              "is a share of the link rate)")

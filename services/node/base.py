@@ -19,7 +19,7 @@ from common.auth import load_secret
 from common.buffers import PagePool
 from common.errors import DualpathError, InvalidArgument
 from common.kv import KVSpec, spec_from_config
-from common.protocol import (EngineInfo, EngineLoad, Endpoint, FetchWorkReply, GetStats,
+from common.protocol import (Stage, EngineInfo, EngineLoad, Endpoint, FetchWorkReply, GetStats,
                              GetStatsReply, Ping, Pong, ReportProgress, Revocation)
 from common.rpc import CallContext, RpcServer
 from common.service import Service
@@ -170,7 +170,7 @@ class NodeBase(Service):
     async def _on_lease_lost(self) -> None:
         await self.drop_all("scheduler lease lost (the scheduler re-planned our work)")
 
-    async def report(self, request_id: str, attempt: int, stage: str, **kw: Any) -> bool:
+    async def report(self, request_id: str, attempt: int, stage: Stage, **kw: Any) -> bool:
         """Report a stage; False when the scheduler says the attempt is no longer current."""
         self.counters[f"reported_{stage}"] += 1
         if self.session is None:

@@ -6,11 +6,7 @@ scheduler's re-plan and the request record can say where a request failed.
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 from common.errors import Cancelled, DualpathError, PeerFailed
-from services.node.reports import cancel_and_wait
 
 
 def with_hop(err: DualpathError, hop: str) -> DualpathError:
@@ -34,16 +30,3 @@ def copy_error(err: DualpathError) -> DualpathError:
     out = type(err)(err.message, retry_after_s=err.retry_after_s)
     out.hop = getattr(err, "hop", None)
     return out
-
-
-async def both(a, b) -> tuple[Any, Any]:
-    """Run two coroutines concurrently; the first failure cancels the other and is raised."""
-    ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
-    try:
-        await asyncio.wait({ta, tb}, return_when=asyncio.FIRST_EXCEPTION)
-        for t in (ta, tb):
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()
-        return await ta, await tb
-    finally:
-        await cancel_and_wait([t for t in (ta, tb) if not t.done()])

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from common.protocol import Stage
+
 if TYPE_CHECKING:
     from services.node.base import NodeBase
 
@@ -40,10 +42,11 @@ class OrderedReports:
 
     def __init__(self, svc: NodeBase, request_id: str, attempt: int, on_stale) -> None:
         self._svc, self._rid, self._attempt, self._on_stale = svc, request_id, attempt, on_stale
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # bounded: an attempt reports each of the 7 stages at most once
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=16)
         self._task: asyncio.Task | None = None
 
-    def send(self, stage: str, **kw: Any) -> None:
+    def send(self, stage: Stage, **kw: Any) -> None:
         self._queue.put_nowait((stage, kw))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -66,3 +69,18 @@ class OrderedReports:
         except TimeoutError:
             log.warning("reports_not_delivered", request_id=self._rid, attempt=self._attempt)
         await cancel_and_wait([self._task])
+
+
+async def both(a: Any, b: Any) -> tuple[Any, Any]:
+    """Run two coroutines concurrently; the first failure cancels the other and is raised."""
+    ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
+    try:
+        await asyncio.wait({ta, tb}, return_when=asyncio.FIRST_EXCEPTION)
+        for t in (ta, tb):
+            exc = t.exception() if t.done() and not t.cancelled() else None
+            if exc is not None:
+                raise exc
+        return await ta, await tb
+    finally:
+        await cancel_and_wait([t for t in (ta, tb) if not t.done()])
+

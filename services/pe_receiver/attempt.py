@@ -1,4 +1,4 @@
-"""One request attempt on a PE receiver: PE buffer, hit load, layer feed, forwarding, cleanup.
+"""One request attempt on a PE receiver: the asyncio shell around its transfer core.
 
 Sequence (docs/datapath.md):
 
@@ -10,9 +10,13 @@ Sequence (docs/datapath.md):
    of the engine (receives posted first, then ``PullLayers``); the first reply gives the usable
    hit → report ``read_done`` and hand the request to its engine;
 4. the engine awaits layer ``l`` (a view), writes the new tokens' KV into ``output(l)`` and puts
-   the layer; a sender task forwards it: ``[l, 0:prompt]`` (PE/none path) or
-   ``[l, hit:prompt]`` (DE path) — one message per layer;
+   the layer; it is forwarded: ``[l, 0:prompt]`` (PE/none path) or ``[l, hit:prompt]`` (DE
+   path) — one message per layer;
 5. when the engine finishes: all layers sent → ``PrefillDone`` → report ``prefill_done``.
+
+What may happen when — look-ahead, back-pressure, hit shortening, what to free — is decided by
+:class:`~services.pe_receiver.transfer.PrefillTransfer`; this shell feeds it events and runs
+the actions it returns (tasks, UCX receives and sends, gateway reads, reports).
 
 Any failure (peer death, deadline, bad reply, engine) fails the attempt with a typed error
 naming the hop; revocations drop it silently. Either way every task touching the region is
@@ -29,16 +33,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InternalError,
-                           InvalidArgument, PeerFailed, ProtocolError, Unavailable)
+from common.errors import DualpathError, InternalError
 from common.faults import failpoint
-from common.protocol import (AbortDecode, LayerSlots, PrefillDone, PrepareDecode,
-                             PrepareDecodeReply, PullLayers, PullLayersReply, RequestPlan)
+from common.protocol import (AbortDecode, LayerSlots, PrefillDone, PullLayers,
+                             PullLayersReply, RequestPlan)
 from services.engine_api.prefill import PrefillHandle
 from services.engine_api.prompt import PromptInfo
+from services.node.errors import peer_error as _peer_error, with_hop
+from services.node.reports import OrderedReports, both as _both, cancel_and_wait
 
-from services.node.errors import both as _both, copy_error as _copy, peer_error as _peer_error, with_hop
-from services.node.reports import OrderedReports, cancel_and_wait
+from .transfer import (Abort, AbortDE, Action, AwaitEngineRelease, Count, FreePages, HandOff,
+                       LoadLayer, Log, Lookahead, MarkReady, PostPull, PrefillTransfer, Report,
+                       SendLayer)
 
 if TYPE_CHECKING:
     from .service import PEReceiverService
@@ -55,28 +61,22 @@ class PrefillAttempt:
         self.engine_id = plan.pe_engine
         self.key = (info.request_id, info.attempt)
         self.deadline_at = deadline_at
-        self.spec = svc.spec
-        layers = self.spec.num_layers
-        self.hit_tokens = info.hit_tokens       # usable hit; final once the read is done
+        self.de_ucx = (plan.de_loader.ucx_host, plan.de_loader.ucx_port)
+        self.spec = spec = svc.spec
+        s = svc.settings
+        self.core = PrefillTransfer(
+            info, spec.num_layers, spec.kv_bytes_per_token_per_layer,
+            Lookahead(s.lookahead_layers, s.layers_per_pull, s.pulls_in_flight,
+                      s.max_unsent_layers), engine_id=plan.pe_engine)
         self.region = None
-        self.phase = "pe_receiver"
-        self.error: DualpathError | None = None
-        self.dropped_reason: str | None = None
-        self.ready = [asyncio.Event() for _ in range(layers)]
-        self.fwd: list[LayerSlots | None] = [None] * layers
-        self.fwd_known = [asyncio.Event() for _ in range(layers)]
-        self.put_done = [asyncio.Event() for _ in range(layers)]
-        self.put = self.sent = self.consumed = 0
-        self._pulls = 0                          # PullLayers calls in flight
-        self.first_token_id: int | None = None
+        self.ready = [asyncio.Event() for _ in range(spec.num_layers)]
         self.tasks: set[asyncio.Task] = set()
         self.receives: list[Any] = []
         self._sender: asyncio.Task | None = None
         self.handle: PrefillHandle | None = None
-        self.engine_holds = False
         self._failed = asyncio.Event()
-        self._pulse = asyncio.Event()           # engine consumed / a layer was sent
-        self._hit_known = asyncio.Event()
+        self._pulse = asyncio.Event()           # the core's state moved (sent, failed …)
+        self._post_lock = asyncio.Lock()        # pulls post their receives in order
         self._engine_released = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._engine_done = loop.create_future()
@@ -85,15 +85,32 @@ class PrefillAttempt:
         self._releasing = False
         self._reports = OrderedReports(svc, info.request_id, info.attempt, self._stale)
         self.t_start = time.monotonic()
-        self.t_pull_start: float | None = None
-        self.layer_arrival: list[float | None] = [None] * layers
-        self.layer_requested: list[float | None] = [None] * layers
+        self._actions = {Report: lambda act: self._reports.send(act.stage, **act.fields),
+                         Log: lambda act: getattr(log, act.level)(act.event, **act.fields),
+                         Count: self._count,
+                         MarkReady: self._mark_ready, HandOff: self._hand_off,
+                         LoadLayer: lambda act: self._spawn(self._load(act)),
+                         PostPull: lambda act: self._spawn(self._pull(act)),
+                         SendLayer: self._start_send, Abort: self._on_abort}
+        self._release_steps = {AwaitEngineRelease: self._await_engine_release,
+                               AbortDE: self._abort_de, FreePages: self._free_pages}
 
     # ------------------------------------------------------------------ properties
     @property
-    def de_ucx(self) -> tuple[str, int]:
-        ep = self.plan.de_loader
-        return (ep.ucx_host, ep.ucx_port)
+    def hit_tokens(self) -> int:
+        return self.core.hit_tokens
+
+    @property
+    def t_pull_start(self) -> float | None:
+        return self.core.t_pull_start
+
+    @property
+    def layer_requested(self) -> list[float | None]:
+        return self.core.layer_requested
+
+    @property
+    def layer_arrival(self) -> list[float | None]:
+        return self.core.layer_arrival
 
     @property
     def remaining(self) -> float:
@@ -104,127 +121,95 @@ class PrefillAttempt:
         return self._complete.done()
 
     def dropped(self) -> bool:
-        return self.error is not None
+        return self.core.error is not None
 
     # ------------------------------------------------------------------ main task
     async def run(self) -> None:
         self._run_task = asyncio.current_task()
         try:
             async with asyncio.timeout_at(self.deadline_at):
-                self._raise_if_failed()           # dropped before the task started
+                self.core.start()                 # raises if dropped before the task started
                 await self._setup()
-                self.phase = "engine"
                 await self._engine_done
                 await self._complete_forward()
             self._complete.set_result(None)
-            self.svc.counters["attempts_ok"] += 1
+            self._do(self.core.finished_ok())
         except BaseException as e:  # noqa: BLE001 — every outcome ends in _release
-            err = self.error or self._classify(e)
-            self._set_error(err)
-            self._complete.set_exception(err)
+            self._do(self._classify(e))
+            self._complete.set_exception(self.core.error)
             self._complete.exception()          # retrieved (the engine may not wait)
-            if self.dropped_reason is None:
-                self.svc.counters["attempts_failed"] += 1
-                log.warning("prefill_attempt_failed", request_id=self.info.request_id,
-                            attempt=self.info.attempt, hop=err.hop, code=err.code.value,
-                            error=err.message)
-                self._report("failed", code=err.code.value, message=err.message[:500],
-                             retryable=err.retryable, hop=err.hop)
-            else:
-                self.svc.counters["attempts_dropped"] += 1
+            self._do(self.core.finished_failed())
         finally:
             await self._release()
 
-    def _classify(self, e: BaseException) -> DualpathError:
+    def _classify(self, e: BaseException) -> list[Action]:
+        core = self.core
+        if core.error is not None:
+            return []
         if isinstance(e, DualpathError):
-            return with_hop(e, self.phase)
+            return core.failed(e, core.phase)
         if isinstance(e, TimeoutError):
-            return with_hop(DeadlineExceeded(
-                f"request {self.info.request_id} attempt {self.info.attempt}: deadline passed "
-                f"during {self.phase}"), self.phase)
+            return core.deadline()
         if isinstance(e, asyncio.CancelledError):
-            self.dropped_reason = self.dropped_reason or "cancelled"
-            return with_hop(Cancelled("attempt cancelled (service stopping)"), "pe_receiver")
+            return core.cancelled()
         log.error("prefill_attempt_bug", request_id=self.info.request_id, exc_info=e)
-        return with_hop(InternalError(f"PE receiver failed: {type(e).__name__}: {e}"),
-                        "pe_receiver")
-
-    def _set_error(self, err: DualpathError) -> None:
-        if self.error is None:
-            self.error = err
-        self._failed.set()
-        self._pulse.set()
+        return core.failed(InternalError(f"PE receiver failed: {type(e).__name__}: {e}"),
+                           "pe_receiver")
 
     def abort(self, err: DualpathError) -> None:
         """A helper task failed: fail the attempt (its main task handles the rest)."""
-        if self.error is not None:
-            return
-        self._set_error(err)
-        if (self._run_task is not None and not self._releasing
-                and self._run_task is not asyncio.current_task()):
-            self._run_task.cancel()
+        self._do(self.core.failed(err))
 
     def drop(self, reason: str) -> None:
         """Revoked (or the service stops): end without reporting."""
-        if self.error is not None:
-            return
-        self.dropped_reason = reason
-        self.abort(with_hop(Cancelled(f"attempt dropped: {reason}"), "scheduler"))
+        self._do(self.core.dropped(reason))
+
+    # ------------------------------------------------------------------ actions
+    def _do(self, actions: list[Action]) -> None:
+        """Run the core's actions in order; waiters re-check the core afterwards."""
+        for act in actions:
+            self._actions[type(act)](act)
+        self._pulse.set()
+
+    def _count(self, act: Count) -> None:
+        self.svc.counters[act.counter] += 1
+
+    def _mark_ready(self, act: MarkReady) -> None:
+        for layer in act.layers:
+            self.ready[layer].set()
+
+    def _hand_off(self, act: HandOff) -> None:
+        self.handle = PrefillHandle(self)
+        self.svc.ports[self.engine_id].put(self.handle)
+
+    def _on_abort(self, act: Abort) -> None:
+        self._failed.set()
+        task = self._run_task
+        if task is not None and not self._releasing and task is not asyncio.current_task():
+            task.cancel()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ setup
     async def _setup(self) -> None:
-        svc, info, spec = self.svc, self.info, self.spec
-        self.phase = "pe_buffer"
+        svc, info, core, p = self.svc, self.info, self.core, self.plan
         self.region = await svc.regions.allocate(
-            spec, info.prompt_tokens, f"{info.request_id}#{info.attempt}",
+            self.spec, info.prompt_tokens, f"{info.request_id}#{info.attempt}",
             min(self.remaining, svc.settings.alloc_timeout_s))
-        self._report("allocated")
-        self.phase = "de_loader"
-        dp = svc.data_path(self.plan)
-        prepare = self._prepare_msg()
+        self._do(core.allocated())
+        dp = svc.data_path(p)
+        prepare = core.prepare_sent(p.de_engine, p.pe_node, svc.ucx_address, p.read_gateway,
+                                    self.remaining)
         if info.read_side == "pe":
-            self.phase = "gateway"
-            prep, hit = await _both(self._call(dp, prepare), self._read_pe())
-            self.hit_tokens = hit
+            prep, _ = await _both(self._call(dp, prepare), self._read_pe())
         else:
             prep = await self._call(dp, prepare)
-        self._check_prepare(prep)
-        if info.read_side == "de":
-            self.phase = "de_loader"
-            self._spawn(self._pull(dp))
-            await self._wait(self._hit_known)
-        else:
-            if info.read_side == "none":
-                self.hit_tokens = 0
-            for i, ls in enumerate(prep.forward):
-                self.fwd[i] = ls
-                self.fwd_known[i].set()
-            self._spawn(self._load())
-        self._report("read_done")
-        self.handle = PrefillHandle(self)
-        self.engine_holds = True
-        self.svc.ports[self.engine_id].put(self.handle)
-        self._sender = self._spawn(self._send_layers())
-
-    def _prepare_msg(self) -> PrepareDecode:
-        p, info = self.plan, self.info
-        host, port = self.svc.ucx_address
-        return PrepareDecode(
-            info.request_id, info.attempt, info.session_id, p.de_engine, p.pe_node,
-            info.read_side, info.prompt_tokens, info.hit_tokens, info.gen_tokens,
-            list(info.keys[:info.hit_blocks]), list(info.keys[info.hit_blocks:]), host, port,
-            list(info.tail_token_ids) if info.tail_token_ids is not None else None,
-            p.read_gateway if info.read_side == "de" else None, self.remaining)
-
-    def _check_prepare(self, prep: PrepareDecodeReply) -> None:
-        want = [] if self.info.read_side == "de" else list(range(self.spec.num_layers))
-        row = self.info.prompt_tokens * self.spec.kv_bytes_per_token_per_layer
-        if [ls.layer for ls in prep.forward] != want or any(
-                sum(n for _, n in ls.slots) != row for ls in prep.forward):
-            raise with_hop(ProtocolError(
-                f"DE loader answered PrepareDecode with forward slots for layers "
-                f"{[ls.layer for ls in prep.forward][:8]}..., expected {len(want)} layers of "
-                f"{row} B"), "de_loader")
+        pace = svc.arbiter.active and svc.cfg.arbiter.charge_h2d
+        self._do(core.prepare_replied(prep.forward, pace_loads=pace, now=time.monotonic()))
 
     async def _call(self, dp, msg) -> Any:
         """One data-path call; PullLayers/PrefillDone wait for data, so they get the deadline."""
@@ -236,16 +221,20 @@ class PrefillAttempt:
         except DualpathError as e:
             raise with_hop(e, "de_loader") from None
 
-    # ------------------------------------------------------------------ PE path: read
-    async def _read_pe(self) -> int:
+    # ------------------------------------------------------------------ PE path: read, load
+    async def _read_pe(self) -> None:
+        self._do(self.core.pe_read_done(await self._read_blocks()))
+
+    async def _read_blocks(self) -> int | None:
+        """The gateway's prefix of the hit blocks, read into the region (None: no read)."""
         info = self.info
         if info.hit_tokens == 0:
-            return 0
+            return None
         client = self.svc.gateway(self.plan.read_gateway)
         if client is None:
             log.warning("no_gateway_for_read", request_id=info.request_id,
                         read_node=self.plan.read_node)
-            return 0
+            return None
         n = info.hit_blocks
         dests = [self.region.block_dest(j) for j in range(n)]
         try:
@@ -255,204 +244,117 @@ class PrefillAttempt:
                                               layer_major=True)
         except DualpathError as e:
             raise with_hop(e, "gateway") from None
-        if reply.prefix_blocks < n:
-            self.svc.counters["hit_shortened"] += 1
-            log.info("hit_shortened", request_id=info.request_id, planned_blocks=n,
-                     found_blocks=reply.prefix_blocks, side="pe")
-        return min(info.hit_tokens, reply.prefix_blocks * info.block_tokens)
+        return reply.prefix_blocks
 
-    async def _load(self) -> None:
-        """Mark layers loaded; with an emulated CNIC each H2D layer load is paced (§5.2)."""
-        arb, nbytes = self.svc.arbiter, self.hit_tokens * self.spec.kv_bytes_per_token_per_layer
-        if not (nbytes and arb.active and self.svc.cfg.arbiter.charge_h2d):
-            for ev in self.ready:
-                ev.set()
-            return
-        k = self.svc.settings.lookahead_layers
-        for layer in range(self.spec.num_layers):
-            while layer >= self.consumed + k:
-                await self._wait_pulse()
-            await arb.kv(nbytes)
-            self.ready[layer].set()
+    async def _load(self, act: LoadLayer) -> None:
+        """With an emulated CNIC each H2D layer load is paced (§5.2)."""
+        await self.svc.arbiter.kv(act.nbytes)
+        self._do(self.core.layer_loaded(act.layer))
 
     # ------------------------------------------------------------------ DE path: pull
-    async def _pull(self, dp) -> None:
-        """Keep ``lookahead_layers`` pulled ahead of the engine, ``layers_per_pull`` per call."""
-        s, L = self.svc.settings, self.spec.num_layers
-        k, per, nxt = s.lookahead_layers, s.layers_per_pull, 0
-        self.t_pull_start = time.monotonic()
+    async def _pull(self, act: PostPull) -> None:
         try:
-            while nxt < L:
-                # Bounded in flight too: concurrent transfers interleave on the wire, so
-                # fewer of them at once make layers arrive in the order the engine needs.
-                while nxt >= self.consumed + k or self._pulls >= s.pulls_in_flight:
-                    await self._wait_pulse()
-                # Calls ramp up 1, 1, 2, 4, ... layers: the first reply (the usable hit) hands
-                # the request to the engine, and the next layers should follow it closely.
-                end = min(L, nxt + min(per, max(1, nxt)), self.consumed + k)
-                slots, handle = await self._post_pull(range(nxt, end))
-                first, nxt = nxt == 0, end
-                self._spawn(self._pull_call(dp, slots, handle))
-                if first:       # layer 0 alone on the wire: the engine starts on it sooner
-                    await self._wait(self._hit_known)
+            async with self._post_lock:
+                slots, handle = await self._post_pull(act)
         except DualpathError as e:
             self.abort(with_hop(e, "de_loader"))
+            return
+        await self._pull_call(slots, handle)
 
-    async def _post_pull(self, layers) -> tuple[list[LayerSlots], Any]:
+    async def _post_pull(self, act: PostPull) -> tuple[list[LayerSlots], Any]:
         """One receive for the layers of one call (one transfer: fewer tasks per layer)."""
-        t, region, hit = self.svc.transport, self.region, self.info.hit_tokens
+        t, region = self.svc.transport, self.region
         tid = t.new_transfer_id()
-        slots = [LayerSlots(layer, tid, [region.slot(layer, 0, hit)]) for layer in layers]
+        slots = [LayerSlots(layer, tid, [region.slot(layer, 0, act.hit_tokens)])
+                 for layer in act.layers]
         h = await t.expect(self.de_ucx, tid, region.arena, [ls.slots[0] for ls in slots],
                            self.remaining)
         self.receives.append(h)
-        now = time.monotonic()
-        for layer in layers:
-            self.layer_requested[layer] = now
+        self.core.pull_posted(act.layers, time.monotonic())
         return slots, h
 
-    async def _pull_call(self, dp, slots: list[LayerSlots], handle: Any) -> None:
-        self._pulls += 1
+    async def _pull_call(self, slots: list[LayerSlots], handle: Any) -> None:
         # Watched from the start: a receive that fails while the call is out (the link to the
         # DE aborted) fails the attempt now, not when the DE's reply comes back — its send
         # into a receive that is gone would only end at the deadline (chaos tests).
         arrived = asyncio.ensure_future(handle.wait())
         arrived.add_done_callback(self._receive_failed)
+        layers = [ls.layer for ls in slots]
         try:
             reply: PullLayersReply = await self._call(
-                dp, PullLayers(self.info.request_id, self.info.attempt, slots))
-            self._apply_pull_reply(reply, [ls.layer for ls in slots])
+                self.svc.data_path(self.plan),
+                PullLayers(self.info.request_id, self.info.attempt, slots))
             failpoint("pe.pull.recv")
+            self._do(self.core.pull_replied(layers, reply.hit_tokens, reply.returns))
             await arrived
-            now = time.monotonic()
-            for ls in slots:
-                self.layer_arrival[ls.layer] = now
-                self.ready[ls.layer].set()
+            self._do(self.core.layers_received(layers, time.monotonic()))
         except DualpathError as e:
             self.abort(with_hop(_peer_error(e), "de_loader"))
-        finally:
-            self._pulls -= 1
-            self._pulse.set()
 
     def _receive_failed(self, t: asyncio.Future) -> None:
         if not t.cancelled() and isinstance(t.exception(), DualpathError):
             self.abort(with_hop(_peer_error(t.exception()), "de_loader"))
 
-    def _apply_pull_reply(self, reply: PullLayersReply, layers: list[int]) -> None:
-        bt, hit, b = self.info.block_tokens, reply.hit_tokens, self.spec.kv_bytes_per_token_per_layer
-        if not 0 <= hit <= self.info.hit_tokens or hit % bt:
-            raise ProtocolError(f"DE loader reported hit {hit} for a planned hit of "
-                                f"{self.info.hit_tokens}")
-        if self._hit_known.is_set() and hit != self.hit_tokens:
-            raise ProtocolError(f"DE loader changed the hit from {self.hit_tokens} to {hit}")
-        row = (self.info.prompt_tokens - hit) * b
-        if [r.layer for r in reply.returns] != layers or any(
-                sum(n for _, n in r.slots) != row for r in reply.returns):
-            raise ProtocolError(f"DE loader's return slots do not match layers {layers}")
-        if not self._hit_known.is_set():
-            if hit < self.info.hit_tokens:
-                self.svc.counters["hit_shortened"] += 1
-                log.info("hit_shortened", request_id=self.info.request_id,
-                         planned=self.info.hit_tokens, hit=hit, side="de")
-            self.hit_tokens = hit
-            self._hit_known.set()
-        for r in reply.returns:
-            self.fwd[r.layer] = r
-            self.fwd_known[r.layer].set()
-
     # ------------------------------------------------------------------ forwarding
-    async def _send_layers(self) -> None:
-        t, arb = self.svc.transport, self.svc.arbiter
-        first = self.hit_tokens if self.info.read_side == "de" else 0
+    def _start_send(self, act: SendLayer) -> None:
+        self._sender = self._spawn(self._send(act))
+
+    async def _send(self, act: SendLayer) -> None:
+        t, ls = self.svc.transport, act.slots
         try:
-            for layer in range(self.spec.num_layers):
-                await self._wait(self.put_done[layer])
-                await self._wait(self.fwd_known[layer])
-                ls = self.fwd[layer]
-                view = self.region.flat(layer, first, self.info.prompt_tokens)
-                await arb.kv(view.nbytes)
-                self._raise_if_failed()
-                failpoint("pe.handoff.send")
-                await t.send(self.de_ucx, ls.transfer_id, [view], ls.slots, self.remaining)
-                self.sent = layer + 1
-                self._pulse.set()
+            view = self.region.flat(act.layer, act.first_token, act.last_token)
+            await self.svc.arbiter.kv(view.nbytes)
+            self.core.raise_if_failed()
+            failpoint("pe.handoff.send")
+            await t.send(self.de_ucx, ls.transfer_id, [view], ls.slots, self.remaining)
+            self._do(self.core.layer_sent(act.layer))
         except DualpathError as e:
             self.abort(with_hop(e, "de_loader"))
 
     async def _complete_forward(self) -> None:
-        self.phase = "de_loader"
-        while self.sent < self.spec.num_layers:
+        while not self.core.all_sent:
             await self._wait_pulse()
         dp = self.svc.data_path(self.plan)
         await self._call(dp, PrefillDone(self.info.request_id, self.info.attempt,
-                                         self.hit_tokens, self.first_token_id))
-        self._report("prefill_done")
+                                         self.core.hit_tokens, self.core.first_token_id))
+        self._do(self.core.prefill_done_acked())
 
     # ------------------------------------------------------------------ engine side
     async def wait_layer(self, layer: int) -> np.ndarray:
-        self._check_layer(layer)
-        if layer + 1 > self.consumed:
-            self.consumed = layer + 1
-            self._pulse.set()
+        self._do(self.core.engine_wants(layer))
         await self._wait(self.ready[layer])
-        return self.region.layer(layer, 0, self.hit_tokens)
+        return self.region.layer(layer, 0, self.core.hit_tokens)
 
     def output_view(self, layer: int) -> np.ndarray:
-        self._check_layer(layer)
-        self._raise_if_failed()
-        if not self.ready[layer].is_set():    # its load may still overwrite part of it
-            raise InvalidArgument(f"output({layer}) before its hit KV was loaded: await "
-                                  f"layer({layer}) first")
-        return self.region.layer(layer, self.hit_tokens, self.info.prompt_tokens)
+        first, last = self.core.output_range(layer)
+        return self.region.layer(layer, first, last)
 
     def region_layer(self, layer: int) -> np.ndarray:
-        self._check_layer(layer)
-        self._raise_if_failed()
+        self.core.check_layer(layer)
+        self.core.raise_if_failed()
         return self.region.layer(layer)
 
     async def put_layer(self, layer: int) -> None:
-        self._raise_if_failed()
-        if layer != self.put:
-            raise InvalidArgument(f"put_layer({layer}): layers are put in order, next is "
-                                  f"{self.put}")
-        self.put += 1
-        self.put_done[layer].set()
-        while self.put - self.sent > self.svc.settings.max_unsent_layers:
+        self._do(self.core.engine_put(layer))
+        while self.core.put_blocked:
             await self._wait_pulse()
 
     async def finish(self, first_token_id: int | None) -> None:
-        self.engine_holds = False
         self._engine_released.set()
-        if self.put != self.spec.num_layers and self.error is None:
-            self.abort(with_hop(InvalidArgument(
-                f"engine finished after putting {self.put} of {self.spec.num_layers} layers"),
-                "engine"))
-        self.first_token_id = first_token_id
+        self._do(self.core.engine_finished(first_token_id))
         if not self._engine_done.done():
             self._engine_done.set_result(None)
         await asyncio.shield(self._complete)
 
     async def fail(self, error: BaseException | None) -> None:
-        self.engine_holds = False
         self._engine_released.set()
-        if self.error is None:
-            err = error if isinstance(error, DualpathError) else InternalError(
-                f"prefill engine {self.engine_id} gave up: {error!r}")
-            self.abort(with_hop(err, "engine"))
-
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.spec.num_layers:
-            raise InvalidArgument(f"layer {layer} out of range [0, {self.spec.num_layers})")
-
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise _copy(self.error)
+        self._do(self.core.engine_failed(error))
 
     # ------------------------------------------------------------------ waiting helpers
     async def _wait(self, event: asyncio.Event) -> None:
         """Wait for ``event``; raise the attempt's error if it fails first."""
         if not event.is_set():
-            if self.error is None:
+            if self.core.error is None:
                 waits = {asyncio.ensure_future(event.wait()),
                          asyncio.ensure_future(self._failed.wait())}
                 try:
@@ -461,24 +363,14 @@ class PrefillAttempt:
                     for w in waits:
                         w.cancel()
         if not event.is_set():
-            self._raise_if_failed()
+            self.core.raise_if_failed()
 
     async def _wait_pulse(self) -> None:
-        self._raise_if_failed()
+        self.core.raise_if_failed()
         pulse = self._pulse
         pulse.clear()
         await pulse.wait()
-        self._raise_if_failed()
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
-
-    # ------------------------------------------------------------------ reports
-    def _report(self, stage: str, **kw: Any) -> None:
-        self._reports.send(stage, **kw)
+        self.core.raise_if_failed()
 
     def _stale(self, stage: str) -> None:
         self.drop(f"scheduler: attempt no longer current (after {stage})")
@@ -495,35 +387,34 @@ class PrefillAttempt:
         for h in self.receives:
             await h.cancel()
         if self.handle is not None and svc.ports[self.engine_id].discard(self.handle):
-            self.engine_holds = False
-        if self.engine_holds:
-            try:
-                await asyncio.wait_for(self._engine_released.wait(),
-                                       svc.settings.engine_release_timeout_s)
-            except TimeoutError:
-                log.error("engine_did_not_release", request_id=self.info.request_id,
-                          engine=self.engine_id)
-        if self.error is not None and self.dropped_reason is None and self.region is not None:
-            await self._abort_de()
-        if self.region is not None:
-            svc.regions.free(self.region)
+            self.core.engine_discarded()
+        for act in self.core.release():
+            await self._release_steps[type(act)](act)
         if svc.attempts.get(self.key) is self:
             del svc.attempts[self.key]
         await self._reports.flush(svc.settings.control_timeout_s)
         log.info("prefill_attempt_done", request_id=self.info.request_id,
                  attempt=self.info.attempt, read_side=self.info.read_side,
-                 hit=self.hit_tokens, prompt=self.info.prompt_tokens,
-                 outcome="ok" if self.error is None else self.error.code.value,
+                 hit=self.core.hit_tokens, prompt=self.info.prompt_tokens,
+                 outcome="ok" if self.core.error is None else self.core.error.code.value,
                  ms=round((time.monotonic() - self.t_start) * 1e3, 3))
 
-    async def _abort_de(self) -> None:
+    async def _await_engine_release(self, act: AwaitEngineRelease) -> None:
+        try:
+            await asyncio.wait_for(self._engine_released.wait(),
+                                   self.svc.settings.engine_release_timeout_s)
+        except TimeoutError:
+            log.error("engine_did_not_release", request_id=self.info.request_id,
+                      engine=self.engine_id)
+
+    async def _abort_de(self, act: AbortDE) -> None:
         """Tell the DE loader to drop its side now (it would at its deadline / revocation)."""
-        err = self.error
-        if getattr(err, "hop", "") == "de_loader" and isinstance(err, (PeerFailed, Unavailable)):
-            return
         try:
             dp = self.svc.data_path(self.plan)
-            await dp.call(AbortDecode(self.info.request_id, self.info.attempt, err.message[:300]),
+            await dp.call(AbortDecode(self.info.request_id, self.info.attempt, act.reason),
                           timeout=1.0)
         except DualpathError:
             pass
+
+    async def _free_pages(self, act: FreePages) -> None:
+        self.svc.regions.free(self.region)

@@ -1,7 +1,12 @@
-"""The central scheduler's pure policy core (paper §6; digest §5) and its intra-engine batcher.
+"""The central scheduler (paper §6; digest §5): a pure policy core, its intra-engine batcher,
+and the live service that runs them behind one RPC port.
 
-Sans-I/O: nothing here imports asyncio or ucxx, reads a clock or touches the network, so the live
-service, the tests and the discrete-event simulator run exactly the same decisions.
+Sans-I/O core — what this package exports. ``core``, ``policy``, ``state``, ``records``,
+``config``, ``batching`` and ``cost_model`` (with the service's pure helpers ``dispatch``,
+``leases``, ``modes`` and ``service_config``) import neither asyncio nor ucxx, read no clock
+and touch no network, so the live service, the tests and the discrete-event simulator run
+exactly the same decisions (``core``, ``policy``, ``state`` and ``batching`` are compiled with
+mypyc for the simulator: ``sim.accel``). Importing ``services.scheduler`` pulls in no asyncio.
 
 * ``core.Scheduler`` — inter-engine placement: DE two-phase placement, PE Algorithm 1, read side;
   the request flow and how a service or a simulator drives it are in ``core``'s docstring.
@@ -9,6 +14,12 @@ service, the tests and the discrete-event simulator run exactly the same decisio
 * ``config.SchedulerConfig`` — α, β, Z factor and the ablation switches.
 * ``batching.PrefillBatcher`` — FIFO forward batches under a 300 ms attention quota with
   binary-searched chunked prefill; ``cost_model`` — FLOPs → seconds per model preset.
+
+Service (asyncio), imported by name only: ``service.SchedulerService`` (the shell; its node
+channel handlers in ``node_channel``, per-request state in ``request_state``, held fetches in
+``longpoll``, hit lookups in ``hit_lookup``); ``client`` (frontends) and ``node_client`` (node services) are the client
+modules other packages talk to it through; ``stub_nodes`` are stand-in group leaders for tests
+and tools.
 """
 
 from .batching import BatchItem, ForwardBatch, PrefillBatcher, max_chunk, plan_batch

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from common.config import Section
+from common.config import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Section
 from common.kv import PRESETS as KV_PRESETS
 
 from .cost_model import PrefillLoad, cost_model
@@ -43,49 +43,41 @@ Policy = Literal["basic", "dpl", "dualpath"]
 Placement = Literal["auto", "balanced", "round_robin"]
 
 
-class SchedulerConfig(Section):
+class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's dataclass_transform
     """Placement policy constants; ``[scheduler]`` in a config file."""
 
     policy: Policy = "dualpath"
     oracle: bool = False
     placement: Placement = "auto"
-    model: str = "deepseek-v3.2"          # KV + cost-model preset α and β are derived from
-    snic_bytes_per_s: float = 50e9        # one 400 Gbps storage NIC per node (paper §6.1)
-    alpha_s: float = 3.0
-    beta_s: float = 5.0
-    alpha_tokens: int | None = None       # overrides the derived α
-    beta_tokens: int | None = None        # overrides the derived β
-    pe_tokens_per_s: float | None = None  # profiled prompt tokens/s of one PE (None: cost model)
-    ref_context_tokens: int = 32_721
-    ref_append_tokens: int = 429
+    model: str = "deepseek-v3.2"            # KV + cost-model preset α and β are derived from
+    snic_bytes_per_s: PositiveFloat = 50e9  # one 400 Gbps storage NIC per node (paper §6.1)
+    alpha_s: PositiveFloat = 3.0
+    beta_s: PositiveFloat = 5.0
+    alpha_tokens: NonNegInt | None = None   # overrides the derived α
+    beta_tokens: NonNegInt | None = None    # overrides the derived β
+    pe_tokens_per_s: float | None = None    # profiled prompt tokens/s of one PE (None: cost model)
+    ref_context_tokens: NonNegInt = 32_721
+    ref_append_tokens: PositiveInt = 429
     # tok_e/β unit: "cost" = prefill-cost-weighted tokens of the reference shape
     # (cost_model.PrefillLoad: a cold token counts what it costs), "tokens" = raw prompt tokens
     pe_load: Literal["cost", "tokens"] = "cost"
     # read side (policy.read_side): how far, in seconds of SNIC reading, a node that has been
     # sent less than the cluster's mean may catch up in one go
-    read_credit_s: float = 1.0
+    read_credit_s: NonNegFloat = 1.0
     # PE fair share (policy.pe_share_limit): at a fetch a PE takes work only while its tok_e is at
     # most pe_share × the cluster's mean PE load with the PE queue placed; 0 = β alone (paper)
     pe_share: float = 1.0
-    z_factor: float = 1.05
-    max_replans: int = 3
+    z_factor: PositiveFloat = 1.05
+    max_replans: NonNegInt = 3
 
     def __post_init__(self) -> None:
-        # ValueError: build_config turns it into a ConfigError naming the section.
+        # What a declared bound cannot say (the preset table, "0 or >= 1"); ValueError:
+        # build_config turns it into a ConfigError naming the section.
         if self.model not in KV_PRESETS:
             raise ValueError(f"unknown scheduler model {self.model!r}; known: {sorted(KV_PRESETS)}")
-        for name in ("snic_bytes_per_s", "alpha_s", "beta_s", "z_factor", "ref_append_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
-        if self.read_credit_s < 0:
-            raise ValueError(f"scheduler.read_credit_s must be >= 0, got {self.read_credit_s}")
         if self.pe_share != 0 and self.pe_share < 1:
             # below 1 no PE may be under the limit: work would wait for the queue to raise it
             raise ValueError(f"scheduler.pe_share must be 0 (off) or >= 1, got {self.pe_share}")
-        for name in ("alpha_tokens", "beta_tokens", "max_replans", "ref_context_tokens"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"scheduler.{name} must be >= 0, got {v}")
 
     def resolved_alpha(self) -> int:
         """α in tokens: what one node's SNIC reads in ``alpha_s`` seconds."""
@@ -126,7 +118,9 @@ class SchedulerConfig(Section):
     def read_side_mode(self) -> Literal["none", "pe", "alternate", "shorter_queue"]:
         if self.oracle:
             return "none"
-        return {"basic": "pe", "dpl": "alternate", "dualpath": "shorter_queue"}[self.policy]
+        sides: dict[Policy, Literal["pe", "alternate", "shorter_queue"]] = {
+            "basic": "pe", "dpl": "alternate", "dualpath": "shorter_queue"}
+        return sides[self.policy]
 
     def placement_mode(self) -> Literal["balanced", "round_robin"]:
         if self.placement != "auto":

@@ -33,8 +33,8 @@ from typing import Any
 import structlog
 
 from common.config import RpcConfig
-from common.errors import NotFound
-from common.protocol import (EngineInfo, EngineLoad, FetchWork, FetchWorkReply, Heartbeat,
+from common.errors import DualpathError, NotFound
+from common.protocol import (Stage, EngineInfo, EngineLoad, FetchWork, FetchWorkReply, Heartbeat,
                              NodeReply, RegisterNode, RegisterNodeReply, ReportProgress,
                              ReportProgressReply)
 from common.rpc import RpcClient
@@ -115,8 +115,10 @@ class NodeSession:
             except asyncio.CancelledError:
                 raise
             except Exception as e:      # scheduler unreachable: keep trying, lease may survive
+                # unreachable / timed out is expected; anything else is a bug: keep its traceback
+                expected = isinstance(e, TimeoutError | OSError | DualpathError)
                 log.warning("heartbeat_failed", node=self.node_id, node_service=self.service,
-                            error=repr(e))
+                            error=repr(e), exc_info=not expected)
 
     async def _lease_lost(self) -> None:
         """The scheduler forgot us: new epoch, register again, tell the owner to drop work."""
@@ -143,7 +145,7 @@ class NodeSession:
         self._acked = reply.seq
         return reply
 
-    async def report(self, request_id: str, attempt: int, stage: str,
+    async def report(self, request_id: str, attempt: int, stage: Stage,
                      **kw: Any) -> ReportProgressReply:
         """Report a stage of a request attempt (``tokens``, ``code``, ``message``, ...)."""
         return await self._rpc.call(ReportProgress(request_id, attempt, stage,

@@ -4,8 +4,8 @@
   every service section), validation, ablation modes, per-service config rendering.
 * :mod:`tools.cluster.launcher` — ``dualpath cluster up/down/status``: every service as a
   subprocess on loopback, health-checked, pids and ports in a state file.
-* :mod:`tools.cluster.serve` — ``dualpath serve <service> -c cfg --node ID``: one service
-  (what the launcher, systemd units and docker-compose run).
-* :mod:`tools.cluster.inprocess` — :func:`start_cluster`, the same cluster in one event loop
-  (tests), optionally with stub nodes instead of the data path.
+* :mod:`tools.cluster.serve` — ``dualpath serve <service> -c cfg --node ID``: the one process
+  shell of every service (launcher, systemd units, docker-compose, scripts).
+* :mod:`tools.cluster.inprocess` — the one in-process cluster: :func:`start_cluster` (a cluster
+  file in one event loop, optionally with stub nodes) and :func:`local_datapath` (small, ad hoc).
 """

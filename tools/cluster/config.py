@@ -23,7 +23,8 @@ configs are *rendered* from it (:func:`service_config`): the node's link rates g
 gateway (``gateway.link_rate_bytes_per_s``) and arbiter (``arbiter.link_rate_bytes_per_s``),
 ``time_scale`` to the engine emulators, α/β of the scheduler follow the links and the time
 scale, every gateway shares ``storage_root`` (a directory here, a distributed file system on
-real nodes). Ablation modes (:data:`MODES`) switch scheduler policy and engine mode only.
+real nodes). Ablation modes (:data:`MODES`, ``services.scheduler.modes``) switch scheduler policy
+and engine mode only.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import msgspec
 from common.config import build_config, env_overlay
 from tools.config import DualpathConfig
 from common.errors import ConfigError
+from services.scheduler.modes import MODE_SPECS, ModeSpec, mode_spec
 
 from .schema import ClusterSection, NodeSpec, Role  # noqa: F401  (re-exported)
 
@@ -48,23 +50,8 @@ ROLE_SERVICE = {"prefill": "pe_receiver", "decode": "de_loader"}
 GiB = 1024 ** 3
 
 
-class ModeSpec(msgspec.Struct, frozen=True):
-    """What one ablation mode switches (paper §6.7, digest §9): scheduler + engine mode."""
-
-    policy: str
-    placement: str
-    oracle: bool
-    engine_mode: str
-
-
-MODES: dict[str, ModeSpec] = {
-    "basic": ModeSpec("basic", "auto", False, "whole"),        # PE reads only, no layer-wise
-    "+layer": ModeSpec("basic", "auto", False, "layerwise"),
-    "+dpl": ModeSpec("dpl", "auto", False, "layerwise"),       # both paths, alternating
-    "dualpath": ModeSpec("dualpath", "auto", False, "layerwise"),
-    "dualpath-rr": ModeSpec("dualpath", "round_robin", False, "layerwise"),
-    "oracle": ModeSpec("dualpath", "auto", True, "layerwise"),  # all KV I/O skipped
-}
+# The ablation modes: one table, the scheduler's (shared with the simulator), by name.
+MODES: dict[str, ModeSpec] = MODE_SPECS
 
 
 def _cluster_root() -> type:
@@ -158,9 +145,9 @@ def load_data(data: dict[str, Any], source: str, *, mode: str | None = None,
 def apply_mode(data: dict[str, Any], mode: str) -> dict[str, Any]:
     """``data`` with the scheduler policy and the engine mode of ablation ``mode``."""
     try:
-        m = MODES[mode]
-    except KeyError:
-        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}") from None
+        m = mode_spec(mode)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return _merge(data, {"scheduler": {"policy": m.policy, "placement": m.placement,
                                        "oracle": m.oracle},
                          "engine_sim": {"mode": m.engine_mode}})

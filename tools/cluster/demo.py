@@ -26,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--out", default="results/demo", help="results and plots go here")
     a = p.parse_args(argv)
-    from bench.report import print_table
     from common.errors import DualpathError
     from common.logging import configure_logging
     from tools.cluster.config import load_cluster
@@ -34,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from tools.replay.results import summary_rows
     from tools.replay.run import replay_fresh
     from tools.replay.workloads import AgenticSpec
+    from tools.tables import print_table
 
     configure_logging("warning", None)
     t0 = time.monotonic()

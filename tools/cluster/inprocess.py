@@ -1,40 +1,72 @@
-"""The cluster of a config in one event loop, every port 0 (tests, quick local runs).
+"""The one in-process cluster: gateways, scheduler, PE receivers, DE loaders and emulated
+engines in one event loop, every port 0 (tests, demos, ``replay --inprocess``).
 
     async with start_cluster(load_cluster("configs/local-1p2d.toml"), storage_root=tmp) as c:
-        async with SchedulerClient(*c.scheduler) as sched: ...
+        async with SchedulerClient(*c.scheduler_address) as sched: ...
 
-Same per-service configs as the subprocess launcher (:func:`~.config.service_config`), same
-start order (gateways, scheduler with a gateway-backed hit lookup, node services with their
-emulated engines). ``stub=True`` starts only the scheduler and stand-in group leaders that
-finish every request at once (:class:`services.scheduler.stub_nodes.StubCluster`): the
-replay client against the real scheduler without the data path.
+    async with local_datapath(tmp, prefill=("p0",), decode=("d0",), scheduler=False) as c:
+        await c.store_blocks(keys)          # a small ad-hoc cluster for data-path tests
+
+Both start the same services the same way (the helpers below; ``dualpath serve`` uses them
+too) and hand back one :class:`InProcessCluster`. :func:`start_cluster` renders each
+service's config from a cluster file (:func:`~.config.service_config`, like the subprocess
+launcher); ``stub=True`` starts only the scheduler and stand-in group leaders that finish
+every request at once (:class:`services.scheduler.stub_nodes.StubCluster`).
+:func:`local_datapath` gives every service one small config (:func:`base_config`) and may
+leave out the scheduler, the engines, or a whole role.
+
+Every node gets its own storage gateway over one shared directory (``probe_on_miss``: a
+block one node wrote is found by the others, as on a distributed file system); the
+scheduler's hit lookup asks a gateway (``LookupPrefix``), so hits are measured, not assumed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config import build_config
+from common.kv import KVSpec, spec_from_config
+from services.de_loader.service import DELoaderService
+from services.pe_receiver.service import PEReceiverService
+from storage_gateway.client import GatewayClient
+from storage_gateway.service import GatewayService
+from tools.config import DualpathConfig
+from tools.engine_sim.engines import EngineHost
+from tools.engine_sim.kv_pattern import full_block
+
 from .config import ROLE_SERVICE, Cluster, service_config
+
+MiB = 1024 * 1024
+NODE_SERVICES: dict[str, type] = {"pe_receiver": PEReceiverService, "de_loader": DELoaderService}
 
 
 @dataclass
 class InProcessCluster:
-    """Handles on the services of a running :func:`start_cluster`."""
+    """Handles on every service of a running :func:`start_cluster` / :func:`local_datapath`."""
 
-    cluster: Cluster
-    scheduler_service: Any = None
-    gateways: dict[str, Any] = field(default_factory=dict)
-    nodes: dict[str, Any] = field(default_factory=dict)
-    engines: dict[str, Any] = field(default_factory=dict)
-    stub: Any = None
+    cfg: Any                      # the shared config (DualpathConfig or the cluster file's)
+    spec: KVSpec
+    cluster: Cluster | None = None
+    gateways: dict[str, GatewayService] = field(default_factory=dict)
+    pe: dict[str, PEReceiverService] = field(default_factory=dict)
+    de: dict[str, DELoaderService] = field(default_factory=dict)
+    engines: dict[str, EngineHost] = field(default_factory=dict)
+    scheduler: Any = None         # SchedulerService (None: started without one)
+    lookup_client: GatewayClient | None = None
+    stub: Any = None              # StubCluster when started with stub=True
 
     @property
-    def scheduler(self) -> tuple[str, int]:
-        return self.scheduler_service.host, self.scheduler_service.port
+    def nodes(self) -> dict[str, Any]:
+        """Every node service (PE receivers and DE loaders) by node id."""
+        return {**self.pe, **self.de}
+
+    @property
+    def scheduler_address(self) -> tuple[str, int]:
+        return self.scheduler.host, self.scheduler.port
 
     def gateway_endpoints(self) -> dict[str, tuple[str, int]]:
         return {n: (g.cfg.rpc.host, g.rpc_port) for n, g in self.gateways.items()}
@@ -42,10 +74,71 @@ class InProcessCluster:
     def node_endpoints(self) -> dict[str, tuple[str, int]]:
         return {n: (s.settings.host, s.rpc_port) for n, s in self.nodes.items()}
 
-    def leaks(self) -> dict[str, int]:
-        """Pages still held in each node buffer (all zero when nothing leaked)."""
-        return {n: s.pool.used_pages for n, s in self.nodes.items()}
+    async def store_blocks(self, keys: Sequence[str], node: str | None = None) -> None:
+        """Put Full Blocks with the emulator's pattern into storage (what a past turn wrote)."""
+        gw = self.gateways[node or next(iter(self.gateways))]
+        await gw.store.write_blocks(list(keys), [full_block(self.spec, k) for k in keys])
 
+    async def stored_prefix(self, keys: Sequence[str]) -> int:
+        """Leading blocks of ``keys`` in storage (any gateway: the directory is shared)."""
+        gw = next(iter(self.gateways.values()))
+        return await gw.store.lookup_prefix(list(keys))
+
+    def leaks(self) -> dict[str, int]:
+        """Pages still held per node buffer (all zero when nothing leaked)."""
+        out = {}
+        for name, svc in self.nodes.items():
+            svc.pool.check_invariants()
+            out[name] = svc.pool.used_pages
+        return out
+
+    def engine_counters(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for host in self.engines.values():
+            for k, v in host.counters().items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def add_node(self, svc: Any) -> None:
+        (self.pe if isinstance(svc, PEReceiverService) else self.de)[svc.node_id] = svc
+
+
+# --------------------------------------------------------------------------- shared starters
+
+def node_service(kind: str, cfg: Any, node_id: str, *, engines: int | None = None,
+                 spec: KVSpec | None = None) -> Any:
+    """The PE receiver or DE loader (``kind``) of one node, not yet started."""
+    return NODE_SERVICES[kind](cfg, node_id, engines=engines, spec=spec)
+
+
+async def attach_engines(stack: contextlib.AsyncExitStack, svc: Any, engine_cfg: Any
+                         ) -> EngineHost:
+    """Start ``svc``'s emulated engines (stopped before it: the stack unwinds in reverse)."""
+    host = await stack.enter_async_context(EngineHost(svc, engine_cfg))
+    svc.extra_stats = host.counters
+    return host
+
+
+async def lookup_scheduler(stack: contextlib.AsyncExitStack, cfg: Any,
+                           gateway: tuple[str, int] | None, *, host: str | None = None,
+                           port: int | None = 0) -> tuple[Any, GatewayClient | None]:
+    """A started scheduler whose hit lookup asks ``gateway`` (None: its per-session index)."""
+    from services.scheduler.hit_lookup import FunctionHitLookup
+    from services.scheduler.service import SchedulerService
+    client, hit_lookup = None, None
+    if gateway is not None:
+        client = GatewayClient.connect(cfg.rpc, gateway[0], gateway[1], None, None,
+                                       spec_from_config(cfg.kv), node_id="scheduler")
+        stack.push_async_callback(client.close)        # lookups only: no transport
+
+        async def lookup(keys):
+            return (await client.lookup_prefix(keys)).hit_blocks
+        hit_lookup = FunctionHitLookup(lookup)
+    svc = SchedulerService(cfg, host=host, port=port, hit_lookup=hit_lookup)
+    return await stack.enter_async_context(svc), client
+
+
+# --------------------------------------------------------------------------- from a cluster file
 
 @contextlib.asynccontextmanager
 async def start_cluster(cluster: Cluster, *, storage_root: str | Path | None = None,
@@ -53,60 +146,101 @@ async def start_cluster(cluster: Cluster, *, storage_root: str | Path | None = N
     """Start every service of ``cluster`` in this loop; stop them all on exit."""
     if storage_root is not None:
         cluster = cluster.with_overrides(cluster={"storage_root": str(storage_root)})
-    c = InProcessCluster(cluster)
+    c = InProcessCluster(cluster.cfg, spec_from_config(cluster.cfg.kv), cluster)
     async with contextlib.AsyncExitStack() as stack:
         if stub:
-            await _start_stub(stack, c)
+            await _start_stub(stack, c, cluster)
         else:
-            await _start_all(stack, c)
+            await _start_all(stack, c, cluster)
         yield c
 
 
-async def _start_stub(stack: contextlib.AsyncExitStack, c: InProcessCluster) -> None:
-    from common.kv import spec_from_config
-    from services.scheduler.service import SchedulerService
+async def _start_stub(stack: contextlib.AsyncExitStack, c: InProcessCluster,
+                      cluster: Cluster) -> None:
     from services.scheduler.stub_nodes import StubCluster
-    cfg = service_config(c.cluster, "scheduler")
-    c.scheduler_service = await stack.enter_async_context(SchedulerService(cfg, port=0))
-    spec = c.cluster.spec
+    cfg = service_config(cluster, "scheduler")
+    c.scheduler, _ = await lookup_scheduler(stack, cfg, None)
+    spec = cluster.spec
     c.stub = await stack.enter_async_context(StubCluster(
-        cfg.rpc, c.scheduler_service.host, c.scheduler_service.port,
-        prefill_nodes=len(spec.prefill), decode_nodes=len(spec.decode),
-        engines=spec.engines_per_node, kv_fingerprint=spec_from_config(cfg.kv).fingerprint()))
+        cfg.rpc, *c.scheduler_address, prefill_nodes=len(spec.prefill),
+        decode_nodes=len(spec.decode), engines=spec.engines_per_node,
+        kv_fingerprint=c.spec.fingerprint()))
 
 
-async def _start_all(stack: contextlib.AsyncExitStack, c: InProcessCluster) -> None:
-    from tools.engine_sim.engines import EngineHost
-    from tools.cluster.node_runner import build
-    from storage_gateway.service import GatewayService
-    spec = c.cluster.spec
-    for n in spec.nodes:
-        cfg = service_config(c.cluster, "gateway", n.id)
+async def _start_all(stack: contextlib.AsyncExitStack, c: InProcessCluster,
+                     cluster: Cluster) -> None:
+    for n in cluster.spec.nodes:
+        cfg = service_config(cluster, "gateway", n.id)
         Path(cfg.gateway.root).mkdir(parents=True, exist_ok=True)
-        c.gateways[n.id] = await stack.enter_async_context(GatewayService(cfg, n.id, rpc_port=0))
-    c.scheduler_service = await _start_scheduler(stack, c)
-    for n in spec.nodes:
+        gw = GatewayService(cfg, n.id, rpc_port=0)
+        await stack.enter_async_context(gw)
+        c.gateways[n.id] = gw
+    first = next(iter(c.gateway_endpoints().values()))
+    c.scheduler, c.lookup_client = await lookup_scheduler(
+        stack, service_config(cluster, "scheduler"), first)
+    for n in cluster.spec.nodes:
         service = ROLE_SERVICE[n.role]
-        cfg = service_config(c.cluster, service, n.id,
-                             scheduler=c.scheduler, gateway_port=c.gateways[n.id].rpc_port)
-        svc = await stack.enter_async_context(build(service, cfg, n.id, None))
-        host = await stack.enter_async_context(EngineHost(svc, cfg.engine_sim))
-        svc.extra_stats = host.counters
-        c.nodes[n.id], c.engines[n.id] = svc, host
+        cfg = service_config(cluster, service, n.id, scheduler=c.scheduler_address,
+                             gateway_port=c.gateways[n.id].rpc_port)
+        svc = await stack.enter_async_context(node_service(service, cfg, n.id))
+        c.add_node(svc)
+        c.engines[n.id] = await attach_engines(stack, svc, cfg.engine_sim)
 
 
-async def _start_scheduler(stack: contextlib.AsyncExitStack, c: InProcessCluster) -> Any:
-    from common.kv import spec_from_config
-    from services.scheduler.hit_lookup import FunctionHitLookup
-    from services.scheduler.service import SchedulerService
-    from storage_gateway.client import GatewayClient
-    cfg = service_config(c.cluster, "scheduler")
-    host, port = next(iter(c.gateway_endpoints().values()))
-    client = GatewayClient.connect(cfg.rpc, host, port, None, None, spec_from_config(cfg.kv),
-                                   node_id="scheduler")
-    stack.push_async_callback(client.close)
+# --------------------------------------------------------------------------- ad hoc, small
 
-    async def lookup(keys):
-        return (await client.lookup_prefix(keys)).hit_blocks
-    return await stack.enter_async_context(
-        SchedulerService(cfg, port=0, hit_lookup=FunctionHitLookup(lookup)))
+def base_config(root: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A small-footprint config dict (test-small KV, 16 MiB buffers, fast emulated engines)."""
+    data: dict[str, Any] = {
+        "kv": {"preset": "test-small"},
+        "transport": {"staging_bytes": 16 * MiB},
+        "gateway": {"root": str(root / "storage"), "io_threads": 2, "probe_on_miss": True},
+        "gateway_service": {"staging_bytes": 16 * MiB, "max_batch_bytes": 4 * MiB},
+        "pe_receiver": {"buffer_bytes": 16 * MiB, "engines": 1},
+        "de_loader": {"buffer_bytes": 16 * MiB, "engines": 1},
+        "engine_sim": {"time_scale": 0.01},
+        "scheduler": {"model": "test-small", "policy": "dpl"},
+        "scheduler_service": {"fetch_interval_s": 0.01, "heartbeat_s": 0.5, "lease_s": 3.0},
+    }
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return data
+
+
+def _cfg(data: dict[str, Any], **sections: dict[str, Any]) -> DualpathConfig:
+    merged = {k: dict(v) for k, v in data.items()}
+    for section, values in sections.items():
+        merged.setdefault(section, {}).update(values)
+    return build_config(merged, DualpathConfig, "local cluster", environ={})
+
+
+@contextlib.asynccontextmanager
+async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
+                         decode: Sequence[str] = ("d0",), scheduler: bool = True,
+                         engines: bool = True, overrides: dict[str, Any] | None = None
+                         ) -> AsyncIterator[InProcessCluster]:
+    """Start the cluster; stop everything (engines, nodes, scheduler, gateways) on exit."""
+    data = base_config(root, overrides)
+    cfg = _cfg(data)
+    c = InProcessCluster(cfg, spec_from_config(cfg.kv))
+    async with contextlib.AsyncExitStack() as stack:
+        for node in (*prefill, *decode):
+            gw = GatewayService(_cfg(data), node, spec=c.spec)
+            await stack.enter_async_context(gw)
+            c.gateways[node] = gw
+        sched_port = 0
+        if scheduler:
+            first = next(iter(c.gateways.values()))
+            c.scheduler, c.lookup_client = await lookup_scheduler(
+                stack, _cfg(data), ("127.0.0.1", first.rpc_port), host="127.0.0.1")
+            sched_port = c.scheduler.port
+        for role, nodes in (("de_loader", decode), ("pe_receiver", prefill)):
+            for node in nodes:
+                node_cfg = _cfg(data, **{role: {"scheduler_port": sched_port,
+                                                "gateway_port": c.gateways[node].rpc_port}})
+                c.add_node(await stack.enter_async_context(
+                    node_service(role, node_cfg, node, spec=c.spec)))
+        if engines:
+            for name, svc in {**c.de, **c.pe}.items():
+                c.engines[name] = await attach_engines(stack, svc, cfg.engine_sim)
+        yield c

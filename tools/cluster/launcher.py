@@ -225,7 +225,7 @@ class Launcher:
         argv = [self.python, "-m", "tools.cluster.serve", service, "-c", self.state.config]
         if node is not None:
             argv += ["--node", node]
-        if c.metrics and _metrics_port(self.cluster, service, node) is None:
+        if c.metrics and c.metrics_port(service, node) is None:
             argv += ["--metrics-port", str(free_port(c.host))]
         return name, service, argv + (extra or [])
 
@@ -319,14 +319,6 @@ class Launcher:
             Path(p.ready_file).unlink(missing_ok=True)
         self.state = None
         return stopped
-
-
-def _metrics_port(cluster: Cluster, service: str, node: str | None) -> int | None:
-    c = cluster.spec
-    if service == "scheduler":
-        return c.scheduler_metrics_port
-    n = c.node(node)
-    return n.gateway_metrics_port if service == "gateway" else n.metrics_port
 
 
 _STOP_ORDER = {"pe_receiver": 0, "de_loader": 0, "scheduler": 1, "gateway": 2}

@@ -13,7 +13,7 @@ from typing import Literal
 
 import msgspec
 
-from common.config import Section
+from common.config import NonNegFloat, Port, PositiveFloat, PositiveInt, Section
 from common.errors import ConfigError
 
 Role = Literal["prefill", "decode"]
@@ -25,48 +25,42 @@ class NodeSpec(Section):
 
     id: str
     role: Role
-    engines: int | None = None                      # None: cluster.engines_per_node
-    host: str | None = None                         # None: cluster.host
-    storage_link_bytes_per_s: float | None = None   # None: cluster default
-    compute_link_bytes_per_s: float | None = None
-    gateway_port: int = 0                           # 0: any free port (local launcher)
-    rpc_port: int = 0                               # the PE receiver's / DE loader's port
-    metrics_port: int | None = None                 # node service's Prometheus endpoint
-    gateway_metrics_port: int | None = None
+    engines: PositiveInt | None = None                   # None: cluster.engines_per_node
+    host: str | None = None                              # None: cluster.host
+    storage_link_bytes_per_s: NonNegFloat | None = None  # None: cluster default
+    compute_link_bytes_per_s: NonNegFloat | None = None
+    gateway_port: Port = 0                               # 0: any free port (local launcher)
+    rpc_port: Port = 0                                   # the PE receiver's / DE loader's port
+    metrics_port: Port | None = None                     # node service's Prometheus endpoint
+    gateway_metrics_port: Port | None = None
 
 
 class ClusterSection(Section):
     """``[cluster]``: shape, emulated hardware, where state and storage live."""
 
     name: str = "local-1p2d"
-    host: str = "127.0.0.1"                  # bind + advertised address of every service
-    data_dir: str = "data/cluster"           # <data_dir>/<name>/: state file, logs
-    storage_root: str = ""                   # "": data/storage/<name> (shared by all gateways)
-    engines_per_node: int = 2
-    time_scale: float = 1.0                  # engine emulators: × every cost-model second
-    slo_scale: float | None = None           # SLO thresholds × this (None: time_scale)
-    storage_link_bytes_per_s: float = 0.0    # emulated SNIC per node; 0 = unlimited
-    compute_link_bytes_per_s: float = 0.0    # emulated CNIC egress per node; 0 = unlimited
-    scheduler_host: str | None = None        # None: host
+    host: str = "127.0.0.1"                      # bind + advertised address of every service
+    data_dir: str = "data/cluster"               # <data_dir>/<name>/: state file, logs
+    storage_root: str = ""                       # "": data/storage/<name> (shared by all gateways)
+    engines_per_node: PositiveInt = 2
+    time_scale: PositiveFloat = 1.0              # engine emulators: × every cost-model second
+    slo_scale: PositiveFloat | None = None       # SLO thresholds × this (None: time_scale)
+    storage_link_bytes_per_s: NonNegFloat = 0.0  # emulated SNIC per node; 0 = unlimited
+    compute_link_bytes_per_s: NonNegFloat = 0.0  # emulated CNIC egress per node; 0 = unlimited
+    scheduler_host: str | None = None            # None: host
     scheduler_port: int = 0
     scheduler_metrics_port: int | None = None
-    metrics: bool = False                    # Prometheus endpoint per service (free ports)
-    start_timeout_s: float = 60.0
-    stop_grace_s: float = 5.0
-    sim_config: str | None = None            # simulator config mirroring this cluster
+    metrics: bool = False                        # Prometheus endpoint per service (free ports)
+    start_timeout_s: PositiveFloat = 60.0
+    stop_grace_s: NonNegFloat = 5.0
+    sim_config: str | None = None                # simulator config mirroring this cluster
     nodes: list[NodeSpec] = msgspec.field(default_factory=lambda: [
         NodeSpec(id="p0", role="prefill"), NodeSpec(id="d0", role="decode"),
         NodeSpec(id="d1", role="decode")])
 
     def __post_init__(self) -> None:
-        for name in ("time_scale", "start_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"cluster.{name} must be positive, got {getattr(self, name)}")
-        for name in ("storage_link_bytes_per_s", "compute_link_bytes_per_s", "stop_grace_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"cluster.{name} must be >= 0, got {getattr(self, name)}")
-        if self.slo_scale is not None and not self.slo_scale > 0:
-            raise ValueError(f"cluster.slo_scale must be positive, got {self.slo_scale}")
+        # names, uniqueness and the cluster's shape; the per-field bounds are declared above
+        # (and on NodeSpec) and checked at decode
         if not _ID_RE.fullmatch(self.name):
             raise ValueError(f"cluster.name {self.name!r} must be 1-64 characters of "
                              "letters, digits, '_', '.', '-'")
@@ -82,23 +76,11 @@ class ClusterSection(Section):
             if n.id in seen or n.id == "scheduler":
                 raise ValueError(f"{where}.id {n.id!r} is used twice (or reserved)")
             seen.add(n.id)
-            if n.engines is not None and n.engines < 1:
-                raise ValueError(f"{where}.engines must be >= 1, got {n.engines}")
-            for f in ("storage_link_bytes_per_s", "compute_link_bytes_per_s"):
-                v = getattr(n, f)
-                if v is not None and v < 0:
-                    raise ValueError(f"{where}.{f} must be >= 0, got {v}")
-            for f in ("gateway_port", "rpc_port", "metrics_port", "gateway_metrics_port"):
-                v = getattr(n, f)
-                if v is not None and not 0 <= v < 65536:
-                    raise ValueError(f"{where}.{f} must be in [0, 65535], got {v}")
         roles = [n.role for n in self.nodes]
         if "prefill" not in roles or "decode" not in roles:
             raise ValueError(f"cluster.nodes needs at least one prefill and one decode node "
                              f"(got {roles.count('prefill')}P{roles.count('decode')}D): "
                              "the data path moves KV from a PE to a DE")
-        if self.engines_per_node < 1:
-            raise ValueError(f"cluster.engines_per_node must be >= 1, got {self.engines_per_node}")
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -129,6 +111,13 @@ class ClusterSection(Section):
     def compute_link(self, n: NodeSpec) -> float:
         return self.compute_link_bytes_per_s if n.compute_link_bytes_per_s is None \
             else n.compute_link_bytes_per_s
+
+    def metrics_port(self, service: str, node_id: str | None) -> int | None:
+        """The fixed Prometheus port of ``service`` (on ``node_id``); None: none configured."""
+        if service == "scheduler":
+            return self.scheduler_metrics_port
+        n = self.node(node_id or "")
+        return n.gateway_metrics_port if service == "gateway" else n.metrics_port
 
     @property
     def slo(self) -> float:

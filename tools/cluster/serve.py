@@ -1,19 +1,28 @@
-"""``dualpath serve <service> -c cluster.toml --node ID``: run one service of a cluster.
+"""``dualpath serve <service> -c FILE [--node ID]``: the one process shell of every service.
 
-What the launcher, the systemd units and docker-compose all run. The service's config is
-rendered from the cluster file (:func:`tools.cluster.config.service_config`); addresses a
-local launcher learns at start are passed as flags:
+What the launcher, the systemd units, docker-compose, tests and scripts all run:
 
     dualpath serve scheduler   -c configs/local-1p2d.toml [--lookup-gateway HOST:PORT]
     dualpath serve gateway     -c configs/local-1p2d.toml --node p0
     dualpath serve pe_receiver -c configs/local-1p2d.toml --node p0 [--scheduler HOST:PORT]
     dualpath serve de_loader   -c configs/local-1p2d.toml --node d0 [--gateway-port P]
     dualpath serve node        -c ... --node d0      # the node's role service (PE / DE)
+    dualpath serve gateway     -c configs/default.toml --node n0 --port 0   # a plain host file
+
+``-c`` takes a cluster file (one with a ``[cluster]`` section: the service's config is rendered
+from it, :func:`tools.cluster.config.service_config`, and ``--node`` must name one of its
+nodes) or a plain host config without ``[cluster]`` (``configs/default.toml``): used as written,
+``--node`` is just this service's id, and ``node`` is refused (a plain file has no roles —
+name ``pe_receiver`` or ``de_loader``). Without ``-c``: the embedded 1P2D cluster. Every
+service but the scheduler needs ``--node``. Flags override the file: ``--port`` (this
+service's port; a plain-file gateway defaults to 0, any free port), ``--scheduler`` /
+``--gateway-port`` (what a node service dials), ``--engines`` / ``--no-engines``.
 
 Once serving, one JSON line goes to stdout (and ``--ready-file``, written atomically):
 ``{"event": "ready", "service", "node_id", "host", "rpc_port", "ucx_port", "metrics_port",
-"pid"}``. SIGTERM/SIGINT stop it in order (metrics, engines, service). Exit status: 0 after a
-clean stop, 2 for a bad config or arguments, 1 when the service failed.
+"pid"}`` (node services add ``engines``). SIGTERM/SIGINT stop it in order (metrics, engines,
+service): :func:`common.service.serve_process`. Exit status: 0 after a clean stop, 2 for a
+bad config or arguments, 1 when the service failed.
 
 The scheduler's hit lookup asks a storage gateway (``LookupPrefix``) when one is known
 (``--lookup-gateway`` or the first node's fixed ``gateway_port``): hits are what storage holds,
@@ -23,28 +32,32 @@ across sessions too (Mooncake traces share prefixes between requests).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import os
-import signal
 import sys
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import DualpathError
-from common.logging import configure_logging
-from common.service import run_cli
+import msgspec
 
-from .config import Cluster, ROLE_SERVICE, load_cluster, service_config
+from common.config import build_config, env_overlay
+from common.errors import ConfigError, DualpathError
+from common.logging import configure_logging
+from common.service import run_cli, serve_process
+from tools.config import DualpathConfig
+
+from .config import ROLE_SERVICE, Cluster, apply_mode, load_cluster, load_data, service_config
 
 SERVICE_CHOICES = ("scheduler", "gateway", "pe_receiver", "de_loader", "node")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualpath serve", description="run one service of a cluster")
+    p = argparse.ArgumentParser(prog="dualpath serve", description="run one dualpath service")
     p.add_argument("service", choices=SERVICE_CHOICES)
-    p.add_argument("-c", "--config", default=None, help="cluster TOML (default: embedded 1P2D)")
+    p.add_argument("-c", "--config", default=None,
+                   help="cluster TOML or plain host TOML (default: embedded 1P2D cluster)")
     p.add_argument("--node", default=None, help="node id (every service but the scheduler)")
     p.add_argument("--mode", default=None, help="ablation mode (basic, +layer, +dpl, dualpath, "
                                                "oracle): scheduler policy + engine mode")
@@ -53,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-port", type=int, default=None, help="this node's gateway port")
     p.add_argument("--lookup-gateway", default=None, help="scheduler: HOST:PORT of a gateway "
                                                           "answering hit lookups")
+    p.add_argument("--engines", type=int, default=None,
+                   help="node services: emulated engines (default: from the config)")
+    p.add_argument("--no-engines", action="store_true",
+                   help="attach no emulated engines (a real engine embeds the API instead)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics here (0: any free port)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the ready JSON here")
@@ -68,154 +85,181 @@ def _hostport(text: str | None, what: str) -> tuple[str, int] | None:
     return host or "127.0.0.1", int(port)
 
 
-class _Runner:
-    """Starts one service, announces it, waits for a signal, stops it in order."""
+# --------------------------------------------------------------------------- what to serve
 
-    def __init__(self, cluster: Cluster, args: argparse.Namespace) -> None:
-        self.cluster, self.args = cluster, args
-        self.stack = contextlib.AsyncExitStack()
-        self.info: dict[str, Any] = {}
+@dataclass(frozen=True)
+class Target:
+    """The file ``serve`` runs from: a cluster (configs rendered per service) or a plain host
+    config (every service gets it as written)."""
 
-    async def main(self) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        async with self.stack:
-            svc = await self._start()
-            await self._metrics()
-            self._announce()
-            waiter = asyncio.ensure_future(svc.wait_stopped())
-            stopper = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-            for t in (waiter, stopper):
-                t.cancel()
-            if waiter.done() and not stopper.done():
-                raise DualpathError(f"{self.info.get('service')} stopped on its own "
-                                    f"(status {svc.status.value})")
+    cluster: Cluster | None
+    host_cfg: DualpathConfig | None = None
 
-    async def _start(self) -> Any:
-        a, service = self.args, self.args.service
-        if service == "node":
-            service = ROLE_SERVICE[self.cluster.spec.node(_need_node(a)).role]
-        self.info = {"event": "ready", "service": service, "node_id": a.node or "scheduler",
-                     "pid": os.getpid()}
-        if service == "scheduler":
-            return await self._scheduler()
-        if service == "gateway":
-            return await self._gateway()
-        return await self._node(service)
+    @property
+    def cfg(self) -> Any:
+        return self.cluster.cfg if self.cluster is not None else self.host_cfg
 
-    async def _scheduler(self) -> Any:
-        from services.scheduler.service import SchedulerService
-        cfg = service_config(self.cluster, "scheduler", resolve=True)
-        lookup = await self._lookup(cfg)
-        svc = SchedulerService(cfg, port=self.args.port, hit_lookup=lookup)
-        await self.stack.enter_async_context(svc)
+    def service(self, service: str, node: str | None) -> str:
+        """``service`` with ``node`` resolved to the node's role service."""
+        if service != "node":
+            return service
+        if self.cluster is None:
+            raise ConfigError("serve node: a plain host config (no [cluster]) has no node "
+                              "roles — name the service: pe_receiver or de_loader")
+        return ROLE_SERVICE[self.cluster.spec.node(_need(node, service)).role]
+
+    def config(self, service: str, node: str | None, **dial: Any) -> Any:
+        """The config ``service`` on ``node`` runs with; a node service's addresses to dial
+        (``scheduler``, ``gateway_port``) override the file's."""
+        if self.cluster is not None:
+            return service_config(self.cluster, service, node, resolve=True, **dial)
+        cfg = self.host_cfg
+        if service in ROLE_SERVICE.values():
+            sched = dial.get("scheduler")
+            over = {} if sched is None else {"scheduler_host": sched[0], "scheduler_port": sched[1]}
+            if dial.get("gateway_port") is not None:
+                over["gateway_port"] = dial["gateway_port"]
+            cfg = _with_section(cfg, service, **over)
+        return cfg
+
+    def metrics_port(self, service: str, node: str | None) -> int | None:
+        """The fixed metrics port the cluster file gives ``service`` (None: no endpoint)."""
+        if self.cluster is None:
+            return None
+        return self.cluster.spec.metrics_port(service, node)
+
+
+def load_target(path: str | None, mode: str | None) -> Target:
+    """Read ``path`` as a cluster file when it has ``[cluster]``, else as a plain host file."""
+    if path is None:
+        return Target(load_cluster(None, mode=mode))
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    if "cluster" in data:
+        return Target(load_data(data, str(path), mode=mode))
+    data = env_overlay(data)
+    if mode is not None:
+        data = apply_mode(data, mode)
+    return Target(None, build_config(data, DualpathConfig, str(path), environ={}))
+
+
+def _with_section(cfg: Any, section: str, **fields: Any) -> Any:
+    if not fields:
+        return cfg
+    new = msgspec.structs.replace(getattr(cfg, section), **fields)
+    return msgspec.structs.replace(cfg, **{section: new})
+
+
+def _need(node: str | None, service: str) -> str:
+    if not node:
+        raise ConfigError(f"dualpath serve {service} needs --node ID")
+    return node
+
+
+# --------------------------------------------------------------------------- the roles
+
+class _Roles:
+    """Starts one service (and what it needs) into the shell's exit stack; its ready info."""
+
+    def __init__(self, target: Target, args: argparse.Namespace) -> None:
+        self.target, self.args = target, args
+        self.service = target.service(args.service, args.node)
+        self.info: dict[str, Any] = {"event": "ready", "service": self.service,
+                                     "node_id": args.node or "scheduler", "pid": os.getpid()}
+
+    async def start(self, stack: contextlib.AsyncExitStack) -> tuple[Any, dict[str, Any]]:
+        start = {"scheduler": self._scheduler, "gateway": self._gateway}.get(self.service,
+                                                                             self._node)
+        svc = await start(stack)
+        await self._metrics(stack)
+        return svc, self.info
+
+    async def _scheduler(self, stack: contextlib.AsyncExitStack) -> Any:
+        from common.metrics import scheduler_stats
+        from .inprocess import lookup_scheduler
+        cfg = self.target.config("scheduler", None)
+        svc, _ = await lookup_scheduler(stack, cfg, self._lookup_gateway(),
+                                        port=self.args.port)
         self.info.update(host=svc.host, rpc_port=svc.port)
-        self._source("scheduler", "scheduler", _scheduler_source(svc))
+        self._source(stack, "scheduler", "scheduler", scheduler_stats(svc))
         return svc
 
-    async def _lookup(self, cfg: Any) -> Any:
+    def _lookup_gateway(self) -> tuple[str, int] | None:
         target = _hostport(self.args.lookup_gateway, "--lookup-gateway")
-        c = self.cluster.spec
-        first = c.nodes[0]
-        if target is None and first.gateway_port:
-            target = (c.node_host(first), first.gateway_port)
-        if target is None:
-            return None            # the scheduler's per-session index
-        from common.kv import spec_from_config
-        from services.scheduler.hit_lookup import FunctionHitLookup
-        from storage_gateway.client import GatewayClient
-        client = GatewayClient.connect(cfg.rpc, target[0], target[1], None, None,
-                                       spec_from_config(cfg.kv), node_id="scheduler")
-        self.stack.push_async_callback(client.close)
+        cluster = self.target.cluster
+        if target is None and cluster is not None and cluster.spec.nodes[0].gateway_port:
+            first = cluster.spec.nodes[0]
+            target = (cluster.spec.node_host(first), first.gateway_port)
+        return target            # None: the scheduler's per-session index
 
-        async def lookup(keys):
-            return (await client.lookup_prefix(keys)).hit_blocks
-        return FunctionHitLookup(lookup)
-
-    async def _gateway(self) -> Any:
+    async def _gateway(self, stack: contextlib.AsyncExitStack) -> Any:
+        from common.metrics import gateway_stats
         from storage_gateway.service import GatewayService
-        node = _need_node(self.args)
-        cfg = service_config(self.cluster, "gateway", node, resolve=True)
-        port = self.args.port if self.args.port is not None else \
-            self.cluster.spec.node(node).gateway_port
+        node = _need(self.args.node, "gateway")
+        cfg = self.target.config("gateway", node)
+        port = self.args.port
+        if port is None:
+            cluster = self.target.cluster
+            port = cluster.spec.node(node).gateway_port if cluster is not None else 0
         Path(cfg.gateway.root).mkdir(parents=True, exist_ok=True)
         svc = GatewayService(cfg, node, rpc_port=port)
-        await self.stack.enter_async_context(svc)
+        await stack.enter_async_context(svc)
         self.info.update(host=cfg.rpc.host, rpc_port=svc.rpc_port, ucx_port=svc.ucx_address[1])
-        from common.metrics import gateway_stats
-        self._source("storage_gateway", node, gateway_stats(svc))
+        self._source(stack, "storage_gateway", node, gateway_stats(svc))
         return svc
 
-    async def _node(self, service: str) -> Any:
-        from tools.engine_sim.engines import EngineHost
-        from tools.cluster.node_runner import build
-        a = self.args
-        node = _need_node(a)
-        cfg = service_config(self.cluster, service, node,
-                             scheduler=_hostport(a.scheduler, "--scheduler"),
-                             gateway_port=a.gateway_port, resolve=True)
+    async def _node(self, stack: contextlib.AsyncExitStack) -> Any:
+        from .inprocess import attach_engines, node_service
+        a, service = self.args, self.service
+        node = _need(a.node, service)
+        cfg = self.target.config(service, node, scheduler=_hostport(a.scheduler, "--scheduler"),
+                                 gateway_port=a.gateway_port)
         if a.port is not None:
-            import msgspec
-            section = msgspec.structs.replace(getattr(cfg, service), rpc_port=a.port)
-            cfg = msgspec.structs.replace(cfg, **{service: section})
-        svc = build(service, cfg, node, None)
-        await self.stack.enter_async_context(svc)
-        host = await self.stack.enter_async_context(EngineHost(svc, cfg.engine_sim))
-        svc.extra_stats = host.counters
+            cfg = _with_section(cfg, service, rpc_port=a.port)
+        svc = await stack.enter_async_context(
+            node_service(service, cfg, node, engines=a.engines))
+        if not a.no_engines:
+            await attach_engines(stack, svc, cfg.engine_sim)
         self.info.update(host=getattr(cfg, service).host, rpc_port=svc.rpc_port,
                          ucx_port=svc.ucx_address[1], engines=list(svc.engine_ids))
-        self._source(service, node, svc.stats)
+        self._source(stack, service, node, svc.stats)
         return svc
 
-    def _source(self, service: str, node: str, fn: Any) -> None:
+    def _source(self, stack: contextlib.AsyncExitStack, service: str, node: str, fn: Any
+                ) -> None:
         from common.metrics import register_source, unregister_source
         register_source(service, node, fn)
-        self.stack.callback(unregister_source, service, node)
+        stack.callback(unregister_source, service, node)
 
-    async def _metrics(self) -> None:
+    async def _metrics(self, stack: contextlib.AsyncExitStack) -> None:
         port = self.args.metrics_port
         if port is None:
-            port = _configured_metrics_port(self.cluster, self.info["service"],
-                                            self.args.node)
+            port = self.target.metrics_port(self.service, self.args.node)
         if port is None:
             self.info["metrics_port"] = None
             return
         from common.metrics import MetricsEndpoint
         ep = MetricsEndpoint()
-        host = self.info.get("host") or self.cluster.spec.host
+        host = self.info.get("host") or self.target.cfg.rpc.host
         self.info["metrics_port"] = await ep.start(port, host)
-        self.stack.push_async_callback(ep.stop)
-
-    def _announce(self) -> None:
-        line = json.dumps(self.info)
-        f = self.args.ready_file
-        if f is not None:
-            tmp = f.with_suffix(f.suffix + ".tmp")
-            tmp.write_text(line + "\n")
-            tmp.replace(f)                     # readers never see half a line
-        print(line, flush=True)
+        stack.push_async_callback(ep.stop)
 
 
-def _need_node(a: argparse.Namespace) -> str:
-    if not a.node:
-        raise DualpathError(f"dualpath serve {a.service} needs --node ID")
-    return a.node
+# --------------------------------------------------------------------------- entry
 
-
-def _configured_metrics_port(cluster: Cluster, service: str, node: str | None) -> int | None:
-    c = cluster.spec
-    if service == "scheduler":
-        return c.scheduler_metrics_port
-    n = c.node(node)
-    return n.gateway_metrics_port if service == "gateway" else n.metrics_port
-
-
-def _scheduler_source(svc: Any) -> Any:
-    from common.metrics import scheduler_stats
-    return scheduler_stats(svc)
+def _prepare(args: argparse.Namespace) -> _Roles:
+    """Everything checkable before the loop starts (a ConfigError here is exit status 2)."""
+    target = load_target(args.config, args.mode)
+    roles = _Roles(target, args)
+    if roles.service != "scheduler":
+        node = _need(args.node, roles.service)
+        if target.cluster is not None:
+            service_config(target.cluster, roles.service, node)   # wrong role / node → 2
+    return roles
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,20 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from common.faults import check_env
         armed = check_env()              # a bad DUALPATH_FAILPOINTS exits 2 before starting
-        cluster = load_cluster(args.config, mode=args.mode)
-        if args.service != "scheduler":
-            node = cluster.spec.node(_need_node(args))
-            service = ROLE_SERVICE[node.role] if args.service == "node" else args.service
-            service_config(cluster, service, node.id)        # wrong role → exit 2
+        roles = _prepare(args)
     except DualpathError as e:
         print(f"dualpath serve: {e.message}", file=sys.stderr)
         return 2
-    cfg = cluster.cfg
+    cfg = roles.target.cfg
     configure_logging(cfg.logging.level, cfg.logging.json)
     if armed:
         print(f"dualpath serve {args.service}: failpoints armed: {armed}", file=sys.stderr)
-    return run_cli(f"dualpath serve {args.service}", _Runner(cluster, args).main(),
-                   use_uvloop=cfg.rpc.use_uvloop)
+    return run_cli(f"dualpath serve {roles.service}",
+                   serve_process(roles.start, args.ready_file), use_uvloop=cfg.rpc.use_uvloop)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.kv import ROOT_KEY, KVSpec, chain_key
+# tail_key/synthetic_key are key rules: they live in common.kv (the PE/DE prompt layout needs
+# them too) and are re-exported here beside the patterns they name.
+from common.kv import KVSpec, synthetic_key, tail_key  # noqa: F401
 
 _DIGEST = 64
 _RAMP_PERIOD = 251
@@ -48,20 +50,6 @@ def layer_pattern(key: str, layer: int, nbytes: int, out: np.ndarray | None = No
         flat[:] = np.tile(tile, reps)[:nbytes]
     flat += _ramp_to(nbytes)          # uint8 arithmetic wraps: that is the point
     return flat
-
-
-def tail_key(parent: str, tail_token_ids: Sequence[int] | None, tail_tokens: int) -> str:
-    """Key of a prompt's partial last block (its token ids when known, else its length)."""
-    if tail_token_ids is not None:
-        payload = np.asarray(tail_token_ids, dtype="<u4").tobytes()
-    else:
-        payload = b"tail-len:%d" % tail_tokens
-    return chain_key(parent, b"tail:" + payload)
-
-
-def synthetic_key(session_id: str, index: int) -> str:
-    """Stand-in key of block ``index`` of a request that came without keys."""
-    return chain_key(ROOT_KEY, b"synthetic:%s:%d" % (session_id.encode(), index))
 
 
 def fill_tokens(dst: np.ndarray, spec: KVSpec, block_keys: Sequence[str], tail: str | None,

@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from .driver import RequestRecord
 from .telemetry import Sampler
@@ -33,10 +34,15 @@ TPOT_SLO_S = 0.050
 
 
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
+    """Mean and nearest-rank percentiles of the values that are not ``None``.
+
+    Nearest rank (numpy's ``inverted_cdf``): the smallest sample with at least p % of the
+    samples at or below it, always a measured value, never an interpolation.
+    """
     v = sorted(x for x in values if x is not None)
     out: dict[str, float | None] = {"mean": (sum(v) / len(v)) if v else None}
-    for p in ps:
-        out[f"p{p}"] = v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))] if v else None
+    qs = np.percentile(v, ps, method="inverted_cdf").tolist() if v else [None] * len(ps)
+    out.update({f"p{p}": q for p, q in zip(ps, qs)})
     return out
 
 

@@ -77,7 +77,7 @@ class ClusterTarget:
     @classmethod
     def from_inprocess(cls, c: Any) -> ClusterTarget:
         """A :func:`tools.cluster.inprocess.start_cluster` cluster."""
-        return cls.for_cluster(c.cluster, c.scheduler, c.gateway_endpoints(),
+        return cls.for_cluster(c.cluster, c.scheduler_address, c.gateway_endpoints(),
                                c.node_endpoints())
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import structlog
+
 from common.config import RpcConfig
 from common.protocol import ErrorReply, GetStats, GetStatsReply, Pong
 from common.rpc import RpcClient
@@ -23,6 +25,8 @@ KEEP = ("link_bytes_charged", "bytes_read", "bytes_written", "transport_bytes_re
         "pe_buffer_pages_total", "de_buffer_pages_total", "link_rate_bytes_per_s")
 
 _StatsReply = Union[GetStatsReply, Pong, ErrorReply]
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Sampler:
     samples: list[dict[str, Any]] = field(default_factory=list)
     first: dict[str, dict[str, float]] = field(default_factory=dict)
     last: dict[str, dict[str, float]] = field(default_factory=dict)
+    missed: dict[str, int] = field(default_factory=dict)     # samples lost per service
 
     def __post_init__(self) -> None:
         self._clients = {self._key(t): RpcClient(self.rpc, t.host, t.port, role="monitor",
@@ -89,7 +94,9 @@ class Sampler:
             try:
                 reply = await client.call(GetStats(), timeout=2.0)
                 return key, dict(reply.counters)
-            except Exception:          # a sample may be missing; the series tolerates gaps
+            except Exception as e:     # a sample may be missing; the series tolerates gaps
+                self.missed[key] = self.missed.get(key, 0) + 1
+                log.debug("telemetry_sample_missed", service=key, error=repr(e))
                 return key, None
         got = await asyncio.gather(*(one(k, c) for k, c in self._clients.items()))
         return {k: v for k, v in got if v is not None}

@@ -2,7 +2,7 @@
 
 **Agentic** (paper §6.6, Appendix A.3; digest §1.7). Table 2 publishes only averages per
 dataset (turns, appended and generated tokens per turn); the shape of one trajectory is our
-model, the same one the simulator uses (``sim/workload.py``):
+model, the same one the simulator uses (``sim/workload.py``; the table: ``common/datasets.py``):
 
 * turns ``≈ turns · U(0.5, 1.5)`` (capped by ``max_turns`` for short runs);
 * appended tokens per turn log-normal (mean ``append``, σ = 1: tool output is heavy-tailed),
@@ -33,9 +33,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from common.datasets import DATASETS  # Table 2: one copy, shared with the simulator
 from common.errors import InvalidArgument
 from common.kv import MOONCAKE_BLOCK_TOKENS, block_keys_from_mooncake
-from sim.workload import DATASETS  # Table 2: one copy, shared with the simulator
 
 
 class AgenticSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,30 @@
+"""Base of the wire schema: the protocol version, :class:`Message` and the shared
+:class:`ErrorReply` every channel answers with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t"):
+    """Base of every control message. Subclasses set ``tag="area.name"``."""
+
+
+# --------------------------------------------------------------------------- errors
+
+class ErrorReply(Message, tag="error", frozen=True):
+    """The one error shape on the wire; ``code`` is a ``common.errors.ErrorCode`` value."""
+
+    code: str
+    message: str
+    retryable: bool = False
+    retry_after_s: float | None = None
+
+
+def union_members(union: Any) -> tuple[type, ...]:
+    """Members of a channel union (for handler-coverage tests)."""
+    return tuple(getattr(union, "__args__", (union,)))

@@ -1,0 +1,129 @@
+"""Shared test helpers: polls with a deadline, and virtual time for rate limiters.
+
+Tests wait for a condition, never for a fixed time (CONVENTIONS.md §10): a poll returns as
+soon as the condition holds, so a loaded CI machine only makes it slower, never flaky, and
+the deadline only guards against hangs. A failing poll names what it waited for.
+
+Rate limiters (``common.rate.TokenBucket`` and what is built on it) take an injected clock;
+``VirtualTime`` is that clock plus a ``sleep`` that moves it, so a test asserts the exact
+schedule instead of a rate measured on the wall clock (speed belongs to benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import inspect
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+What = str | Callable[[], str]
+
+#: Generous: a deadline is there to end a hang, not to measure anything.
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def _describe(what: What) -> str:
+    return what() if callable(what) else what
+
+
+def _failure(what: What, timeout: float) -> AssertionError:
+    return AssertionError(f"timed out after {timeout:g}s waiting for {_describe(what)}")
+
+
+async def _holds(cond: Callable[[], Any]) -> bool:
+    result = cond()
+    if inspect.isawaitable(result):
+        result = await result
+    return bool(result)
+
+
+async def apoll(cond: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT_S, *,
+                interval: float = 0.005) -> bool:
+    """Whether ``cond`` held within ``timeout`` (checked every ``interval``; may be async).
+
+    For a wait whose outcome a later assertion judges; most tests want ``until``.
+    """
+    end = time.monotonic() + timeout
+    while not await _holds(cond):
+        if time.monotonic() > end:
+            return False
+        await asyncio.sleep(interval)
+    return True
+
+
+async def until(cond: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT_S,
+                what: What = "condition", *, interval: float = 0.005) -> None:
+    """Poll ``cond`` (a callable, may return an awaitable) until true.
+
+    ``what`` (a string, or a callable evaluated only on failure so it can show the state
+    reached) names the condition in the AssertionError raised after ``timeout``.
+    """
+    if not await apoll(cond, timeout, interval=interval):
+        raise _failure(what, timeout)
+
+
+def poll(cond: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT_S, *,
+         interval: float = 0.01) -> bool:
+    """Blocking ``apoll``: whether ``cond`` held within ``timeout``."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def wait_until(cond: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT_S,
+               what: What = "condition", *, interval: float = 0.01) -> None:
+    """Blocking ``until``, for sync tests (subprocesses, threads)."""
+    if not poll(cond, timeout, interval=interval):
+        raise _failure(what, timeout)
+
+
+class VirtualTime:
+    """A clock that moves only to the next sleeper's wake-up, and the ``sleep`` that moves it.
+
+    Pass ``clock`` to a ``TokenBucket``/``LinkShaper`` and patch its module's ``sleep`` with
+    ``sleep``; ``run(aw)`` then drives ``aw``: whenever the tasks have settled it wakes the
+    earliest sleeper (ties in the order they slept) and sets ``now`` to its wake time. Time
+    never moves while nobody sleeps (a task waiting on real I/O just makes ``run`` wait), so
+    the schedule is exact. ``sleeps`` lists every requested delay in order.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, delay: float) -> None:
+        self.sleeps.append(delay)
+        fut = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self.now + max(0.0, delay), next(self._seq), fut))
+        await fut
+
+    async def run(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` with this clock driving every sleep it makes."""
+        task = asyncio.ensure_future(aw)
+        while not task.done():
+            for _ in range(10):              # let every runnable task reach its next await
+                await asyncio.sleep(0)
+            if not self._wake_next() and not task.done():
+                await asyncio.sleep(0.001)   # only real I/O is pending: wait for it
+        return await task
+
+    def _wake_next(self) -> bool:
+        while self._sleepers:
+            wake, _, fut = heapq.heappop(self._sleepers)
+            if not fut.done():               # a cancelled sleeper is skipped
+                self.now = max(self.now, wake)
+                fut.set_result(None)
+                return True
+        return False

@@ -18,14 +18,15 @@ WORKDIR /app
 # Dependencies first (cached until pyproject.toml changes): install the project with empty
 # packages, then drop it; the real sources come next.
 COPY pyproject.toml README.md ./
-RUN mkdir -p common services storage_gateway bench sim \
-    && for d in common services storage_gateway bench sim; do touch "$d/__init__.py"; done \
+RUN mkdir -p common services storage_gateway tools bench sim \
+    && for d in common services storage_gateway tools bench sim; do touch "$d/__init__.py"; done \
     && pip install -q . && pip uninstall -q -y dualpath \
-    && rm -rf common services storage_gateway bench sim build *.egg-info
+    && rm -rf common services storage_gateway tools bench sim build *.egg-info
 
 COPY common/ common/
 COPY services/ services/
 COPY storage_gateway/ storage_gateway/
+COPY tools/ tools/
 COPY bench/ bench/
 COPY sim/ sim/
 COPY configs/ configs/

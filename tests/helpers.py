@@ -127,3 +127,13 @@ class VirtualTime:
                 fut.set_result(None)
                 return True
         return False
+
+
+def reap(proc: Any) -> None:
+    """End a test's child process (kill if it is still running) and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()

@@ -37,7 +37,7 @@ from storage_gateway.client import GatewayClient, block_slots, layout_slots, pla
 from storage_gateway.config import GatewayConfig
 from storage_gateway.service import (GatewayNodeConfig, GatewayService, GatewayServiceConfig,
                                      check_read)
-from tests.helpers import until
+from tests.helpers import reap, until
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -355,10 +355,7 @@ def run_gateway(tmp_path: Path, config_toml: str, node: str):
         assert ready.get("event") == "ready", (tmp_path / "gateway.log").read_text()
         yield proc, ready
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
+        reap(proc)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from common.protocol import (FirstToken, RequestFailed, RequestFinished, Request
 from services.scheduler.client import SchedulerClient, SyncSchedulerClient, failure_error
 from services.scheduler.service import SchedulerService
 from services.scheduler.stub_nodes import StubCluster
-from tests.helpers import poll, until
+from tests.helpers import poll, reap, until
 
 RPC = RpcConfig(reconnect_initial_s=0.01, reconnect_max_s=0.05, reconnect_attempts=5,
                 default_deadline_s=10.0)
@@ -168,11 +168,7 @@ def test_entry_point_serves_on_its_printed_port_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        reap(proc)
 
 
 def test_entry_point_rejects_a_bad_config(tmp_path):

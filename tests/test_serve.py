@@ -16,6 +16,7 @@ import pytest
 
 from common.errors import InternalError
 from common.service import Service, serve_process
+from tests.helpers import reap
 from tools import cli
 from tools.cluster import serve
 
@@ -67,11 +68,7 @@ def test_gateway_on_a_plain_file_announces_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        reap(proc)
 
 
 class _Quiet(Service):

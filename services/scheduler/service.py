@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -76,8 +75,7 @@ class SchedulerService(NodeChannel, Service):
 
     def __init__(self, config: ServicesConfig | None = None, *, host: str | None = None,
                  port: int | None = None, hit_lookup: HitLookup | None = None,
-                 node_id: str = "scheduler", auth_secret: bytes | None = _UNSET,
-                 on_listening: Callable[[str, int], None] | None = None) -> None:
+                 node_id: str = "scheduler", auth_secret: bytes | None = _UNSET) -> None:
         cfg = config if config is not None else ServicesConfig()
         self.settings = s = cfg.scheduler_service
         super().__init__(node_id, drain_timeout_s=s.drain_grace_s)
@@ -88,7 +86,6 @@ class SchedulerService(NodeChannel, Service):
         self.leases = LeaseTable(s.lease_s)
         self._host = host or s.host or cfg.rpc.host
         self._port = s.port if port is None else port
-        self._on_listening = on_listening
         self._reqs: dict[str, RequestState] = {}
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._outboxes: dict[tuple[str, str], Outbox] = {}
@@ -132,8 +129,6 @@ class SchedulerService(NodeChannel, Service):
         await self._server.start(self._host, self._port)
         self.log.info("scheduler_listening", host=self._host, port=self.port,
                       policy=self.core.config.policy, alpha=self.core.alpha, beta=self.core.beta)
-        if self._on_listening is not None:
-            self._on_listening(self._host, self.port)
 
     def loops(self):
         return [self._lease_loop]

@@ -10,6 +10,7 @@ instead of instrumenting every code path twice:
   other key is exported as ``dualpath_stat{service, node, name}``.
 * :func:`observe_request` — TTFT / TTST / TPOT / end-to-end histograms, fed by the scheduler
   with each ``RequestFinished`` (thread-safe, cheap; a no-op cost when nobody scrapes).
+* :func:`observe_failed_attempt` — failed attempts by hop and error code (scheduler).
 * :class:`MetricsEndpoint` — ``await start(port, host)`` serves ``/metrics`` (port 0: any free
   port, read ``.port``), ``await stop()``.
 
@@ -25,6 +26,8 @@ Standard families (labels):
 ``dualpath_requests_ended_total``           outcome = finished | failed | cancelled
 ``dualpath_buffer_pages``                   node, pool, kind = used | total
 ``dualpath_ttft_seconds`` / ``_ttst_`` / ``_tpot_`` / ``_e2e_``  histograms (scheduler)
+``dualpath_failed_attempts_total``          hop, code: request attempts that failed (scheduler;
+                                            re-planned or final — :func:`observe_failed_attempt`)
 ==========================================  ===================================================
 """
 
@@ -37,7 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = structlog.get_logger(__name__)
@@ -62,6 +65,9 @@ class _Registry:
         self.ttst = self._hist("dualpath_ttst_seconds", "First to second token")
         self.tpot = self._hist("dualpath_tpot_seconds", "Time per output token after the first")
         self.e2e = self._hist("dualpath_e2e_seconds", "Submit to finished")
+        self.failed_attempts = Counter(
+            "dualpath_failed_attempts", "Request attempts that failed (re-planned or final), "
+            "by the hop that failed and the error code", ("hop", "code"), registry=self.registry)
 
     def _hist(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -120,6 +126,11 @@ def observe_request(ev: Any) -> None:
     if getattr(ev, "tokens", 0) > 1:
         r.tpot.observe(ev.tpot_s)
     r.e2e.observe(ev.e2e_s)
+
+
+def observe_failed_attempt(hop: str, code: str) -> None:
+    """Count one failed attempt (``dualpath_failed_attempts_total{hop, code}``)."""
+    registry().failed_attempts.labels(hop=hop or "unknown", code=code or "UNKNOWN").inc()
 
 
 # --------------------------------------------------------------------------- mapping

@@ -11,6 +11,11 @@ block holding exactly one Full Block. ``layout_slots`` gives them for a request 
 out ``[L, tokens, B]``; with ``layer_major=True`` each batch then travels as one message per
 layer (see ``common.protocol.ReadBatch``).
 
+Limits (issue #16): the gateway refuses any request above the bounds it states in
+``GatewayLimits`` (batch bytes and slots, keys and bytes per request, frame size). The client
+asks for them once per RPC connection and builds nothing above them: batches shrink, and a
+read or write too big for one request becomes several calls answered as one reply.
+
 Same host: when the arena lies in a shared-memory segment (``common.shm``; the node services'
 pools do when ``[gateway] shm = true``), reads name the segment and the gateway preads straight
 into the slots — no receives, no UCX, one copy. If the gateway cannot open the segment
@@ -22,8 +27,9 @@ have stopped writing into the slots when the call returns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -33,8 +39,8 @@ from common.config import RpcConfig
 from common import shm as shm_mod
 from common.errors import InvalidArgument, ProtocolError
 from common.kv import KVSpec, validate_keys
-from common.protocol import (BlocksWritten, GatewayReply, GetStats, LookupPrefix,
-                             LookupPrefixReply, Ping, ReadBatch, ReadBlocks,
+from common.protocol import (BlocksWritten, GatewayLimits, GatewayReply, GetLimits, GetStats,
+                             LookupPrefix, LookupPrefixReply, Ping, ReadBatch, ReadBlocks,
                              ReadBlocksReply, ShmFence, ShmUnavailable, WatchTelemetry,
                              WriteBlocks, WriteSlots)
 from common.rpc import RpcClient, RpcStream
@@ -76,24 +82,126 @@ def _by_layer(slots: Slots, spec: KVSpec) -> list[Slots]:
 
 
 def plan_batches(spec: KVSpec, dest_slots: Sequence[Slots], batch_bytes: int,
-                 layer_major: bool = False) -> list[tuple[int, Slots]]:
-    """``(n_keys, slots)`` of each batch: ``batch_bytes`` worth of blocks (at least one)."""
+                 layer_major: bool = False, *, max_slots: int | None = None,
+                 coalesce: bool = False) -> list[tuple[int, Slots]]:
+    """``(n_keys, slots)`` of each batch: at most ``batch_bytes`` worth of blocks (at least
+    one) in at most ``max_slots`` slots — fewer blocks where the slots are fragmented.
+
+    ``coalesce`` merges slots that continue each other (same bytes, same places, fewer slots:
+    a ``[L, tokens, B]`` region read layer-major needs one slot per layer per batch).
+    """
     bb = spec.full_block_bytes
     for i, slots in enumerate(dest_slots):
         if sum(n for _, n in slots) != bb or any(o < 0 or n < 0 for o, n in slots):
             raise InvalidArgument(f"destination {i}: slots must hold exactly one Full Block "
                                   f"({bb} B)")
     per = max(1, batch_bytes // bb)
-    out = []
-    for j in range(0, len(dest_slots), per):
-        group = dest_slots[j:j + per]
-        if layer_major:
-            pieces = [_by_layer(s, spec) for s in group]
-            slots = [p for layer in range(spec.num_layers) for blk in pieces for p in blk[layer]]
-        else:
-            slots = [p for s in group for p in s]
-        out.append((len(group), slots))
+    out: list[tuple[int, Slots]] = []
+    batch = _BatchSlots(spec.num_layers if layer_major else 1, coalesce)
+    for i, slots in enumerate(dest_slots):
+        block = _by_layer(slots, spec) if layer_major else [list(slots)]
+        if batch.n and (batch.n == per or (max_slots is not None
+                                           and batch.count_with(block) > max_slots)):
+            out.append((batch.n, batch.slots()))
+            batch = _BatchSlots(len(block), coalesce)
+        if max_slots is not None and batch.count_with(block) > max_slots:
+            raise InvalidArgument(f"destination {i}: one Full Block in {batch.count_with(block)} "
+                                  f"slots, above the gateway's limit of {max_slots} per batch "
+                                  "— use fewer, larger pages")
+        batch.add(block)
+    if batch.n:
+        out.append((batch.n, batch.slots()))
     return out
+
+
+class _BatchSlots:
+    """The slots of one batch as it grows block by block: one run list per stream part (per
+    layer when layer-major), so a slot count is known before a block is added."""
+
+    def __init__(self, parts: int, coalesce: bool) -> None:
+        self.runs: list[Slots] = [[] for _ in range(parts)]
+        self.coalesce = coalesce
+        self.n = self.count = 0
+
+    def _new_runs(self, runs: Slots, pieces: Slots) -> int:
+        if not self.coalesce:
+            return len(pieces)
+        end, add = (runs[-1][0] + runs[-1][1]) if runs else -1, 0
+        for off, k in pieces:
+            if k:
+                add += off != end
+                end = off + k
+        return add
+
+    def count_with(self, block: list[Slots]) -> int:
+        """Slots once ``block`` is added (an upper bound when coalescing: runs that continue
+        across layers are merged only by ``slots()``)."""
+        return self.count + sum(self._new_runs(r, p) for r, p in zip(self.runs, block))
+
+    def add(self, block: list[Slots]) -> None:
+        self.count = self.count_with(block)
+        self.n += 1
+        for runs, pieces in zip(self.runs, block):
+            for off, k in pieces:
+                if self.coalesce and runs and runs[-1][0] + runs[-1][1] == off:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + k)
+                elif not (self.coalesce and k == 0):
+                    runs.append((off, k))
+
+    def slots(self) -> Slots:
+        out: Slots = []
+        for off, k in (p for runs in self.runs for p in runs):
+            if self.coalesce and out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + k)
+            else:
+                out.append((off, k))
+        return out
+
+
+# Upper bounds of the msgpack encoding, for keeping a request under rpc.max_frame_bytes: a
+# key is a 32-char str (2-byte header); a slot a 2-array of ints of at most 9 bytes each; a
+# ReadBatch (array_like) its header, transfer id, n_keys, list header and flag; the rest of a
+# request (envelope, field names, ports) fits in REQUEST_WIRE plus its strings.
+KEY_WIRE, SLOT_WIRE, BATCH_WIRE, REQUEST_WIRE = 34, 19, 32, 512
+
+
+def read_calls(plan: list[tuple[int, Slots]], limits: GatewayLimits,
+               fixed_bytes: int) -> list[list[tuple[int, Slots]]]:
+    """The batches of a read grouped into ReadBlocks calls under the gateway's per-request
+    limits: keys, bytes, and the encoded size (``fixed_bytes``: the request's strings)."""
+    calls: list[list[tuple[int, Slots]]] = []
+    keys = size = 0
+    frame = limits.max_frame_bytes - REQUEST_WIRE - fixed_bytes
+    for n, slots in plan:
+        wire = n * KEY_WIRE + BATCH_WIRE + len(slots) * SLOT_WIRE
+        if wire > frame:
+            raise InvalidArgument(f"a batch of {n} blocks in {len(slots)} slots cannot fit "
+                                  f"the gateway's rpc.max_frame_bytes ({limits.max_frame_bytes})")
+        if not calls or keys + n > limits.max_keys_per_request or size + wire > frame \
+                or (keys + n) * limits.block_bytes > limits.max_bytes_per_request:
+            calls.append([])
+            keys = size = 0
+        calls[-1].append((n, slots))
+        keys, size = keys + n, size + wire
+    return calls
+
+
+def write_call_blocks(limits: GatewayLimits, fixed_bytes: int) -> int:
+    """Keys per WriteBlocks so that even if every block is new the gateway accepts it."""
+    by_bytes = min(limits.max_batch_bytes, limits.max_bytes_per_request) // limits.block_bytes
+    by_frame = (limits.max_frame_bytes - REQUEST_WIRE - fixed_bytes) // KEY_WIRE
+    return max(1, min(by_bytes, limits.max_keys_per_request, by_frame))
+
+
+def combine_reads(request_id: str, replies: list[ReadBlocksReply]) -> ReadBlocksReply:
+    """One reply for a read that took several ReadBlocks calls (key order kept)."""
+    if len(replies) == 1:
+        return replies[0]
+    found = [f for r in replies for f in r.found]
+    prefix = next((i for i, f in enumerate(found) if not f), len(found))
+    return ReadBlocksReply(request_id, found, prefix, sum(r.corrupt for r in replies),
+                           sum(r.nbytes for r in replies), sum(r.queued_s for r in replies),
+                           sum(r.read_s for r in replies), replies[-1].read_q_tokens)
 
 
 class GatewayClient:
@@ -110,6 +218,8 @@ class GatewayClient:
         self.spec = spec
         self._gateway_ucx = gateway_ucx
         self._ucx_asked_on: Any = None      # the RPC connection the cached UCX address came from
+        self._limits: GatewayLimits | None = None
+        self._limits_asked_on: Any = None   # the RPC connection the cached limits came from
         self._shm = shm_mod.segment_of(arena) if shm is not False else None
         if shm is True and self._shm is None:
             raise InvalidArgument("shm=True needs an arena inside a common.shm segment")
@@ -150,6 +260,18 @@ class GatewayClient:
             self._ucx_asked_on = self.rpc.peer
         return self._gateway_ucx
 
+    async def limits(self, timeout: float | None = None) -> GatewayLimits:
+        """The bounds the gateway holds each request to, asked once per RPC connection (again
+        after a reconnect: a restarted gateway may run with another config)."""
+        asked = self._limits_asked_on
+        if self._limits is None or not self.rpc.connected or self.rpc.peer is not asked:
+            limits = await self.rpc.call(GetLimits(), timeout)
+            if not isinstance(limits, GatewayLimits) or limits.block_bytes != self.spec.full_block_bytes:
+                raise ProtocolError(f"gateway {self.rpc.address} stated limits {limits!r} for "
+                                    f"another block size than {self.spec.full_block_bytes} B")
+            self._limits, self._limits_asked_on = limits, self.rpc.peer
+        return self._limits
+
     # ------------------------------------------------------------------ control
     async def ping(self, timeout: float | None = None) -> None:
         await self.rpc.call(Ping(), timeout)
@@ -170,25 +292,56 @@ class GatewayClient:
                           layer_major: bool = False) -> ReadBlocksReply:
         """Read ``keys`` into the arena at ``dest_slots`` (one slot list per key).
 
-        Blocks not found arrive as zeros and are flagged in ``reply.found``; the usable hit
-        is ``reply.prefix_blocks``. Raises the gateway's typed error, or the transport's
-        (PeerFailed, DeadlineExceeded) — never with a receive still posted.
+        Batches hold at most ``batch_bytes`` and never more than the gateway's stated limits
+        allow (``limits()``); a read above its per-request limits takes several ReadBlocks
+        calls, one after another, answered as one reply. Blocks not found arrive as zeros and
+        are flagged in ``reply.found``; the usable hit is ``reply.prefix_blocks``. Raises the
+        gateway's typed error, or the transport's (PeerFailed, DeadlineExceeded) — never with
+        a receive still posted.
         """
         keys = validate_keys(keys)
         if len(dest_slots) != len(keys):
             raise InvalidArgument(f"need one destination per key: {len(keys)} keys, "
                                   f"{len(dest_slots)} destinations")
-        plan = plan_batches(self.spec, dest_slots, batch_bytes, layer_major)
+        left = _budget(deadline_s)
+        calls = self._plan_read(request_id, dest_slots, batch_bytes, layer_major,
+                                await self.limits(left()))
         if self._shm is not None:
-            reply = await self._read_shm(request_id, keys, dest_slots, plan, layer_major,
-                                         deadline_s)
+            reply = await self._read_shm(request_id, keys, dest_slots, calls, layer_major, left)
             if reply is not None:
                 return reply
         self.counts["ucx_reads"] += 1
         gateway = await self.gateway_ucx()
+        replies, first = [], 0
+        for call in calls:
+            n = sum(k for k, _ in call)
+            replies.append(await self._read_ucx(gateway, request_id, keys[first:first + n], call,
+                                                layer_major, left()))
+            first += n
+        return combine_reads(request_id, replies)
+
+    def _plan_read(self, request_id: str, dest_slots: Sequence[Slots], batch_bytes: int,
+                   layer_major: bool, limits: GatewayLimits) -> list[list[tuple[int, Slots]]]:
+        """Batches under max_batch_bytes / max_slots_per_batch, grouped into calls under the
+        per-request limits (a batch also shrinks so that one fits a frame on its own)."""
+        bb = self.spec.full_block_bytes
+        fixed = len(request_id.encode()) + len(self.transport.address[0]) + \
+            (len(self._shm[0].name) if self._shm is not None else 0)
+        per_call = min(limits.max_keys_per_request, limits.max_bytes_per_request // bb)
+        batch = min(batch_bytes, limits.max_batch_bytes, max(per_call, 1) * bb)
+        frame_slots = (limits.max_frame_bytes - REQUEST_WIRE - fixed - BATCH_WIRE
+                       - KEY_WIRE * max(1, batch // bb)) // SLOT_WIRE
+        plan = plan_batches(self.spec, dest_slots, batch, layer_major, coalesce=True,
+                            max_slots=max(1, min(limits.max_slots_per_batch, frame_slots)))
+        return read_calls(plan, limits, fixed)
+
+    async def _read_ucx(self, gateway: Peer, request_id: str, keys: list[str],
+                        call: list[tuple[int, Slots]], layer_major: bool,
+                        deadline_s: float) -> ReadBlocksReply:
+        """One ReadBlocks call over UCX: post every receive, ask, wait for the bytes."""
         handles, batches = [], []
         try:
-            for n, slots in plan:
+            for n, slots in call:
                 tid = self.transport.new_transfer_id()
                 handles.append(await self.transport.expect(gateway, tid, self.arena, slots, deadline_s))
                 batches.append(ReadBatch(tid, n, slots, layer_major))
@@ -203,8 +356,8 @@ class GatewayClient:
         return reply
 
     async def _read_shm(self, request_id: str, keys: list[str], dest_slots: Sequence[Slots],
-                        plan: list[tuple[int, Slots]], layer_major: bool,
-                        deadline_s: float) -> ReadBlocksReply | None:
+                        calls: list[list[tuple[int, Slots]]], layer_major: bool,
+                        left: Callable[[], float]) -> ReadBlocksReply | None:
         """The same-host read; None when the gateway cannot reach the segment (use UCX)."""
         assert self._shm is not None        # the caller checked: this client reads over shm
         seg, base = self._shm
@@ -212,25 +365,35 @@ class GatewayClient:
         for i, slots in enumerate(dest_slots):
             if any(off + n > limit for off, n in slots):
                 raise InvalidArgument(f"destination {i}: a slot ends beyond the {limit} B arena")
-        batches = [ReadBatch(j + 1, n, [(base + off, k) for off, k in slots], layer_major)
-                   for j, (n, slots) in enumerate(plan)]
         host, port = self.transport.address
-        msg = ReadBlocks(request_id, keys, host, port, batches, seg.name, seg.nbytes)
+        replies, first = [], 0
+        for call in calls:
+            batches = [ReadBatch(j + 1, n, [(base + off, k) for off, k in slots], layer_major)
+                       for j, (n, slots) in enumerate(call)]
+            n_keys = sum(b.n_keys for b in batches)
+            msg = ReadBlocks(request_id, keys[first:first + n_keys], host, port, batches,
+                             seg.name, seg.nbytes)
+            reply = await self._shm_call(msg, left())
+            if isinstance(reply, ShmUnavailable):
+                log.warning("gateway_shm_unavailable_using_ucx", gateway=self.rpc.address,
+                            segment=seg.name, reason=reply.reason)
+                self._shm = None
+                self.counts["shm_fallbacks"] += 1
+                return None                   # the whole read again over UCX
+            replies.append(reply)
+            first += n_keys
+        self.counts["shm_reads"] += 1
+        return combine_reads(request_id, replies)
+
+    async def _shm_call(self, msg: ReadBlocks, deadline_s: float) -> Any:
+        """One shared-memory ReadBlocks; fenced when it fails on this side."""
         try:
-            reply = await self.rpc.call(msg, deadline_s)
+            return await self.rpc.call(msg, deadline_s)
         except InvalidArgument:
             raise                             # refused before any I/O
         except BaseException:
-            await self._fence(seg.name, request_id)
+            await self._fence(msg.shm_segment, msg.request_id)
             raise
-        if isinstance(reply, ShmUnavailable):
-            log.warning("gateway_shm_unavailable_using_ucx", gateway=self.rpc.address,
-                        segment=seg.name, reason=reply.reason)
-            self._shm = None
-            self.counts["shm_fallbacks"] += 1
-            return None
-        self.counts["shm_reads"] += 1
-        return reply
 
     async def _fence(self, segment: str, request_id: str) -> None:
         """Wait until the gateway stopped writing into our slots for ``request_id``."""
@@ -246,12 +409,30 @@ class GatewayClient:
                            deadline_s: float) -> BlocksWritten:
         """Store Full Blocks durably; ``payloads[i]``: a flat uint8 array or a list of them.
 
-        Only the blocks the gateway lacks cross the wire; the rest count as duplicates.
+        Only the blocks the gateway lacks cross the wire; the rest count as duplicates. A write
+        above what one WriteBlocks may carry (``max_write_blocks``) takes several calls, one
+        after another, answered as one ``BlocksWritten``.
         """
         keys = validate_keys(keys)
         views = [_payload_views(p, self.spec.full_block_bytes, i) for i, p in enumerate(payloads)]
         if len(views) != len(keys):
             raise InvalidArgument(f"need one payload per key: {len(keys)} keys, {len(views)} payloads")
+        left = _budget(deadline_s)
+        per = await self.max_write_blocks(left(), request_id)
+        done = [await self._write_once(request_id, keys[j:j + per], views[j:j + per], left())
+                for j in range(0, max(len(keys), 1), per)]
+        return BlocksWritten(request_id, sum(d.written for d in done),
+                             sum(d.duplicates for d in done), sum(d.nbytes for d in done))
+
+    async def max_write_blocks(self, timeout: float | None = None, request_id: str = "") -> int:
+        """Keys one WriteBlocks may carry here, counting every block as new (the gateway tells
+        which are new only after the call): under its max_batch_bytes, max_bytes_per_request,
+        max_keys_per_request and frame size."""
+        fixed = len(request_id.encode()) + len(self.transport.address[0])
+        return write_call_blocks(await self.limits(timeout), fixed)
+
+    async def _write_once(self, request_id: str, keys: list[str], views: list[list[np.ndarray]],
+                          deadline_s: float) -> BlocksWritten:
         host, port = self.transport.address
         async with self.rpc.stream(WriteBlocks(request_id, keys, host, port), deadline_s) as events:
             slots = await _next_event(events, WriteSlots)
@@ -265,6 +446,12 @@ class GatewayClient:
             async for extra in events:        # the stream's end: nothing may follow
                 raise ProtocolError(f"gateway sent {type(extra).__name__} after BlocksWritten")
         return done
+
+
+def _budget(deadline_s: float) -> Callable[[], float]:
+    """Seconds left of ``deadline_s`` (a budget from now), for calls made one after another."""
+    end = time.monotonic() + deadline_s
+    return lambda: max(0.0, end - time.monotonic())
 
 
 async def _next_event(events: RpcStream, expected: type) -> Any:

@@ -48,8 +48,8 @@ from common.buffers import Allocation, AsyncPagePool, PagePool
 from common.errors import ConfigError, DualpathError, InvalidArgument, Unavailable
 from common.faults import failpoint
 from common.kv import KVSpec, spec_from_config, validate_keys
-from common.protocol import (BlocksWritten, GatewayRequest, GatewayTelemetry, GetStats,
-                             GetStatsReply, LookupPrefix, LookupPrefixReply, Ping, Pong,
+from common.protocol import (BlocksWritten, GatewayLimits, GatewayRequest, GatewayTelemetry,
+                             GetLimits, GetStats, GetStatsReply, LookupPrefix, LookupPrefixReply, Ping, Pong,
                              ReadBatch, ReadBlocks, ReadBlocksReply, ShmFence, ShmFenceReply,
                              ShmUnavailable, WatchTelemetry, WriteBlocks, WriteSlots)
 from common.rpc import CallContext, RpcServer
@@ -190,7 +190,7 @@ class GatewayService(Service):
         self._pending_tokens = 0
         self._n = dict.fromkeys(("reads_ok", "reads_failed", "read_batches", "blocks_zero_filled",
                                  "writes_ok", "writes_failed", "write_duplicates", "lookups",
-                                 "telemetry_events", "shm_reads", "shm_bytes",
+                                 "telemetry_events", "shm_reads", "shm_batches", "shm_bytes",
                                  "shm_unavailable", "shm_fences", "shm_fence_waits"), 0)
         if self.svc.max_batch_bytes < self.block_bytes:
             raise ConfigError(f"gateway_service.max_batch_bytes ({self.svc.max_batch_bytes}) "
@@ -249,7 +249,7 @@ class GatewayService(Service):
     def handlers(self) -> dict[type, Callable[..., Any]]:
         return {LookupPrefix: self._lookup, ReadBlocks: self._read, WriteBlocks: self._write,
                 WatchTelemetry: self._watch, Ping: self._ping, GetStats: self._get_stats,
-                ShmFence: self._fence}
+                ShmFence: self._fence, GetLimits: self._limits}
 
     @property
     def rpc_port(self) -> int:
@@ -275,6 +275,16 @@ class GatewayService(Service):
 
     async def _get_stats(self, msg: GetStats, ctx: CallContext) -> GetStatsReply:
         return GetStatsReply(SERVICE_NAME, self.node_id, self.counters())
+
+    async def _limits(self, msg: GetLimits, ctx: CallContext) -> GatewayLimits:
+        return self.limits()
+
+    def limits(self) -> GatewayLimits:
+        """The bounds ``check_read`` / ``_check_write`` hold every request to, stated."""
+        gw = self.cfg.gateway
+        return GatewayLimits(self.block_bytes, self.svc.max_batch_bytes,
+                             self.svc.max_slots_per_batch, gw.max_keys_per_request,
+                             gw.max_bytes_per_request, self.cfg.rpc.max_frame_bytes)
 
     def counters(self) -> dict[str, float]:
         """Store, transport, RPC, staging and service counters in one flat dict."""
@@ -377,6 +387,7 @@ class GatewayService(Service):
                         view.fill(0)
                     self._n["blocks_zero_filled"] += 1
             self._n["shm_reads"] += 1
+            self._n["shm_batches"] += len(msg.batches)
             self._n["shm_bytes"] += res.nbytes
         finally:
             done.set()

@@ -382,7 +382,7 @@ def test_peer_failure_is_the_pes_retryable_fault_and_reported():
     err = t.error
     assert isinstance(err, PeerFailed) and err.hop == "pe_receiver" and err.retryable
     assert acts[1] == Report("failed", {"code": "PEER_FAILED", "message": err.message,
-                                        "retryable": True, "hop": "pe_receiver"})
+                                        "retryable": True, "hop": "pe_receiver", "read_bytes": 0})
     assert acts[0].event == "decode_attempt_failed" and acts[-1] == Release()
     assert t.counters["attempts_failed"] == 1
     with pytest.raises(PeerFailed):

@@ -401,7 +401,8 @@ def test_deadline_while_allocating_names_the_pe_buffer():
                                                   "code": "DEADLINE_EXCEEDED",
                                                   "error": err.message}),
         Report("failed", {"code": "DEADLINE_EXCEEDED", "message": err.message,
-                          "retryable": True, "hop": "pe_buffer"})]
+                          "retryable": True, "hop": "pe_buffer",
+                          "read_bytes": 0})]
     assert t.release() == []                                 # nothing allocated
 
 

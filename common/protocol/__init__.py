@@ -33,11 +33,11 @@ from common.protocol.connection import (
 from common.protocol.gateway import (
     LookupPrefix, LookupPrefixReply, ReadBatch, ReadBlocks, ShmUnavailable, ShmFence,
     ShmFenceReply, ReadBlocksReply, WriteBlocks, WriteSlots, BlocksWritten, WatchTelemetry,
-    GatewayTelemetry, GatewayRequest, GatewayReply,
+    GatewayTelemetry, GatewayRequest, GatewayReply, GetLimits, GatewayLimits,
 )
 from common.protocol.frontend import (
-    SubmitRequest, RequestQueued, RequestPlaced, FirstToken, RequestFinished, RequestFailed,
-    RequestEvent, CancelRequest, CancelRequestReply, GetClusterStatus, NodeStatus,
+    SubmitRequest, RequestQueued, RequestPlaced, FirstToken, AttemptRecord, RequestFinished,
+    RequestFailed, RequestEvent, CancelRequest, CancelRequestReply, GetClusterStatus, NodeStatus,
     EngineStatus, ClusterStatus, FrontendRequest, FrontendReply,
 )
 from common.protocol.node import (
@@ -57,8 +57,9 @@ __all__ = [
     "PageSlots", "AdminRequest", "AdminReply", "LookupPrefix", "LookupPrefixReply",
     "ReadBatch", "ReadBlocks", "ShmUnavailable", "ShmFence", "ShmFenceReply",
     "ReadBlocksReply", "WriteBlocks", "WriteSlots", "BlocksWritten", "WatchTelemetry",
-    "GatewayTelemetry", "GatewayRequest", "GatewayReply", "SubmitRequest", "RequestQueued",
-    "RequestPlaced", "FirstToken", "RequestFinished", "RequestFailed", "RequestEvent",
+    "GatewayTelemetry", "GatewayRequest", "GatewayReply", "GetLimits", "GatewayLimits",
+    "SubmitRequest", "RequestQueued",
+    "RequestPlaced", "FirstToken", "AttemptRecord", "RequestFinished", "RequestFailed", "RequestEvent",
     "CancelRequest", "CancelRequestReply", "GetClusterStatus", "NodeStatus", "EngineStatus",
     "ClusterStatus", "FrontendRequest", "FrontendReply", "EngineInfo", "RegisterNode",
     "RegisterNodeReply", "Heartbeat", "HeartbeatReply", "EngineLoad", "FetchWork", "Endpoint",

@@ -68,6 +68,27 @@ class FirstToken(Message, tag="sched.ev.first_token", frozen=True):
     attempt: int = 0
 
 
+class AttemptRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one attempt of a request ended (``RequestFinished`` / ``RequestFailed.attempts``).
+
+    ``stage``: the request state the attempt reached ("loading", "prefilling", "decoding",
+    ...). ``outcome``: "finished", "failed" (its ``hop``, ``code`` and ``message``), "replanned"
+    or "cancelled". ``read_bytes``: storage bytes a failed attempt read (node reports; a
+    finished attempt's read is the request's ``hit_tokens``).
+    """
+
+    attempt: int
+    pe_node: str
+    de_node: str
+    read_side: str
+    stage: str
+    outcome: str
+    hop: str = ""
+    code: str = ""
+    message: str = ""
+    read_bytes: int = 0
+
+
 class RequestFinished(Message, tag="sched.ev.finished", frozen=True):
     """Decode finished: ``tokens`` generated. ``ttst_s`` = second token − first token (None
     when the decode side did not report it); ``tpot_s`` over tokens after the first."""
@@ -81,6 +102,7 @@ class RequestFinished(Message, tag="sched.ev.finished", frozen=True):
     hit_tokens: int
     attempt: int = 0
     output_token_ids: list[int] | None = None   # generated ids (first included), when reported
+    attempts: list[AttemptRecord] = []          # every attempt, the last one included
 
 
 class RequestFailed(Message, tag="sched.ev.failed", frozen=True):
@@ -92,6 +114,7 @@ class RequestFailed(Message, tag="sched.ev.failed", frozen=True):
     retryable: bool = False
     retry_after_s: float | None = None
     attempt: int = 0
+    attempts: list[AttemptRecord] = []          # every attempt, the last one included
 
 
 RequestEvent = Union[RequestQueued, RequestPlaced, FirstToken, RequestFinished, RequestFailed]

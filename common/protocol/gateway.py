@@ -132,6 +132,23 @@ class BlocksWritten(Message, tag="gw.write.done", frozen=True):
     nbytes: int
 
 
+class GetLimits(Message, tag="gw.limits", frozen=True):
+    """Ask the bounds this gateway enforces on one request (answered with ``GatewayLimits``)."""
+
+
+class GatewayLimits(Message, tag="gw.limits.reply", frozen=True):
+    """What one request may ask of this gateway; a request above any of them is refused with
+    INVALID_ARGUMENT, so ``storage_gateway.client`` asks once per connection and splits its
+    reads and writes under them (issue #16)."""
+
+    block_bytes: int            # one Full Block (a batch holds whole blocks)
+    max_batch_bytes: int        # one ReadBatch, or the new blocks of one WriteBlocks
+    max_slots_per_batch: int    # slots of one ReadBatch
+    max_keys_per_request: int   # keys of one ReadBlocks / WriteBlocks
+    max_bytes_per_request: int  # Full Block bytes of one ReadBlocks / WriteBlocks
+    max_frame_bytes: int        # one encoded request (rpc.max_frame_bytes)
+
+
 class WatchTelemetry(Message, tag="gw.watch", frozen=True):
     """Subscribe to the gateway's telemetry every ``interval_s`` (a streaming call)."""
 
@@ -147,7 +164,7 @@ class GatewayTelemetry(Message, tag="gw.telemetry", frozen=True):
 
 
 GatewayRequest = Union[LookupPrefix, ReadBlocks, WriteBlocks, WatchTelemetry, Ping, GetStats,
-                       ShmFence]
+                       ShmFence, GetLimits]
 GatewayReply = Union[LookupPrefixReply, ReadBlocksReply, WriteSlots, BlocksWritten,
                      GatewayTelemetry, Pong, GetStatsReply, ErrorReply, ShmUnavailable,
-                     ShmFenceReply]
+                     ShmFenceReply, GatewayLimits]

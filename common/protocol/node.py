@@ -190,6 +190,11 @@ class ReportProgress(Message, tag="sched.node.progress", frozen=True):
     is free; implies the first token), "first_token", "second_token" (first decoded token),
     "finished" (``tokens`` generated), "failed" (``code``, ``message``, ``retryable``, and
     the failed ``hop``, e.g. "gateway", "de_loader", "engine").
+
+    ``read_bytes`` (with "failed"): storage bytes the attempt read before it failed, as the
+    gateway counted them (the PE's read on the PE path, the DE's hit read on the DE path;
+    0 when nothing was read). A retry reads again, so the replay's storage check adds these
+    to the final attempts' hits (docs/frontend-api.md, "Retried attempts re-read").
     """
 
     request_id: str
@@ -202,6 +207,7 @@ class ReportProgress(Message, tag="sched.node.progress", frozen=True):
     hop: str = ""
     node_id: str = ""
     output_token_ids: list[int] | None = None   # with "finished": the generated token ids
+    read_bytes: int = 0
 
 
 class ReportProgressReply(Message, tag="sched.node.progress.reply", frozen=True):

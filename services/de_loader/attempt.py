@@ -214,27 +214,30 @@ class DecodeAttempt:
         source = self.svc.hit_source
         try:
             if source is not None:
-                event: Callable[[int], list[Action]] = self.core.hit_read
-                value = await source(self.region, self.info)
+                hit = await source(self.region, self.info)
             else:
-                event, value = self.core.hit_blocks_read, await self._read_gateway(msg, blocks)
+                found, nbytes = await self._read_gateway(msg, blocks)
         except DualpathError as e:
             self._feed(self.core.read_failed, e)
             return
-        self._feed(event, value)
+        if source is not None:
+            self._feed(self.core.hit_read, hit)
+        else:
+            self._feed(self.core.hit_blocks_read, found, nbytes)
 
-    async def _read_gateway(self, msg: PrepareDecode, n: int) -> int:
-        """Blocks of the hit's leading ``n`` the gateway holds (0 without a gateway)."""
+    async def _read_gateway(self, msg: PrepareDecode, n: int) -> tuple[int, int]:
+        """Blocks of the hit's leading ``n`` the gateway holds and the bytes it read
+        ((0, 0) without a gateway)."""
         client = self.svc.gateway(msg.read_gateway)
         if client is None:
             log.warning("no_gateway_for_read", request_id=self.request_id)
-            return 0
+            return 0, 0
         failpoint("de.read.batch")
         reply = await client.read_blocks(self.request_id, self.info.keys[:n],
                                          [self.region.block_dest(j) for j in range(n)],
                                          self.remaining, self.svc.settings.read_batch_bytes,
                                          layer_major=True)
-        return reply.prefix_blocks
+        return reply.prefix_blocks, reply.nbytes
 
     # ------------------------------------------------------------------ DE path: pulls
     async def pull(self, msg: PullLayers) -> tuple[int, list[LayerSlots]]:

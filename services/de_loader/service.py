@@ -51,7 +51,6 @@ class DELoaderService(NodeBase):
         self.attempts: dict[tuple[str, int], DecodeAttempt] = {}
         # Benchmarks/tests: where DE-path hit KV comes from instead of the gateway.
         self.hit_source = hit_source
-        self._gateway_batch: int | None = None
 
     def handlers(self):
         return {**super().handlers(), PrepareDecode: self._prepare, PullLayers: self._pull,
@@ -113,20 +112,17 @@ class DELoaderService(NodeBase):
             await asyncio.wait(tasks, timeout=self.settings.engine_release_timeout_s)
 
     async def writeback_batch(self, block_bytes: int) -> int:
-        """Blocks per WriteBlocks: the config's, capped by the gateway's max_batch_bytes."""
-        if self._gateway_batch is None:
-            per = self.settings.writeback_batch_blocks
-            client = self.gateway(None)
-            if client is not None:
-                try:
-                    limit = (await client.stats(self.settings.control_timeout_s)).get(
-                        "max_batch_bytes", 0)
-                    if limit:
-                        per = max(1, min(per, int(limit) // block_bytes))
-                except DualpathError:
-                    return max(1, per)             # ask again next time
-            self._gateway_batch = max(1, per)
-        return self._gateway_batch
+        """Blocks per WriteBlocks: the config's, capped by what the gateway states one write
+        may carry (``GatewayClient.max_write_blocks``, cached per connection by the client;
+        ``write_blocks`` splits under the same limits whatever it is given)."""
+        per = self.settings.writeback_batch_blocks
+        client = self.gateway(None)
+        if client is None:
+            return per
+        try:
+            return max(1, min(per, await client.max_write_blocks(self.settings.control_timeout_s)))
+        except DualpathError:
+            return per                         # the write itself asks again (and splits)
 
     def _live(self, rid: str, attempt: int) -> DecodeAttempt:
         att = self.attempts.get((rid, attempt))

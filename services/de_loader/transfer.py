@@ -156,6 +156,7 @@ class DecodeTransfer:
         self.error: DualpathError | None = None
         self.dropped_reason: str | None = None
         self.hit_tokens = 0
+        self.read_bytes = 0     # storage bytes of the DE read, reported if the attempt fails
         self.first_token_id: int | None = None
         self._done_msg: tuple[int, int | None] | None = None
         self.pulled: set[int] = set()
@@ -233,9 +234,12 @@ class DecodeTransfer:
         return [PostReceive(layer, 0) for layer in range(self.spec.num_layers)]
 
     # ------------------------------------------------------------------ DE read / receives
-    def hit_blocks_read(self, found_blocks: int) -> list[Action]:
-        """The gateway held the first ``found_blocks`` of the planned hit blocks."""
+    def hit_blocks_read(self, found_blocks: int, nbytes: int | None = None) -> list[Action]:
+        """The gateway held the first ``found_blocks`` of the planned hit blocks and read
+        ``nbytes`` (its count; None: the prefix's bytes)."""
         info = self._info()
+        self.read_bytes = (nbytes if nbytes is not None
+                           else found_blocks * info.block_tokens * self.spec.bytes_per_token)
         return self.hit_read(min(info.hit_tokens, found_blocks * info.block_tokens))
 
     def hit_read(self, hit_tokens: int) -> list[Action]:
@@ -437,7 +441,8 @@ class DecodeTransfer:
                 "code": err.code.value, "error": err.message}))
             out.append(Report("failed", {"code": err.code.value, "message": err.message[:500],
                                          "retryable": err.retryable,
-                                         "hop": hop or "de_loader"}))
+                                         "hop": hop or "de_loader",
+                                         "read_bytes": self.read_bytes}))
         return [*out, Release()]
 
     def drop(self, reason: str) -> list[Action]:

@@ -223,18 +223,19 @@ class PrefillAttempt:
 
     # ------------------------------------------------------------------ PE path: read, load
     async def _read_pe(self) -> None:
-        self._do(self.core.pe_read_done(await self._read_blocks()))
+        self._do(self.core.pe_read_done(*await self._read_blocks()))
 
-    async def _read_blocks(self) -> int | None:
-        """The gateway's prefix of the hit blocks, read into the region (None: no read)."""
+    async def _read_blocks(self) -> tuple[int | None, int | None]:
+        """The gateway's prefix of the hit blocks, read into the region, and the bytes it
+        read ((None, None): no read)."""
         info = self.info
         if info.hit_tokens == 0:
-            return None
+            return None, None
         client = self.svc.gateway(self.plan.read_gateway)
         if client is None:
             log.warning("no_gateway_for_read", request_id=info.request_id,
                         read_node=self.plan.read_node)
-            return None
+            return None, None
         n = info.hit_blocks
         dests = [self.region.block_dest(j) for j in range(n)]
         try:
@@ -244,7 +245,7 @@ class PrefillAttempt:
                                               layer_major=True)
         except DualpathError as e:
             raise with_hop(e, "gateway") from None
-        return reply.prefix_blocks
+        return reply.prefix_blocks, reply.nbytes
 
     async def _load(self, act: LoadLayer) -> None:
         """With an emulated CNIC each H2D layer load is paced (§5.2)."""

@@ -152,6 +152,9 @@ class PrefillTransfer:
         self.layer_requested: list[float | None] = [None] * num_layers
         self.layer_arrival: list[float | None] = [None] * num_layers
         self._read_hit = info.hit_tokens
+        # Storage bytes this attempt read (reported when it fails: a retry reads them again,
+        # and the replay's storage check counts both reads).
+        self.read_bytes = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -208,8 +211,10 @@ class PrefillTransfer:
             list(info.tail_token_ids) if info.tail_token_ids is not None else None,
             read_gateway if side == "de" else None, budget_s)
 
-    def pe_read_done(self, prefix_blocks: int | None) -> list[Action]:
-        """The gateway found the first ``prefix_blocks`` hit blocks (None: nothing was read).
+    def pe_read_done(self, prefix_blocks: int | None, nbytes: int | None = None) -> list[Action]:
+        """The gateway found the first ``prefix_blocks`` hit blocks (None: nothing was read)
+        and read ``nbytes`` (its own count, which includes found blocks past a gap; None:
+        the prefix's bytes).
 
         The hit takes effect with the PrepareDecode reply (:meth:`prepare_replied`).
         """
@@ -217,6 +222,8 @@ class PrefillTransfer:
         if prefix_blocks is None:
             self._read_hit = 0
             return []
+        self.read_bytes = (nbytes if nbytes is not None
+                           else prefix_blocks * info.block_tokens * self._token_bytes)
         n, acts = info.hit_blocks, []
         if prefix_blocks < n:
             acts = self._shortened(planned_blocks=n, found_blocks=prefix_blocks, side="pe")
@@ -242,6 +249,10 @@ class PrefillTransfer:
             self.fwd[ls.layer] = ls
         self.hit_final = True
         return self._start_loads(pace_loads) + self._hand_off()
+
+    @property
+    def _token_bytes(self) -> int:
+        return self.row_bytes * self.num_layers
 
     def _check_forward(self, forward: Sequence[LayerSlots]) -> None:
         want = [] if self.info.read_side == "de" else list(range(self.num_layers))
@@ -320,6 +331,9 @@ class PrefillTransfer:
             if hit < self.info.hit_tokens:
                 acts = self._shortened(planned=self.info.hit_tokens, hit=hit, side="de")
             self.hit_tokens, self.hit_final = hit, True
+            # The DE loader read at least the usable hit before it answered; its own failure
+            # report carries the gateway's exact count (the scheduler keeps the larger).
+            self.read_bytes = hit * self._token_bytes
             acts += self._hand_off() + self._next_pulls()
         for r in returns:
             self.fwd[r.layer] = r
@@ -451,7 +465,8 @@ class PrefillTransfer:
                     "request_id": self.info.request_id, "attempt": self.info.attempt,
                     "hop": hop, "code": err.code.value, "error": err.message}),
                 Report("failed", {"code": err.code.value, "message": err.message[:500],
-                                  "retryable": err.retryable, "hop": hop})]
+                                  "retryable": err.retryable, "hop": hop,
+                                  "read_bytes": self.read_bytes})]
 
     def release(self) -> list[Action]:
         """What the release does once the attempt's tasks ended, in order: wait for the

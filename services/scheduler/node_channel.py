@@ -64,6 +64,8 @@ class NodeChannel:
         def _end(self, rs: RequestState, state: State,
                  event: RequestFailed | RequestFinished) -> None: ...
         def _set_state(self, rs: RequestState, state: State) -> None: ...
+        def _close_attempt(self, rs: RequestState, outcome: str, hop: str, code: str,
+                           message: str, read_bytes: int = 0) -> None: ...
 
     # ------------------------------------------------------------------ node channel
     async def _on_register(self, msg: RegisterNode, ctx: CallContext) -> RegisterNodeReply:
@@ -251,6 +253,8 @@ class NodeChannel:
         rs = self._reqs.get(msg.request_id)
         if rs is None or rs.attempt != msg.attempt or not rs.in_core:
             self.counters["stale_reports"] += 1
+            if rs is not None and msg.stage == "failed":
+                rs.late_failure(msg.attempt, msg.read_bytes)
             state = rs.state.value if rs is not None else self._recent.get(msg.request_id,
                                                                            "unknown")
             return ReportProgressReply(False, state)
@@ -303,6 +307,8 @@ class NodeChannel:
         code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value
         where = (msg.hop[:80] or "node") + (f" on {msg.node_id[:80]}" if msg.node_id else "")
         reason = f"{where} failed attempt {rs.attempt}: {code}: {msg.message[:500]}"
+        self._close_attempt(rs, "failed", msg.hop or "node", code, msg.message,
+                            msg.read_bytes)
         if not msg.retryable:
             self._end(rs, State.FAILED, rs.failed_event(code, reason, False))
             return

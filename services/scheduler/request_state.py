@@ -31,8 +31,8 @@ import msgspec
 
 from common.errors import InvalidArgument
 from common.kv import block_keys_from_tokens, validate_keys
-from common.protocol import (FirstToken, RequestEvent, RequestFailed, RequestFinished,
-                             SubmitRequest)
+from common.protocol import (AttemptRecord, FirstToken, RequestEvent, RequestFailed,
+                             RequestFinished, SubmitRequest)
 
 from .records import Assignment
 from .service_config import SchedulerServiceConfig
@@ -136,7 +136,7 @@ class RequestState:
     __slots__ = ("sub", "conn_id", "state", "hit_tokens", "attempt", "in_core", "events",
                  "t_submit", "t_placed", "t_dispatched", "t_allocated", "t_read", "t_first",
                  "t_second", "assignment", "de_engine", "de_node", "de_group", "pe_group",
-                 "deadline", "timer", "hbm_bytes")
+                 "deadline", "timer", "hbm_bytes", "attempts")
 
     def __init__(self, sub: Submission, conn_id: int, now: float, deadline: float | None) -> None:
         self.sub = sub
@@ -153,6 +153,8 @@ class RequestState:
         self.de_engine = self.de_node = None
         self.de_group: str | None = None  # DE group that got this attempt's binding
         self.pe_group: str | None = None  # PE group that got this attempt's plan
+        # How each ended attempt went; bounded by scheduler.max_replans (+1 for the last).
+        self.attempts: list[AttemptRecord] = []
         self._reset_attempt()
 
     @property
@@ -180,6 +182,25 @@ class RequestState:
         self.de_group = None
         if not keep_de:
             self.de_engine = self.de_node = None
+
+    def close_attempt(self, outcome: str, hop: str = "", code: str = "", message: str = "",
+                      read_bytes: int = 0) -> AttemptRecord | None:
+        """Record how the current attempt ended; None when it was recorded already."""
+        if self.attempts and self.attempts[-1].attempt >= self.attempt:
+            return None
+        a = self.assignment
+        rec = AttemptRecord(self.attempt, a.pe_node if a else "", self.de_node or "",
+                            a.read_side.value if a else "", self.state.value, outcome,
+                            hop[:80], code, message[:500], max(read_bytes, 0))
+        self.attempts.append(rec)
+        return rec
+
+    def late_failure(self, attempt: int, read_bytes: int) -> None:
+        """A failure report of an attempt that ended already (the other node's, or after a
+        re-plan): both describe the same read, so the larger count is kept."""
+        for i, rec in enumerate(self.attempts):
+            if rec.attempt == attempt and read_bytes > rec.read_bytes:
+                self.attempts[i] = msgspec.structs.replace(rec, read_bytes=read_bytes)
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else max(self.deadline - now, 0.0)

@@ -31,6 +31,7 @@ import math
 from collections import Counter, OrderedDict
 from typing import Any
 
+import msgspec
 import structlog
 
 from common.auth import load_secret
@@ -38,7 +39,7 @@ from services.config import ServicesConfig
 from common.errors import (AlreadyExists, DualpathError, ErrorCode, NotFound,
                            Overloaded, Unavailable)
 from common.kv import spec_from_config
-from common.metrics import observe_request
+from common.metrics import observe_failed_attempt, observe_request
 from common.protocol import (CancelRequest, CancelRequestReply, ClusterStatus, EngineStatus,
                              FetchWork, GetClusterStatus, GetStats, GetStatsReply, Heartbeat, Ping,
                              Pong, RegisterNode, ReportProgress, RequestFailed, RequestFinished,
@@ -65,7 +66,7 @@ _UNSET: Any = object()
 COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded", "replans",
             "rejected_invalid", "rejected_overload", "registrations", "leases_expired",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
-            "revocations_sent", "hit_lookup_failures", "stale_reports")
+            "revocations_sent", "hit_lookup_failures", "stale_reports", "attempts_failed")
 
 
 class SchedulerService(NodeChannel, Service):
@@ -307,6 +308,7 @@ class SchedulerService(NodeChannel, Service):
             rs = self._reqs.get(rid)
             if rs is None:
                 continue
+            self._close_attempt(rs, "failed", "scheduler", code, reason)
             self._revoke(rs, reason)
             keep_de = self.core.phase(rid) is Phase.BOUND
             rs.next_attempt(keep_de)
@@ -332,6 +334,7 @@ class SchedulerService(NodeChannel, Service):
         """The one way out: release the core, revoke dispatched work, push the last event."""
         if rs.terminal:
             return
+        event = self._with_attempts(rs, state, event)
         if rs.in_core:
             self.core.cancel(rs.request_id)
             rs.in_core = False
@@ -352,6 +355,28 @@ class SchedulerService(NodeChannel, Service):
         self.log.info("request_ended", request_id=rs.request_id, state=state.value,
                       attempt=rs.attempt, hit_tokens=rs.hit_tokens,
                       prompt_tokens=rs.sub.prompt_tokens, **_summary(event))
+
+    def _close_attempt(self, rs: RequestState, outcome: str, hop: str, code: str,
+                       message: str, read_bytes: int = 0) -> None:
+        """Record how the current attempt ended (once); a failure is counted per hop/code."""
+        rec = rs.close_attempt(outcome, hop, code, message, read_bytes)
+        if rec is None or outcome != "failed":
+            return
+        self.counters["attempts_failed"] += 1
+        observe_failed_attempt(rec.hop, rec.code)   # dualpath_failed_attempts_total
+        self.log.info("attempt_failed", request_id=rs.request_id, attempt=rec.attempt,
+                      hop=rec.hop, code=rec.code, stage=rec.stage, read_bytes=rec.read_bytes,
+                      reason=rec.message)
+
+    def _with_attempts(self, rs: RequestState, state: State,
+                       event: RequestFailed | RequestFinished) -> RequestFailed | RequestFinished:
+        """Close the last attempt and put every attempt's record into the final event."""
+        if isinstance(event, RequestFinished):
+            self._close_attempt(rs, "finished", "", "", "")
+        else:
+            outcome = "cancelled" if state is State.CANCELLED else "failed"
+            self._close_attempt(rs, outcome, "scheduler", event.code, event.message)
+        return msgspec.structs.replace(event, attempts=list(rs.attempts))
 
     def _revoke(self, rs: RequestState, reason: str) -> None:
         for role, group in ((Role.DECODE.value, rs.de_group), (Role.PREFILL.value, rs.pe_group)):

@@ -9,7 +9,8 @@ finish). Online: agents arrive as a Poisson process at ``aps`` (TTFT/TTST/TPOT p
 
 A request that fails with a retryable error (OVERLOADED, a re-plan budget used up, a deadline)
 is submitted again, up to ``retries`` times, with ``-r<n>`` appended to its id; every attempt
-shows in its record.
+shows in its record: ``attempt_history`` lists the scheduler's record of each attempt of every
+submission (hop, code, message, storage bytes a failed attempt read), in order.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import msgspec
 
 from common.config import RpcConfig
 from common.errors import DualpathError
-from common.protocol import (FirstToken, RequestFailed, RequestFinished, RequestPlaced,
-                             RequestQueued)
+from common.protocol import (AttemptRecord, FirstToken, RequestFailed, RequestFinished,
+                             RequestPlaced, RequestQueued)
 from services.scheduler.client import SchedulerClient
 
 from .workloads import AgenticWorkload, PromptBuilder, TraceRequest
@@ -65,6 +66,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     alloc_s: float | None = None
     read_s: float | None = None
     prefill_s: float | None = None
+    attempt_history: list[AttemptRecord] = []   # every attempt of every submission, in order
 
 
 class Progress:
@@ -195,8 +197,10 @@ def _apply(rec: RequestRecord, ev: Any) -> None:
                 ev.e2e_s
             out = ev.output_token_ids
             rec.output_ok = None if out is None else len(out) == rec.gen_tokens
+            rec.attempt_history = rec.attempt_history + ev.attempts
         case RequestFailed():
             rec.outcome, rec.code, rec.message = "failed", ev.code, ev.message
+            rec.attempt_history = rec.attempt_history + ev.attempts
 
 
 # --------------------------------------------------------------------------- agentic

@@ -13,8 +13,12 @@ Definitions (paper §6.8, §7.4):
 * **Bytes per path**: storage reads on prefill nodes (PE path) and on decode nodes (DE path),
   write-backs, KV sent PE→DE and DE→PE over the compute network.
 * **Checks**: every request finished; reported hits equal the client's prediction; storage
-  bytes read equal Σ hit blocks × block bytes (hits are measured where the bytes move); the
-  emulated engines verified every prompt byte-for-byte with no mismatch.
+  bytes read (the gateways' counters) equal Σ hit blocks × block bytes of each finished
+  request's final attempt plus Σ the bytes each failed attempt read (the node services report
+  them with the failure: a retry reads the hit again, since the failed attempt's buffer region
+  is freed — docs/frontend-api.md, "Retried attempts re-read"); the emulated engines verified every
+  prompt byte-for-byte with no mismatch.
+* **Retried attempts**: failed attempts counted by ``hop/code`` (``retried_attempts``).
 """
 
 from __future__ import annotations
@@ -63,11 +67,12 @@ def summarize(records: list[RequestRecord], sampler: Sampler | None, *, roles: d
     out["tokens"] = _tokens(records, fin)
     out["read_sides"] = dict(Counter(r.read_side or "none" for r in fin))
     out["checks"] = _checks(records, fin)
+    out["retried_attempts"] = failed_attempt_reasons(records)
     if sampler is not None:
         out["bytes"] = _bytes(sampler, roles)
         out["links"] = _links(sampler, roles, links, window_s)
-        out["checks"].update(_byte_checks(fin, out["bytes"], bytes_per_token, block_tokens,
-                                          sampler))
+        out["checks"].update(_byte_checks(records, fin, out["bytes"], bytes_per_token,
+                                          block_tokens, sampler))
     return out
 
 
@@ -101,6 +106,18 @@ def _checks(records: list[RequestRecord], fin: list[RequestRecord]) -> dict[str,
             "turns_hitting_previous_write": sum(1 for r in predicted
                                                 if r.turn > 0 and (r.hit_tokens or 0) > 0),
             "output_length_wrong": sum(1 for r in fin if r.output_ok is False)}
+
+
+def failed_attempts(records: list[RequestRecord]) -> list[Any]:
+    """Every attempt that did not finish (failed, re-planned, cancelled), of every request."""
+    return [a for r in records for a in r.attempt_history if a.outcome != "finished"]
+
+
+def failed_attempt_reasons(records: list[RequestRecord]) -> dict[str, int]:
+    """Failed attempts by ``hop/code``, most frequent first."""
+    c = Counter(f"{a.hop or '?'}/{a.code or '?'}" for a in failed_attempts(records)
+                if a.outcome == "failed")
+    return dict(c.most_common())
 
 
 def _sum(sampler: Sampler, service: str, name: str, nodes: set[str] | None = None) -> float:
@@ -176,16 +193,18 @@ def _interp(pts: list[tuple[float, float]], t: float) -> float:
     return pts[-1][1]
 
 
-def _byte_checks(fin: list[RequestRecord], b: dict[str, float], bytes_per_token: int,
-                 block_tokens: int, sampler: Sampler) -> dict[str, Any]:
+def _byte_checks(records: list[RequestRecord], fin: list[RequestRecord], b: dict[str, float],
+                 bytes_per_token: int, block_tokens: int, sampler: Sampler) -> dict[str, Any]:
     hit_blocks = sum((r.hit_tokens or 0) // block_tokens for r in fin
                      if r.read_side in ("pe", "de"))
-    expect = hit_blocks * block_tokens * bytes_per_token
+    retried = sum(a.read_bytes for a in failed_attempts(records))
+    expect = hit_blocks * block_tokens * bytes_per_token + retried
     read = b["storage_read_pe_path"] + b["storage_read_de_path"]
     verified = _sum(sampler, "de_loader", "engine_verified_requests")
     mism = (_sum(sampler, "de_loader", "engine_prompt_mismatches")
             + _sum(sampler, "pe_receiver", "engine_hit_mismatches"))
     return {"storage_read_bytes": read, "storage_read_bytes_expected": expect,
+            "storage_read_bytes_failed_attempts": retried,
             "storage_read_matches_hits": abs(read - expect) < 1,
             "engine_verified_requests": verified, "engine_byte_mismatches": mism,
             "every_prompt_verified": verified >= len(fin) and mism == 0}
@@ -223,4 +242,10 @@ def summary_rows(name: str, s: dict[str, Any]) -> list[str]:
                 f"{c['hit_mismatches']}/{c['hit_predicted']}, storage bytes = hits "
                 f"{c.get('storage_read_matches_hits', '-')}, prompts verified "
                 f"{c.get('every_prompt_verified', '-')}")
+    retried = s.get("retried_attempts")
+    if retried:
+        reread = c.get("storage_read_bytes_failed_attempts")
+        rows.append(f"  failed attempts {sum(retried.values())} (re-read "
+                    f"{fmt(reread, 1e-6, ' MB')}): "
+                    + ", ".join(f"{k} {n}" for k, n in retried.items()))
     return rows

@@ -67,6 +67,7 @@ import structlog
 from common.config import TransportConfig
 from common.errors import ConfigError
 from common.transport_plan import StagingPool, TransferIdSource
+from common.transport_staging import STAGING_ALIGN, StagingQueue, staged_bytes
 from common.transport_transfers import TransferEngine
 from common.transport_ucx import Link as _Link
 from common.transport_ucx import Peer, ReceiveHandle
@@ -96,9 +97,10 @@ class PageTransport(TransferEngine):
                               f"transport.traffic_classes {sorted(cfg.traffic_classes)}")
         if cfg.max_message_bytes <= 0 or cfg.max_inflight_messages <= 0:
             raise ConfigError("transport.max_message_bytes and max_inflight_messages must be > 0")
-        if cfg.staging_bytes < cfg.max_message_bytes:
-            raise ConfigError(f"transport.staging_bytes ({cfg.staging_bytes}) must hold one "
-                              f"message of max_message_bytes ({cfg.max_message_bytes})")
+        if cfg.staging_bytes < staged_bytes(cfg.max_message_bytes):  # or a packed message
+            raise ConfigError(                                          # could never be posted
+                f"transport.staging_bytes ({cfg.staging_bytes}) must hold one message of "
+                f"max_message_bytes ({cfg.max_message_bytes}) rounded up to {STAGING_ALIGN} B")
         self._cfg, self.node_id = cfg, node_id
         self._ids = TransferIdSource()
         self._links: dict[Peer, _Link] = {}
@@ -108,6 +110,7 @@ class PageTransport(TransferEngine):
         self._active: set[_Transfer] = set()
         self._handshaking: set[Any] = set()
         self._retired: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._staging_queue = StagingQueue()
         self._state = "init"
         self._lock = asyncio.Lock()
         self._ctx: Any = None
@@ -142,7 +145,8 @@ class PageTransport(TransferEngine):
             self._worker_progress = WorkerProgress(self._ctx.worker, loop)
             self._loop = loop
             try:
-                self._staging_pool = StagingPool(cfg.staging_bytes, on_free=self._progress.kick)
+                self._staging_pool = StagingPool(cfg.staging_bytes, align=STAGING_ALIGN,
+                                                 on_free=self._progress.kick)
                 _claim_progress(loop)
                 self._listener = self._ctx.create_listener(
                     self._on_accept, port=cfg.port, endpoint_error_handling=True,

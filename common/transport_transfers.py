@@ -23,6 +23,7 @@ from common.transport_links import LinkTable
 from common.transport_plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
                                    SourceMap, check_flat_bytes, check_transfer_id,
                                    is_device_array, plan_messages)
+from common.transport_staging import StagingQueue
 from common.transport_ucx import Peer, ReceiveHandle
 from common.transport_ucx import Transfer as _Transfer
 from common.transport_ucx import ucxx as _ucxx
@@ -36,6 +37,8 @@ _SETTLE_S = 5.0              # bound on waiting for cancelled requests to comple
 class TransferEngine(LinkTable):
     """Transfers over the links of :class:`LinkTable` (a PageTransport layer)."""
 
+    _staging_queue: StagingQueue[_Transfer, MessagePlan]   # packed receives waiting (FIFO)
+
     # ------------------------------------------------------------------ receive
 
     async def expect(self, peer: Peer, transfer_id: int, arena: Any,
@@ -45,10 +48,11 @@ class TransferEngine(LinkTable):
         ``slots`` are ``(offset, nbytes)`` runs of the flat uint8 ``arena`` (the registered
         pool), in stream order — send the same list to the peer (``PageSlots``). Direct
         messages land in the arena; packed ones (small, non-contiguous runs) in staging, then
-        are scattered — those beyond the free staging are posted as staging frees up (in
-        order). ``deadline_s`` is the budget from now. Device (cupy) arenas take direct
-        messages only. ``await handle.wait()`` before reading the arena; after a failure or
-        ``await handle.cancel()`` no receive targets it any more.
+        are scattered — those beyond the free staging are posted as staging frees up, in
+        order across transfers (:mod:`common.transport_staging`). ``deadline_s`` is the
+        budget from now. Device (cupy) arenas take direct messages only. ``await
+        handle.wait()`` before reading the arena; after a failure or ``await
+        handle.cancel()`` no receive targets it any more.
         """
         self._check_running()
         check_transfer_id(transfer_id)
@@ -103,8 +107,10 @@ class TransferEngine(LinkTable):
                 off = msg.pieces[0][0]
                 req = ep.tag_recv(Array(arena[off:off + msg.nbytes]), Tag(base | msg.index), mask)
                 rx.posted.append((req, msg, None))
-            elif rx.deferred or not self._post_packed(rx, msg):
-                rx.deferred.append(msg)  # keep packed posts in order (no staging deadlock)
+            elif self._staging_queue or not self._post_packed(rx, msg):
+                # nobody jumps the queue, this transfer's own earlier messages included
+                self._staging_queue.defer(rx, rx.deferred, msg)
+        self._drain_staging()
         self._progress.kick()
 
     def _post_packed(self, rx: _Transfer, msg: MessagePlan) -> bool:
@@ -112,10 +118,22 @@ class TransferEngine(LinkTable):
         if stg is None:
             return False
         u = _ucxx()
-        req = rx.link.ep._ep.tag_recv(u.Array(self._staging.view(stg, msg.nbytes)),
-                                      u.Tag((rx.transfer_id << INDEX_BITS) | msg.index), u.Mask)
+        try:
+            req = rx.link.ep._ep.tag_recv(u.Array(self._staging.view(stg, msg.nbytes)),
+                                          u.Tag((rx.transfer_id << INDEX_BITS) | msg.index),
+                                          u.Mask)
+        except BaseException:
+            self._staging.free(stg)  # nothing was posted into it
+            raise
         rx.posted.append((req, msg, stg))
         return True
+
+    def _drain_staging(self) -> None:
+        """Give free staging to waiting packed receives, oldest first (strict FIFO across
+        transfers: see :mod:`common.transport_staging` for the deadlock this prevents)."""
+        if self._staging_queue and self._state == "running" and \
+                self._staging_queue.drain(self._post_packed):
+            self._progress.kick()
 
     async def _receive(self, rx: _Transfer, deadline_at: float, deadline_s: float) -> None:
         try:
@@ -129,13 +147,15 @@ class TransferEngine(LinkTable):
         finally:
             self._receiving.pop(rx.transfer_id, None)
             self._active.discard(rx)
+            self._staging_queue.remove(rx)
 
     async def _receive_loop(self, rx: _Transfer) -> None:
         posted, deferred, staging = rx.posted, rx.deferred, self._staging
         while posted or deferred:
-            while deferred and self._post_packed(rx, deferred[0]):
-                deferred.popleft()
-                self._progress.kick()
+            self._drain_staging()   # deferred messages are posted here, by any transfer's loop
+            err = self._staging_queue.failure(rx)
+            if err is not None:
+                raise err
             if posted and posted[0][0].completed:
                 req, msg, stg = posted.popleft()
                 req.check_error()
@@ -143,6 +163,7 @@ class TransferEngine(LinkTable):
                 if stg is not None:
                     self._scatter(rx.arena, msg, stg)
                     staging.free(stg)
+                    self._drain_staging()
                 continue
             await self._progress.tick()
         if rx.commit is not None:  # the sender saw every message taken: the bytes are good
@@ -271,6 +292,7 @@ class TransferEngine(LinkTable):
     async def _fail(self, t: _Transfer, exc: BaseException, side: str,
                     deadline_s: float) -> DualpathError:
         """Abort the endpoint, wait until no request of ``t`` is pending, type the error."""
+        self._staging_queue.remove(t)  # before any await: no receive is posted for it any more
         err = self._classify(t, exc, side, deadline_s)
         if side == "receive":
             self._retire(t.transfer_id)
@@ -279,6 +301,8 @@ class TransferEngine(LinkTable):
         if side == "send" and t.link.single_copy:
             self._abandon(t)   # the receiver fails without our commit: buffers are free now
         await self._settle(t)
+        if side == "receive":
+            self._drain_staging()      # the staging it held goes to the next in line
         log.warning("transfer_failed", side=side, transfer_id=t.transfer_id, peer=t.link.addr,
                     error=err.code.value, detail=err.message)
         return err

@@ -44,7 +44,6 @@ def tenfold(spec: KVSpec, max_batch: int) -> int:
 def overrides(preset: str, shm: bool = True) -> dict:
     spec, max_batch, buf = SPECS[preset]
     return {"kv": {"preset": preset}, "scheduler": {"model": preset},
-            "transport": {"staging_bytes": 64 * MiB},
             "gateway": {"shm": shm},
             "gateway_service": {"staging_bytes": 16 * MiB, "max_batch_bytes": max_batch},
             "pe_receiver": {"buffer_bytes": buf}, "de_loader": {"buffer_bytes": buf}}

@@ -28,6 +28,8 @@ Standard families (labels):
 ``dualpath_ttft_seconds`` / ``_ttst_`` / ``_tpot_`` / ``_e2e_``  histograms (scheduler)
 ``dualpath_failed_attempts_total``          hop, code: request attempts that failed (scheduler;
                                             re-planned or final — :func:`observe_failed_attempt`)
+``dualpath_hit_lookup_failures_total``      (scheduler) lookups that failed: the hit was taken as 0
+``dualpath_hit_lookup_retries_total``       (scheduler) lookup tries sent to another gateway
 ==========================================  ===================================================
 """
 
@@ -139,6 +141,7 @@ _STORAGE = {"bytes_read": "read", "bytes_written": "write"}
 _POOLS = ("pe_buffer", "de_buffer", "staging")
 _REQUEST_STATE_PREFIX = "requests_state_"
 _ENDED = {"finished": "finished", "failed": "failed", "cancelled": "cancelled"}
+_HIT_LOOKUP = ("hit_lookup_failures", "hit_lookup_retries")     # scheduler counter = family
 
 
 class _StatsCollector:
@@ -171,6 +174,12 @@ class _StatsCollector:
                                        "pools", labels=["node", "pool", "kind"]),
             "stat": GaugeMetricFamily("dualpath_stat", "Every other counter of a service",
                                       labels=["service", "node", "name"]),
+            "hit_lookup_failures": CounterMetricFamily(
+                "dualpath_hit_lookup_failures", "Hit lookups that failed (every gateway); the "
+                "request's hit was taken as 0"),
+            "hit_lookup_retries": CounterMetricFamily(
+                "dualpath_hit_lookup_retries", "Hit lookup tries sent to another gateway after "
+                "one failed"),
         }
         for (service, node), stats in sorted(snap.items()):
             _map(service, node, stats, fams)
@@ -209,6 +218,10 @@ def _map(service: str, node: str, stats: dict[str, float], f: dict[str, Any]) ->
         for key, outcome in _ENDED.items():
             if key in stats:
                 f["ended"].add_metric([outcome], stats[key])
+                used.add(key)
+        for key in _HIT_LOOKUP:
+            if key in stats:
+                f[key].add_metric([], stats[key])
                 used.add(key)
     for key, value in stats.items():
         if key not in used:

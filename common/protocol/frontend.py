@@ -36,11 +36,14 @@ class SubmitRequest(Message, tag="sched.submit", frozen=True):
 
 
 class RequestQueued(Message, tag="sched.ev.queued", frozen=True):
-    """Accepted; ``position`` requests were waiting for placement ahead of it."""
+    """Accepted; ``position`` requests were waiting for placement ahead of it.
+    ``hit_lookup_failed``: the storage lookup failed (every gateway), so ``hit_tokens`` was
+    taken as 0 — the request recomputes its prompt (correct, slower)."""
 
     request_id: str
     position: int
     hit_tokens: int = 0
+    hit_lookup_failed: bool = False
 
 
 class RequestPlaced(Message, tag="sched.ev.placed", frozen=True):
@@ -103,6 +106,7 @@ class RequestFinished(Message, tag="sched.ev.finished", frozen=True):
     attempt: int = 0
     output_token_ids: list[int] | None = None   # generated ids (first included), when reported
     attempts: list[AttemptRecord] = []          # every attempt, the last one included
+    hit_lookup_failed: bool = False             # the hit was taken as 0 (RequestQueued)
 
 
 class RequestFailed(Message, tag="sched.ev.failed", frozen=True):
@@ -115,6 +119,7 @@ class RequestFailed(Message, tag="sched.ev.failed", frozen=True):
     retry_after_s: float | None = None
     attempt: int = 0
     attempts: list[AttemptRecord] = []          # every attempt, the last one included
+    hit_lookup_failed: bool = False             # the hit was taken as 0 (RequestQueued)
 
 
 RequestEvent = Union[RequestQueued, RequestPlaced, FirstToken, RequestFinished, RequestFailed]

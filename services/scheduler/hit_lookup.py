@@ -2,15 +2,22 @@
 
 The scheduler asks this when a frontend gives block keys (or token ids) but no ``hit_tokens``,
 so a frontend never needs to know what is stored (paper §6.5: the hit is the prompt's stored
-prefix). Three implementations of :class:`HitLookup`:
+prefix). The implementations of :class:`HitLookup`:
 
 * :class:`SessionPrefixIndex` (the default): remembers, per session, the block keys of its last
   finished turn; the next turn hits their common prefix. That is the paper's evaluation rule
   (hits only within a trajectory) and needs no storage round trip. It is an estimate: a block
   evicted since is found missing at read time and recomputed (never wrong bytes).
-* :class:`FunctionHitLookup`: wraps any callable ``keys -> hit blocks`` (sync or async), e.g. a
-  storage gateway client's ``LookupPrefix`` call (``common.protocol.LookupPrefix``).
+* :class:`~services.scheduler.gateway_lookup.GatewayHitLookup`: asks the storage gateways of
+  the shared store (``LookupPrefix``), one per lookup in turn, retried on the next when one
+  fails; hits are what storage holds (``dualpath serve scheduler`` and the in-process cluster
+  use it whenever a gateway is known).
+* :class:`FunctionHitLookup`: wraps any callable ``keys -> hit blocks`` (sync or async).
 * :class:`NoHits`: everything is recomputed.
+
+A lookup that raises (or outlasts ``scheduler_service.hit_lookup_timeout_s``) never fails the
+request: the scheduler takes the hit as 0 and says so (``hit_lookup_failures``, the
+``hit_lookup_failed`` log event and flag on ``RequestQueued`` and the final event).
 """
 
 from __future__ import annotations

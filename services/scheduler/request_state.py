@@ -136,13 +136,14 @@ class RequestState:
     __slots__ = ("sub", "conn_id", "state", "hit_tokens", "attempt", "in_core", "events",
                  "t_submit", "t_placed", "t_dispatched", "t_allocated", "t_read", "t_first",
                  "t_second", "assignment", "de_engine", "de_node", "de_group", "pe_group",
-                 "deadline", "timer", "hbm_bytes", "attempts")
+                 "deadline", "timer", "hbm_bytes", "attempts", "hit_lookup_failed")
 
     def __init__(self, sub: Submission, conn_id: int, now: float, deadline: float | None) -> None:
         self.sub = sub
         self.conn_id = conn_id           # frontend connection that owns the event stream
         self.state = State.QUEUED
         self.hit_tokens = 0
+        self.hit_lookup_failed = False   # the storage lookup failed: hit taken as 0
         self.hbm_bytes = 0
         self.attempt = 0
         self.in_core = False             # submitted to the core (after the hit lookup)

@@ -66,7 +66,8 @@ _UNSET: Any = object()
 COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded", "replans",
             "rejected_invalid", "rejected_overload", "registrations", "leases_expired",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
-            "revocations_sent", "hit_lookup_failures", "stale_reports", "attempts_failed")
+            "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
+            "attempts_failed")
 
 
 class SchedulerService(NodeChannel, Service):
@@ -217,7 +218,8 @@ class SchedulerService(NodeChannel, Service):
             hit = sub.hit_tokens
         elif sub.keys:
             blocks = await self._lookup(sub)
-            hit = usable_hit_blocks(blocks, len(sub.keys), sub.prompt_tokens, bt) * bt
+            rs.hit_lookup_failed = blocks is None
+            hit = usable_hit_blocks(blocks or 0, len(sub.keys), sub.prompt_tokens, bt) * bt
         else:
             hit = 0
         if rs.terminal:             # cancelled or expired during the lookup
@@ -235,19 +237,35 @@ class SchedulerService(NodeChannel, Service):
         self.work.kick()                    # queued: held fetches place it now
         q = self.core.queue_lengths()
         position = q["global"] + q["private"] + q["pe"] - 1
-        rs.events.put_nowait(RequestQueued(sub.request_id, position, hit))
+        rs.events.put_nowait(RequestQueued(sub.request_id, position, hit,
+                                           hit_lookup_failed=rs.hit_lookup_failed))
 
-    async def _lookup(self, sub: Submission) -> int:
+    async def _lookup(self, sub: Submission) -> int | None:
+        """Stored leading blocks; None when the lookup failed (the caller takes hit 0)."""
         try:
             async with asyncio.timeout(self.settings.hit_lookup_timeout_s):
                 return await self.hits.lookup(sub.session_id, sub.keys)
-        except Exception as e:      # no hit is always correct, only slower
-            self.counters["hit_lookup_failures"] += 1
-            # a slow or unreachable index is expected; anything else is a bug: keep its traceback
-            expected = isinstance(e, TimeoutError | DualpathError)
-            self.log.warning("hit_lookup_failed", request_id=sub.request_id, error=repr(e),
-                             exc_info=not expected)
-            return 0
+        except Exception as e:      # no hit is always correct, only slower — but never silent
+            self._lookup_failed(sub, e)
+            return None
+        finally:                    # a retrying lookup (GatewayHitLookup) counts its retries
+            self.counters["hit_lookup_retries"] = getattr(self.hits, "retries", 0)
+
+    def _lookup_failed(self, sub: Submission, e: Exception) -> None:
+        """Count (``dualpath_hit_lookup_failures_total``) and log why the hit is taken as 0."""
+        self.counters["hit_lookup_failures"] += 1
+        # a slow or unreachable index is expected; anything else is a bug: keep its traceback
+        if isinstance(e, DualpathError):
+            code, reason = e.code, e.message
+        elif isinstance(e, TimeoutError):
+            code = ErrorCode.DEADLINE_EXCEEDED
+            reason = (f"no answer within scheduler_service.hit_lookup_timeout_s="
+                      f"{self.settings.hit_lookup_timeout_s}s")
+        else:
+            code, reason = "", repr(e)
+        self.log.warning("hit_lookup_failed", request_id=sub.request_id,
+                         session_id=sub.session_id, keys=len(sub.keys), code=code,
+                         reason=reason, hit_tokens=0, exc_info=not code)
 
     def _on_deadline(self, rs: RequestState) -> None:
         if self._reqs.get(rs.request_id) is not rs or rs.terminal:
@@ -354,6 +372,7 @@ class SchedulerService(NodeChannel, Service):
             self._recent.popitem(last=False)
         self.log.info("request_ended", request_id=rs.request_id, state=state.value,
                       attempt=rs.attempt, hit_tokens=rs.hit_tokens,
+                      hit_lookup_failed=rs.hit_lookup_failed,
                       prompt_tokens=rs.sub.prompt_tokens, **_summary(event))
 
     def _close_attempt(self, rs: RequestState, outcome: str, hop: str, code: str,
@@ -376,7 +395,8 @@ class SchedulerService(NodeChannel, Service):
         else:
             outcome = "cancelled" if state is State.CANCELLED else "failed"
             self._close_attempt(rs, outcome, "scheduler", event.code, event.message)
-        return msgspec.structs.replace(event, attempts=list(rs.attempts))
+        return msgspec.structs.replace(event, attempts=list(rs.attempts),
+                                       hit_lookup_failed=rs.hit_lookup_failed)
 
     def _revoke(self, rs: RequestState, reason: str) -> None:
         for role, group in ((Role.DECODE.value, rs.de_group), (Role.PREFILL.value, rs.pe_group)):

@@ -17,13 +17,15 @@ leave out the scheduler, the engines, or a whole role.
 
 Every node gets its own storage gateway over one shared directory (``probe_on_miss``: a
 block one node wrote is found by the others, as on a distributed file system); the
-scheduler's hit lookup asks a gateway (``LookupPrefix``), so hits are measured, not assumed.
+scheduler's hit lookup asks any of them (``LookupPrefix``, in turn, the next one when one
+fails: :class:`~services.scheduler.gateway_lookup.GatewayHitLookup`), so hits are measured,
+not assumed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,7 @@ class InProcessCluster:
     de: dict[str, DELoaderService] = field(default_factory=dict)
     engines: dict[str, EngineHost] = field(default_factory=dict)
     scheduler: Any = None         # SchedulerService (None: started without one)
-    lookup_client: GatewayClient | None = None
+    hit_lookup: Any = None        # the scheduler's GatewayHitLookup (None: no gateway known)
     stub: Any = None              # StubCluster when started with stub=True
 
     @property
@@ -120,22 +122,23 @@ async def attach_engines(stack: contextlib.AsyncExitStack, svc: Any, engine_cfg:
 
 
 async def lookup_scheduler(stack: contextlib.AsyncExitStack, cfg: Any,
-                           gateway: tuple[str, int] | None, *, host: str | None = None,
-                           port: int | None = 0) -> tuple[Any, GatewayClient | None]:
-    """A started scheduler whose hit lookup asks ``gateway`` (None: its per-session index)."""
-    from services.scheduler.hit_lookup import FunctionHitLookup
+                           gateways: Mapping[str, tuple[str, int]] | None, *,
+                           host: str | None = None, port: int | None = 0) -> tuple[Any, Any]:
+    """A started scheduler and its hit lookup over ``gateways`` (name → RPC address, every
+    gateway of the shared store: asked in turn, the next one when one fails); None or empty:
+    the scheduler's per-session index, and None for the lookup."""
+    from services.scheduler.gateway_lookup import GatewayHitLookup
     from services.scheduler.service import SchedulerService
-    client, hit_lookup = None, None
-    if gateway is not None:
-        client = GatewayClient.connect(cfg.rpc, gateway[0], gateway[1], None, None,
-                                       spec_from_config(cfg.kv), node_id="scheduler")
-        stack.push_async_callback(client.close)        # lookups only: no transport
-
-        async def lookup(keys):
-            return (await client.lookup_prefix(keys)).hit_blocks
-        hit_lookup = FunctionHitLookup(lookup)
+    hit_lookup = None
+    if gateways:
+        spec = spec_from_config(cfg.kv)
+        clients = {name: GatewayClient.connect(cfg.rpc, h, p, None, None, spec,
+                                               node_id="scheduler")
+                   for name, (h, p) in gateways.items()}      # lookups only: no transport
+        hit_lookup = GatewayHitLookup(clients, cfg.scheduler_service.hit_lookup_timeout_s)
+        stack.push_async_callback(hit_lookup.close)
     svc = SchedulerService(cfg, host=host, port=port, hit_lookup=hit_lookup)
-    return await stack.enter_async_context(svc), client
+    return await stack.enter_async_context(svc), hit_lookup
 
 
 # --------------------------------------------------------------------------- from a cluster file
@@ -175,9 +178,8 @@ async def _start_all(stack: contextlib.AsyncExitStack, c: InProcessCluster,
         gw = GatewayService(cfg, n.id, rpc_port=0)
         await stack.enter_async_context(gw)
         c.gateways[n.id] = gw
-    first = next(iter(c.gateway_endpoints().values()))
-    c.scheduler, c.lookup_client = await lookup_scheduler(
-        stack, service_config(cluster, "scheduler"), first)
+    c.scheduler, c.hit_lookup = await lookup_scheduler(
+        stack, service_config(cluster, "scheduler"), c.gateway_endpoints())
     for n in cluster.spec.nodes:
         service = ROLE_SERVICE[n.role]
         cfg = service_config(cluster, service, n.id, scheduler=c.scheduler_address,
@@ -230,9 +232,9 @@ async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
             c.gateways[node] = gw
         sched_port = 0
         if scheduler:
-            first = next(iter(c.gateways.values()))
-            c.scheduler, c.lookup_client = await lookup_scheduler(
-                stack, _cfg(data), ("127.0.0.1", first.rpc_port), host="127.0.0.1")
+            endpoints = {n: ("127.0.0.1", g.rpc_port) for n, g in c.gateways.items()}
+            c.scheduler, c.hit_lookup = await lookup_scheduler(
+                stack, _cfg(data), endpoints, host="127.0.0.1")
             sched_port = c.scheduler.port
         for role, nodes in (("de_loader", decode), ("pe_receiver", prefill)):
             for node in nodes:

@@ -5,7 +5,7 @@ cluster file (mode applied, paths absolute) to ``<data_dir>/<name>/cluster.toml`
 in three waves, each waited for before the next (a ready file per service, process alive):
 
 1. one storage gateway per node (they share ``storage_root``);
-2. the scheduler, its hit lookup pointed at the first gateway;
+2. the scheduler, its hit lookup given every gateway (asked in turn, the next on a failure);
 3. per node the PE receiver / DE loader with its emulated engines, given the scheduler's and
    its gateway's ports;
 
@@ -185,9 +185,7 @@ class Launcher:
                            str(c.storage_dir().resolve()), time.time())
         try:
             self._wave([self._argv("gateway", n.id) for n in c.nodes])
-            first = self.state.proc(f"gateway:{c.nodes[0].id}")
-            self._wave([self._argv("scheduler", None,
-                                   ["--lookup-gateway", f"{first.host}:{first.rpc_port}"])])
+            self._wave([self._argv("scheduler", None, self._lookup_gateways())])
             sched = self.state.proc("scheduler")
             self._wave([self._argv(ROLE_SERVICE[n.role], n.id,
                                    ["--scheduler", f"{sched.host}:{sched.rpc_port}",
@@ -201,6 +199,13 @@ class Launcher:
         self.state.ready = True
         self.state.save()
         return self.state
+
+    def _lookup_gateways(self) -> list[str]:
+        """``--lookup-gateway`` for every gateway started: the scheduler's hit lookup asks any
+        of them (the store is shared) and goes on to the next when one fails."""
+        gateways = [self.state.proc(f"gateway:{n.id}") for n in self.cluster.spec.nodes]
+        return ["--lookup-gateway",
+                ",".join(f"{p.node}={p.host}:{p.rpc_port}" for p in gateways)]
 
     def _write_effective(self) -> Path:
         """The cluster file every child reads: mode applied, relative paths made absolute."""

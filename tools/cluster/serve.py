@@ -2,7 +2,7 @@
 
 What the launcher, the systemd units, docker-compose, tests and scripts all run:
 
-    dualpath serve scheduler   -c configs/local-1p2d.toml [--lookup-gateway HOST:PORT]
+    dualpath serve scheduler   -c configs/local-1p2d.toml [--lookup-gateway [NAME=]HOST:PORT ...]
     dualpath serve gateway     -c configs/local-1p2d.toml --node p0
     dualpath serve pe_receiver -c configs/local-1p2d.toml --node p0 [--scheduler HOST:PORT]
     dualpath serve de_loader   -c configs/local-1p2d.toml --node d0 [--gateway-port P]
@@ -24,9 +24,12 @@ Once serving, one JSON line goes to stdout (and ``--ready-file``, written atomic
 service): :func:`common.service.serve_process`. Exit status: 0 after a clean stop, 2 for a
 bad config or arguments, 1 when the service failed.
 
-The scheduler's hit lookup asks a storage gateway (``LookupPrefix``) when one is known
-(``--lookup-gateway`` or the first node's fixed ``gateway_port``): hits are what storage holds,
-across sessions too (Mooncake traces share prefixes between requests).
+The scheduler's hit lookup asks the storage gateways of the shared store (``LookupPrefix``),
+one per lookup in turn and the next one when one fails
+(:class:`~services.scheduler.gateway_lookup.GatewayHitLookup`): those ``--lookup-gateway``
+names (repeated or comma-separated), else every node of the cluster file with a fixed
+``gateway_port``. Hits are what storage holds, across sessions too (Mooncake traces share
+prefixes between requests). No gateway known: the scheduler's per-session index.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="override this service's port")
     p.add_argument("--scheduler", default=None, help="HOST:PORT of the scheduler")
     p.add_argument("--gateway-port", type=int, default=None, help="this node's gateway port")
-    p.add_argument("--lookup-gateway", default=None, help="scheduler: HOST:PORT of a gateway "
-                                                          "answering hit lookups")
+    p.add_argument("--lookup-gateway", action="append", default=None,
+                   help="scheduler: [NAME=]HOST:PORT of a gateway answering hit lookups "
+                        "(repeat or comma-separate: every gateway of the shared store)")
     p.add_argument("--engines", type=int, default=None,
                    help="node services: emulated engines (default: from the config)")
     p.add_argument("--no-engines", action="store_true",
@@ -77,12 +81,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hostport(text: str | None, what: str) -> tuple[str, int] | None:
-    if text is None:
-        return None
+    return None if text is None else _parse_hostport(text, what)
+
+
+def _parse_hostport(text: str, what: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
         raise DualpathError(f"{what} must be HOST:PORT, got {text!r}")
     return host or "127.0.0.1", int(port)
+
+
+def lookup_gateways(values: list[str]) -> dict[str, tuple[str, int]]:
+    """``--lookup-gateway`` values (each ``[NAME=]HOST:PORT``, comma-separated or repeated)
+    as name → address; a gateway without a name is called by its address."""
+    out: dict[str, tuple[str, int]] = {}
+    for item in (part.strip() for value in values for part in value.split(",")):
+        if not item:
+            continue
+        name, _, addr = item.rpartition("=")
+        out[name or addr] = _parse_hostport(addr, "--lookup-gateway")
+    return out
 
 
 # --------------------------------------------------------------------------- what to serve
@@ -182,19 +200,21 @@ class _Roles:
         from common.metrics import scheduler_stats
         from .inprocess import lookup_scheduler
         cfg = self.target.config("scheduler", None)
-        svc, _ = await lookup_scheduler(stack, cfg, self._lookup_gateway(),
+        svc, _ = await lookup_scheduler(stack, cfg, self._lookup_gateways(),
                                         port=self.args.port)
         self.info.update(host=svc.host, rpc_port=svc.port)
         self._source(stack, "scheduler", "scheduler", scheduler_stats(svc))
         return svc
 
-    def _lookup_gateway(self) -> tuple[str, int] | None:
-        target = _hostport(self.args.lookup_gateway, "--lookup-gateway")
+    def _lookup_gateways(self) -> dict[str, tuple[str, int]]:
+        """Name → address of every gateway the hit lookup may ask (empty: none known)."""
+        if self.args.lookup_gateway:
+            return lookup_gateways(self.args.lookup_gateway)
         cluster = self.target.cluster
-        if target is None and cluster is not None and cluster.spec.nodes[0].gateway_port:
-            first = cluster.spec.nodes[0]
-            target = (cluster.spec.node_host(first), first.gateway_port)
-        return target            # None: the scheduler's per-session index
+        if cluster is None:
+            return {}            # the scheduler's per-session index
+        return {n.id: (cluster.spec.node_host(n), n.gateway_port)
+                for n in cluster.spec.nodes if n.gateway_port}
 
     async def _gateway(self, stack: contextlib.AsyncExitStack) -> Any:
         from common.metrics import gateway_stats
@@ -255,6 +275,8 @@ def _prepare(args: argparse.Namespace) -> _Roles:
     """Everything checkable before the loop starts (a ConfigError here is exit status 2)."""
     target = load_target(args.config, args.mode)
     roles = _Roles(target, args)
+    if args.lookup_gateway:
+        lookup_gateways(args.lookup_gateway)                        # a bad address → 2
     if roles.service != "scheduler":
         node = _need(args.node, roles.service)
         if target.cluster is not None:

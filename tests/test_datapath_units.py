@@ -162,48 +162,6 @@ async def test_region_too_large_for_the_pool_is_invalid():
         await pool.allocate(SPEC, 1000, "x", 1.0)
 
 
-async def test_waiting_allocations_are_served_in_arrival_order():
-    """A large request that waits is never overtaken by a later small one that would fit
-    (the 1,200-request replay starved large prompts that way, issue #16)."""
-    pool = RegionPool(PagePool(4096, 64))                  # 1 KiB of KV per token: 4 tokens/page
-    held = pool.try_allocate(SPEC, 192, "held")            # 48 pages: 16 left
-    big = asyncio.ensure_future(pool.allocate(SPEC, 128, "big", 30.0))       # 32 pages: waits
-    await until(lambda: pool.waiting == 1, what="the large allocation waits")
-    small = asyncio.ensure_future(pool.allocate(SPEC, 16, "small", 30.0))    # 4 pages would fit
-    await until(lambda: pool.waiting == 2, what="the small one queues behind it")
-    assert not small.done() and pool.pool.free_pages == 16
-    pool.free(held)
-    r_big, r_small = await big, await small
-    assert (r_big.tokens, r_small.tokens, pool.waiting) == (128, 16, 0)
-    for r in (r_big, r_small):
-        pool.free(r)
-    pool.pool.check_invariants()
-    assert pool.pool.used_pages == 0
-
-
-@pytest.mark.parametrize("leave", ["deadline", "cancel"])
-async def test_a_waiter_that_leaves_lets_the_next_one_in(leave):
-    pool = RegionPool(PagePool(4096, 64))
-    held = pool.try_allocate(SPEC, 192, "held")
-    big = asyncio.ensure_future(pool.allocate(SPEC, 128, "big", 0.3 if leave == "deadline"
-                                              else 30.0))
-    await until(lambda: pool.waiting == 1, what="the large allocation waits")
-    small = asyncio.ensure_future(pool.allocate(SPEC, 16, "small", 30.0))
-    await until(lambda: pool.waiting == 2, what="the small one queues behind it")
-    if leave == "cancel":
-        big.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await big
-    else:
-        with pytest.raises(DeadlineExceeded, match="1 requests waiting with it"):
-            await big
-    r = await small                                        # fits the 16 free pages at once
-    assert r.tokens == 16 and pool.waiting == 0
-    pool.free(r)
-    pool.free(held)
-    assert pool.pool.used_pages == 0
-
-
 # ---------------------------------------------------------------- services
 
 def test_de_loader_serves_the_whole_data_path_channel():

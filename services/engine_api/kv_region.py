@@ -3,14 +3,12 @@
 A region keeps each layer of its request contiguous, so one layer moves as one UCX message
 and an engine gets a layer as one array view. It is one contiguous extent when the pool has
 one; otherwise one extent per layer (still one message per layer). :class:`RegionPool` waits,
-up to a deadline, for room, serving waiters in arrival order, and wakes them whenever a region
-is freed.
+up to a deadline, for room, and wakes waiters whenever a region is freed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,15 +94,18 @@ class RegionPool:
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool
         self._freed = asyncio.Event()
-        self._waiters: collections.deque[object] = collections.deque()   # arrival order
         self.live = 0
 
     def try_allocate(self, spec: KVSpec, tokens: int, owner: str,
                      one_extent: bool = False) -> KVRegion | None:
         """A region now (one extent, else one per layer), or None when there is no room."""
-        self._check_fits(spec, tokens, owner)
+        if tokens <= 0:
+            raise InvalidArgument(f"a region needs tokens > 0, got {tokens}")
         row = tokens * spec.kv_bytes_per_token_per_layer
         total = row * spec.num_layers
+        if self.pool.pages_for(total) > self.pool.num_pages:
+            raise InvalidArgument(f"{owner}: {total} B of KV can never fit pool {self.pool.name!r} "
+                                  f"({self.pool.num_pages * self.pool.page_bytes} B) — raise its size")
         try:
             a = self.pool.alloc(total, owner, allow_split=False)
         except ResourceExhausted:
@@ -129,61 +130,24 @@ class RegionPool:
 
     async def allocate(self, spec: KVSpec, tokens: int, owner: str, timeout_s: float,
                        one_extent: bool = False) -> KVRegion:
-        """Wait up to ``timeout_s`` for room; DeadlineExceeded (retryable) when none came.
-
-        Waiters are served in arrival order: a request that waits is never overtaken by a later
-        one that happens to fit. Without that, a large prompt starves behind a stream of small
-        ones until its timeout (1,200-request trace replay: 54 re-plans, every one a prompt of
-        2.6k–15.4k tokens giving up with pages free; issue #16).
-        """
-        if not self._waiters:
+        """Wait up to ``timeout_s`` for room; DeadlineExceeded (retryable) when none came."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while True:
             region = self.try_allocate(spec, tokens, owner, one_extent)
             if region is not None:
                 return region
-        else:
-            self._check_fits(spec, tokens, owner)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        me = object()
-        self._waiters.append(me)
-        try:
-            while True:
-                if self._waiters[0] is me:
-                    region = self.try_allocate(spec, tokens, owner, one_extent)
-                    if region is not None:
-                        return region
-                left = end - loop.time()
-                if left <= 0:
-                    raise DeadlineExceeded(
-                        f"pool {self.pool.name!r}: no room for {tokens} tokens of KV "
-                        f"({tokens * spec.bytes_per_token} B) within {timeout_s:.3g}s "
-                        f"({self.pool.free_pages}/{self.pool.num_pages} pages free, "
-                        f"{len(self._waiters) - 1} requests waiting with it)")
-                event = self._freed
-                try:
-                    await asyncio.wait_for(event.wait(), left)
-                except TimeoutError:
-                    pass
-        finally:
-            self._waiters.remove(me)
-            self._wake()            # the next waiter may be at the head now
-
-    @property
-    def waiting(self) -> int:
-        """Allocations waiting for room (in arrival order)."""
-        return len(self._waiters)
-
-    def _check_fits(self, spec: KVSpec, tokens: int, owner: str) -> None:
-        if tokens <= 0:
-            raise InvalidArgument(f"a region needs tokens > 0, got {tokens}")
-        total = tokens * spec.kv_bytes_per_token_per_layer * spec.num_layers
-        if self.pool.pages_for(total) > self.pool.num_pages:
-            raise InvalidArgument(f"{owner}: {total} B of KV can never fit pool {self.pool.name!r} "
-                                  f"({self.pool.num_pages * self.pool.page_bytes} B) — raise its size")
-
-    def _wake(self) -> None:
-        self._freed.set()
-        self._freed = asyncio.Event()
+            left = end - loop.time()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"pool {self.pool.name!r}: no room for {tokens} tokens of KV "
+                    f"({tokens * spec.bytes_per_token} B) within {timeout_s:.3g}s "
+                    f"({self.pool.free_pages}/{self.pool.num_pages} pages free)")
+            event = self._freed
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except TimeoutError:
+                pass
 
     def free(self, region: KVRegion) -> None:
         """Return a region's pages (idempotent) and wake allocations waiting for room."""
@@ -193,4 +157,5 @@ class RegionPool:
         for a in region.allocs:
             self.pool.free(a)
         self.live -= 1
-        self._wake()
+        self._freed.set()
+        self._freed = asyncio.Event()

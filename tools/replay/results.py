@@ -71,6 +71,9 @@ def summarize(records: list[RequestRecord], sampler: Sampler | None, *, roles: d
     if sampler is not None:
         out["bytes"] = _bytes(sampler, roles)
         out["links"] = _links(sampler, roles, links, window_s)
+        # counter samples lost per service (GetStats failed or timed out): the byte checks
+        # read first/last snapshots, so a lost final sample would make them undercount
+        out["telemetry_samples_missed"] = dict(sampler.missed)
         out["checks"].update(_byte_checks(records, fin, out["bytes"], bytes_per_token,
                                           block_tokens, sampler))
     return out

@@ -186,11 +186,15 @@ def load_config(path: str | os.PathLike[str] | None, cls: type[T],
     """Load ``path`` (TOML) into ``cls``; ``None`` gives the embedded defaults + env overlay."""
     if path is None:
         return build_config({}, cls, "defaults", environ)
+    return build_config(read_toml(path), cls, str(path), environ)
+
+
+def read_toml(path: str | os.PathLike[str], what: str = "config file") -> dict[str, Any]:
+    """The TOML document at ``path``; a missing or malformed file is a ConfigError naming it."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text())
     except FileNotFoundError as e:
-        raise ConfigError(f"config file not found: {p}") from e
+        raise ConfigError(f"{what} not found: {p}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from e
-    return build_config(data, cls, str(p), environ)

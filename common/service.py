@@ -11,7 +11,7 @@ period, cancel the rest, then ``on_stop`` closes endpoints and releases pools.
 
 The process shell lives here too, once: :func:`serve_process` (signal handling, the ordered
 stop, the one JSON ready line of :func:`announce_ready`), which ``dualpath serve`` runs every
-role in and :meth:`Service.serve_forever` runs a lone service in.
+role in.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import contextlib
 import enum
 import faulthandler
 import json
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -173,15 +172,6 @@ class Service:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
-
-    async def serve_forever(self, ready_file: Path | None = None) -> None:
-        """This service alone as a process (:func:`serve_process`): start, one ready line, run
-        until SIGTERM/SIGINT, stop in order; raises if it stops on its own (a fatal loop)."""
-        async def start(stack: contextlib.AsyncExitStack) -> tuple[Service, dict[str, Any]]:
-            await stack.enter_async_context(self)
-            return self, {"event": "ready", "service": self.name, "node_id": self.node_id,
-                          "pid": os.getpid()}
-        await serve_process(start, ready_file)
 
     def _request_stop(self) -> None:
         if self._stop_task is None:

@@ -6,11 +6,8 @@ it extends ``services.config.ServicesConfig``.
 
 from __future__ import annotations
 
-import os
-
 import msgspec
 
-from common.config import load_config
 from services.config import ServicesConfig
 from tools.engine_sim.config import EngineSimConfig
 
@@ -19,9 +16,3 @@ class DualpathConfig(ServicesConfig):
     """A host's config file: services' sections plus the engine emulator's."""
 
     engine_sim: EngineSimConfig = msgspec.field(default_factory=EngineSimConfig)
-
-
-def load_host_config(path: str | os.PathLike[str] | None,
-                     environ: dict[str, str] | None = None) -> DualpathConfig:
-    """Load a host file (``None``: embedded defaults) with the environment overlay."""
-    return load_config(path, DualpathConfig, environ)

@@ -271,7 +271,7 @@ class DecodeAttempt:
     async def _write_prompt(self, a: WritePrompt) -> None:
         """Persist the prompt's new complete blocks (gathered from the request layout)."""
         try:
-            per = await self.svc.writeback_batch(self.spec.full_block_bytes)
+            per = await self.svc.writeback_batch()
             for first, keys in a.batches(per):
                 await self._write(list(keys), [self.region.block_views(first + j)
                                                for j in range(len(keys))])

@@ -111,7 +111,7 @@ class DELoaderService(NodeBase):
         if tasks:
             await asyncio.wait(tasks, timeout=self.settings.engine_release_timeout_s)
 
-    async def writeback_batch(self, block_bytes: int) -> int:
+    async def writeback_batch(self) -> int:
         """Blocks per WriteBlocks: the config's, capped by what the gateway states one write
         may carry (``GatewayClient.max_write_blocks``, cached per connection by the client;
         ``write_blocks`` splits under the same limits whatever it is given)."""

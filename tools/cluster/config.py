@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import os
 import socket
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from common.config import build_config, env_overlay
+from common.config import build_config, env_overlay, read_toml
 from tools.config import DualpathConfig
 from common.errors import ConfigError
 from services.scheduler.modes import MODE_SPECS, ModeSpec, mode_spec
@@ -122,14 +121,7 @@ def load_cluster(path: str | os.PathLike[str] | None, mode: str | None = None,
     """Load a cluster file (``None``: the embedded defaults), apply ``mode``, validate."""
     if path is None:
         return load_data(default_data(), "embedded defaults", mode=mode, environ=environ)
-    p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise ConfigError(f"cluster config not found: {p}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from e
-    return load_data(data, str(p), mode=mode, environ=environ)
+    return load_data(read_toml(path, "cluster config"), str(path), mode=mode, environ=environ)
 
 
 def load_data(data: dict[str, Any], source: str, *, mode: str | None = None,

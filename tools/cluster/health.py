@@ -15,7 +15,8 @@ from typing import Union
 
 import msgspec
 
-from tools.config import load_host_config
+from common.config import load_config
+from tools.config import DualpathConfig
 from common.errors import DualpathError
 from common.logging import configure_logging
 from common.protocol import ErrorReply, Ping, Pong
@@ -24,7 +25,7 @@ from common.rpc import RpcClient
 
 async def ping(host: str, port: int, timeout: float = 2.0) -> bool:
     try:
-        rpc = load_host_config(None).rpc
+        rpc = load_config(None, DualpathConfig).rpc
     except DualpathError as e:          # a bad DUALPATH__RPC__* overlay: say so, report down
         print(f"health: {e.message}", file=sys.stderr)
         return False

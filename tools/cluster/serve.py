@@ -38,14 +38,13 @@ import argparse
 import contextlib
 import os
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from common.config import build_config, env_overlay
+from common.config import build_config, env_overlay, read_toml
 from common.errors import ConfigError, DualpathError
 from common.logging import configure_logging
 from common.service import run_cli, serve_process
@@ -151,12 +150,7 @@ def load_target(path: str | None, mode: str | None) -> Target:
     """Read ``path`` as a cluster file when it has ``[cluster]``, else as a plain host file."""
     if path is None:
         return Target(load_cluster(None, mode=mode))
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError as e:
-        raise ConfigError(f"config file not found: {path}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    data = read_toml(path)
     if "cluster" in data:
         return Target(load_data(data, str(path), mode=mode))
     data = env_overlay(data)

@@ -3,7 +3,8 @@
 # docker-compose.yml, replay a few multi-turn requests through the frontend RPC from inside the
 # compose network (the `smoke` service: every request finished, hits as predicted, storage bytes
 # = hits, every prompt byte verified), stop everything. Docker that cannot run here → a loud
-# SKIPPED line and exit 0 (../shared/ci/docker-env.sh exit 3).
+# SKIPPED line and exit 0 (../shared/ci/docker-env.sh exit 3) — except under CI=true, where
+# the skip fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -18,6 +19,11 @@ if [ "$rc" -eq 3 ]; then
     echo "=================================================================="
     echo "SKIPPED: docker unavailable — compose smoke test did not run"
     echo "=================================================================="
+    if [ "${CI:-}" = "true" ]; then
+        # a green CI run means the compose cluster really ran: a skip here fails it
+        echo "compose smoke: Docker is required under CI=true" >&2
+        exit 1
+    fi
     exit 0
 elif [ "$rc" -ne 0 ]; then
     echo "compose smoke: docker-env.sh up failed with status $rc" >&2

@@ -118,6 +118,7 @@ class PrefillPort:
         self.engine_id = engine_id
         self._queue: deque[PrefillHandle] = deque()
         self._ready = asyncio.Event()
+        self._arrived = asyncio.Event()      # replaced on every put: claim-by-id waiters
         self.closed = False
 
     def __len__(self) -> int:
@@ -127,6 +128,8 @@ class PrefillPort:
         """Receiver side: a request whose hit length is known is ready for this engine."""
         self._queue.append(handle)
         self._ready.set()
+        self._arrived.set()
+        self._arrived = asyncio.Event()
 
     def try_next(self) -> PrefillHandle | None:
         """The next live request without waiting (dropped ones are released on the way)."""
@@ -158,6 +161,23 @@ class PrefillPort:
         handle.ended = True
         return True
 
+    def take(self, request_id: str) -> PrefillHandle | None:
+        """Claim by id: remove and return the queued live request ``request_id`` (None: not
+        queued here, yet or any more)."""
+        for h in self._queue:
+            if h.request_id == request_id and not h.dropped:
+                self._queue.remove(h)
+                return h
+        return None
+
+    async def wait_arrival(self, timeout_s: float) -> None:
+        """Return after the next ``put`` or after ``timeout_s``, whichever comes first."""
+        event = self._arrived
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
     def close(self) -> None:
         self.closed = True
         while self._queue:
@@ -165,6 +185,7 @@ class PrefillPort:
             h.ended = True
             _release_soon(h)
         self._ready.set()
+        self._arrived.set()
 
 
 def _release_soon(h: PrefillHandle) -> None:

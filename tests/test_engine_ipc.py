@@ -12,6 +12,7 @@ other engines carry on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,7 +29,8 @@ from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, Cla
                              DecodeAssigned, EngineAttached, EngineOk, EnginePrompt,
                              EngineReply, EngineRequest, FailRequest, FinishDecode,
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
-                             PutBlock, PutLayer, RequestFinished, SecondToken, TookKV,
+                             PutBlock, PutLayer, ReportCounters, RequestFinished,
+                             SecondToken, TookKV,
                              WaitLayer, union_members)
 from common.rpc import check_handler_coverage
 from services.engine_api.remote import EngineClient
@@ -89,7 +91,7 @@ SAMPLES = [
     NextRequest(1.0, 4), ClaimRequest("r1", 2.0), WaitLayer("r1", 0, 3, 1.0),
     PutLayer("r1", 0, 3), FinishPrefill("r1", 0, 7), TookKV("r1", 0), SecondToken("r1", 0),
     NewBlock("r1", 0, list(range(64))), PutBlock("r1", 0, 2), FinishDecode("r1", 0, [1, 2]),
-    FailRequest("r1", 0, "gave up"),
+    FailRequest("r1", 0, "gave up"), ReportCounters({"verified_requests": 3.0}),
     EngineAttached("p0", "p0.e0", KVSpec("x", 4, 256), "dualpath-" + "0" * 32, 1 << 20, 60.0),
     Assigned([PrefillAssigned(SAMPLE_PROMPT, 64)],
              [DecodeAssigned(SAMPLE_PROMPT, 64, 5, [SLOT, SLOT])]),
@@ -327,3 +329,71 @@ async def test_an_engine_that_disconnects_fails_its_requests_retryable(tmp_path)
         await no_leaks(c)
         with pytest.raises(DualpathError):
             await h.put_layer(0)
+
+
+# ---------------------------------------------------------------- the emulator as a process
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("keep_logging")
+def test_cluster_up_runs_engines_in_their_own_processes_and_a_killed_one_restarts(tmp_path):
+    """``[cluster] remote_engines``: one ``serve engine_sim`` process per node; requests
+    finish byte-checked through the engine sockets; a SIGKILLed engine process is replaced
+    by a new one that attaches to the same, still running node service."""
+    from common.protocol import GetStats, GetStatsReply
+    from common.rpc import RpcClient as _Rpc
+    from common.config import RpcConfig
+    from services.scheduler.client import SyncSchedulerClient
+    from tests.helpers import reap, wait_until
+    from tests.test_cluster_launcher import gone, small_cluster
+    from tools.cluster import cli
+    from tools.cluster.launcher import State
+    from tools.cluster.toml_write import dumps
+
+    def stats(p) -> dict:
+        async def get():
+            async with _Rpc(RpcConfig(), p.host, p.rpc_port, role="test", node_id="t",
+                            reply_type=GetStatsReply) as rpc:
+                return (await rpc.call(GetStats(), 5)).counters
+        return asyncio.run(get())
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(dumps(small_cluster(tmp_path, cluster={"remote_engines": True})))
+    assert cli.main(["up", "-c", str(cfg)]) == 0
+    state = State.load(tmp_path / "cluster" / "t1p1d")
+    pids = [p.pid for p in state.procs]
+    extra = None
+    try:
+        assert sorted(p.name for p in state.procs if p.service == "engine_sim") == \
+            ["engine_sim:d0", "engine_sim:p0"]
+        with SyncSchedulerClient(*state.scheduler) as sched:
+            toks = list(range(200))
+            first = sched.run("t0", "s", len(toks), 70, token_ids=toks, deadline_s=30)
+            assert isinstance(first, RequestFinished), first
+            victim = state.proc("engine_sim:p0")
+            os.kill(victim.pid, signal.SIGKILL)
+            pe = state.proc("pe_receiver:p0")
+            wait_until(lambda: stats(pe)["engine_api_engines_attached"] == 0,
+                       what="the killed engine detached")
+            extra = subprocess.Popen([sys.executable, "-m", "tools.cluster.serve", "engine_sim",
+                                      "-c", state.config, "--node", "p0"], cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_until(lambda: stats(pe)["engine_api_engines_attached"] == 1,
+                       what="the new engine process attached")
+            toks = toks + first.output_token_ids + list(range(500, 530))
+            second = sched.run("t1", "s", len(toks), 8, token_ids=toks, deadline_s=30)
+            assert isinstance(second, RequestFinished), second
+            assert second.hit_tokens == (200 + 70 - 1) // 64 * 64
+        de = state.proc("de_loader:d0")
+        wait_until(lambda: stats(de).get("engine_verified_requests", 0) >= 2,
+                   what="the decode engine process reported its byte checks")
+        assert stats(de).get("engine_prompt_mismatches", 0) == 0
+        wait_until(lambda: stats(pe).get("engine_verified_layers", 0) > 0,   # turn 2's hit
+                   what="the new prefill engine process reported its byte checks")
+    finally:
+        if extra is not None:
+            extra.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                extra.wait(10)
+            reap(extra)
+        assert cli.main(["down", "-c", str(cfg)]) == 0
+    assert gone(pids), "a service outlived `cluster down`"

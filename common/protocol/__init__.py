@@ -54,7 +54,7 @@ from common.protocol.engine import (
     ENGINE_API_VERSION, ArenaSlot, EnginePrompt, AttachEngine, EngineAttached, NextRequest,
     ClaimRequest, PrefillAssigned, DecodeAssigned, Assigned, WaitLayer, LayerReady, PutLayer,
     FinishPrefill, TookKV, SecondToken, NewBlock, BlockOpened, PutBlock, FinishDecode,
-    FailRequest, EngineOk, EngineRequest, EngineReply,
+    FailRequest, EngineOk, EngineRequest, EngineReply, ReportCounters,
 )
 
 __all__ = [
@@ -78,5 +78,5 @@ __all__ = [
     "NextRequest", "ClaimRequest", "PrefillAssigned", "DecodeAssigned", "Assigned", "WaitLayer",
     "LayerReady", "PutLayer", "FinishPrefill", "TookKV", "SecondToken", "NewBlock",
     "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "EngineOk", "EngineRequest",
-    "EngineReply",
+    "EngineReply", "ReportCounters",
 ]

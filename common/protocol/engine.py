@@ -207,6 +207,13 @@ class FailRequest(Message, tag="engine.fail", frozen=True):
     reason: str = ""
 
 
+class ReportCounters(Message, tag="engine.counters", frozen=True):
+    """The engine's own counters (e.g. the emulator's byte checks), cumulative: the node
+    exposes the latest per engine in its stats as ``engine_<name>``."""
+
+    counters: dict[str, float]
+
+
 class EngineOk(Message, tag="engine.ok", frozen=True):
     """Reply to the calls that return nothing else."""
 
@@ -215,5 +222,5 @@ class EngineOk(Message, tag="engine.ok", frozen=True):
 
 EngineRequest = Union[AttachEngine, NextRequest, ClaimRequest, WaitLayer, PutLayer,
                       FinishPrefill, TookKV, SecondToken, NewBlock, PutBlock, FinishDecode,
-                      FailRequest]
+                      FailRequest, ReportCounters]
 EngineReply = Union[EngineAttached, Assigned, LayerReady, BlockOpened, EngineOk, ErrorReply]

@@ -26,8 +26,8 @@ from common.kv import KVSpec
 from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
                              DecodeAssigned, EngineAttached, EnginePrompt, EngineReply,
                              FailRequest, FinishDecode, FinishPrefill, LayerReady, NewBlock,
-                             NextRequest, PrefillAssigned, PutBlock, PutLayer, SecondToken,
-                             TookKV, WaitLayer)
+                             NextRequest, PrefillAssigned, PutBlock, PutLayer, ReportCounters,
+                             SecondToken, TookKV, WaitLayer)
 from common.rpc_client import RpcClient
 from common.shm import ShmMappings
 
@@ -104,6 +104,10 @@ class EngineClient:
             raise PeerFailed(f"engine {self.engine_id}: connection to {self.node_id} lost; "
                              f"connect and attach again")
         return await self._rpc.call(msg, timeout=wait_s + CALL_MARGIN_S)
+
+    async def report_counters(self, counters: dict[str, float]) -> None:
+        """The engine's cumulative counters; the node shows them in its stats (``engine_*``)."""
+        await self.call(ReportCounters({str(k): float(v) for k, v in counters.items()}))
 
     # ------------------------------------------------------------------ getting requests
     async def next_prefill(self, timeout_s: float) -> RemotePrefillHandle | None:

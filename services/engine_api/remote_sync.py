@@ -88,6 +88,11 @@ class SyncEngineClient:
         return self._c.engine_id
 
     @property
+    def arena(self) -> np.ndarray:
+        """The node's mapped arena (e.g. to pin it once: ``cudaHostRegister``)."""
+        return self._c.arena
+
+    @property
     def node_id(self) -> str:
         return self._c.node_id
 

@@ -34,7 +34,8 @@ from common.protocol import (ENGINE_API_VERSION, ArenaSlot, Assigned, AttachEngi
                              BlockOpened, ClaimRequest, DecodeAssigned, EngineAttached,
                              EngineOk, EnginePrompt, EngineRequest, FailRequest, FinishDecode,
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
-                             PutBlock, PutLayer, SecondToken, TookKV, WaitLayer)
+                             PutBlock, PutLayer, ReportCounters, SecondToken, TookKV,
+                             WaitLayer)
 from common.rpc import CallContext, RpcServer, ServerConnection
 
 from .decode import DecodePort, DecodeRequest, GeneratedBlock
@@ -80,6 +81,7 @@ class EngineApiServer:
         self.sessions: dict[str, EngineSession] = {}        # engine id → session
         self._by_conn: dict[int, EngineSession] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        self.reported: dict[str, dict[str, float]] = {}    # engine id → its latest counters
         self.rpc = RpcServer(rpc_cfg, service=f"engine_api:{node_id}", node_id=node_id,
                              handlers=self.handlers(), request_type=EngineRequest,
                              on_disconnect=self._on_disconnect)
@@ -91,9 +93,10 @@ class EngineApiServer:
                 FinishPrefill: self._finish_prefill, TookKV: self._took_kv,
                 SecondToken: self._second_token, NewBlock: self._new_block,
                 PutBlock: self._put_block, FinishDecode: self._finish_decode,
-                FailRequest: self._fail}
+                FailRequest: self._fail, ReportCounters: self._report_counters}
 
     async def start(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         await self.rpc.start_unix(path)
         os.chmod(path, 0o600)        # the trust boundary is the uid, as for the arena (common.shm)
         self.path = path
@@ -112,6 +115,20 @@ class EngineApiServer:
         out["engines_attached"] = float(len(self.sessions))
         out["requests_held"] = float(sum(s.held for s in self.sessions.values()))
         return out
+
+    def engine_counters(self) -> dict[str, float]:
+        """The counters the engines reported, summed over engines (kept after a detach)."""
+        total: collections.Counter[str] = collections.Counter()
+        for counters in self.reported.values():
+            total.update(counters)
+        return dict(total)
+
+    async def _report_counters(self, msg: ReportCounters, ctx: CallContext) -> EngineOk:
+        sess = self._session(ctx)
+        if len(msg.counters) > 256:
+            raise InvalidArgument(f"{len(msg.counters)} counters reported, at most 256")
+        self.reported[sess.engine_id] = {k[:64]: float(v) for k, v in msg.counters.items()}
+        return EngineOk()
 
     # ------------------------------------------------------------------ attach / detach
     async def _attach(self, msg: AttachEngine, ctx: CallContext) -> EngineAttached:

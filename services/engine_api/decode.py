@@ -31,6 +31,7 @@ import numpy as np
 
 from common.errors import Cancelled
 
+from .claims import ClaimableQueue
 from .prompt import PromptInfo
 
 
@@ -87,24 +88,26 @@ class DecodeBackend(Protocol):
     async def fail(self, req: DecodeRequest, error: BaseException | None) -> None: ...
 
 
-class DecodePort:
+class DecodePort(ClaimableQueue):
     """One decode engine's queue of requests whose prompt KV is assembled."""
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self._queue: deque[DecodeRequest] = deque()
         self._ready = asyncio.Event()
-        self._arrived = asyncio.Event()      # replaced on every put: claim-by-id waiters
         self.closed = False
+        super().__init__()
 
     def __len__(self) -> int:
         return len(self._queue)
 
+    def _live(self, req) -> bool:
+        return not req.cancelled
+
     def put(self, req: DecodeRequest) -> None:
         self._queue.append(req)
         self._ready.set()
-        self._arrived.set()
-        self._arrived = asyncio.Event()
+        self._note_arrival()
 
     def discard(self, req: DecodeRequest) -> bool:
         """Take a request back before the engine got it (True: the engine never saw it)."""
@@ -132,27 +135,10 @@ class DecodePort:
                 return req
             await self._ready.wait()
 
-    def take(self, request_id: str) -> DecodeRequest | None:
-        """Claim by id: remove and return the queued live request ``request_id`` (None: not
-        queued here, yet or any more)."""
-        for req in self._queue:
-            if req.request_id == request_id and not req.cancelled:
-                self._queue.remove(req)
-                return req
-        return None
-
-    async def wait_arrival(self, timeout_s: float) -> None:
-        """Return after the next ``put`` or after ``timeout_s``, whichever comes first."""
-        event = self._arrived
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except TimeoutError:
-            pass
-
     def close(self) -> None:
         self.closed = True
         self._ready.set()
-        self._arrived.set()
+        self._note_arrival()
 
     async def took_kv(self, req: DecodeRequest) -> None:
         """The engine copied the prompt KV (H2D): the host pages may be freed."""

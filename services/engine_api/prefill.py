@@ -32,6 +32,7 @@ import numpy as np
 
 from common.errors import Cancelled
 
+from .claims import ClaimableQueue
 from .prompt import PromptInfo
 
 
@@ -111,25 +112,27 @@ class PrefillHandle:
         await self._b.fail(error)
 
 
-class PrefillPort:
+class PrefillPort(ClaimableQueue):
     """One prefill engine's queue of requests, filled by the PE receiver."""
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self._queue: deque[PrefillHandle] = deque()
         self._ready = asyncio.Event()
-        self._arrived = asyncio.Event()      # replaced on every put: claim-by-id waiters
         self.closed = False
+        super().__init__()
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def _live(self, h) -> bool:
+        return not h.dropped
 
     def put(self, handle: PrefillHandle) -> None:
         """Receiver side: a request whose hit length is known is ready for this engine."""
         self._queue.append(handle)
         self._ready.set()
-        self._arrived.set()
-        self._arrived = asyncio.Event()
+        self._note_arrival()
 
     def try_next(self) -> PrefillHandle | None:
         """The next live request without waiting (dropped ones are released on the way)."""
@@ -161,23 +164,6 @@ class PrefillPort:
         handle.ended = True
         return True
 
-    def take(self, request_id: str) -> PrefillHandle | None:
-        """Claim by id: remove and return the queued live request ``request_id`` (None: not
-        queued here, yet or any more)."""
-        for h in self._queue:
-            if h.request_id == request_id and not h.dropped:
-                self._queue.remove(h)
-                return h
-        return None
-
-    async def wait_arrival(self, timeout_s: float) -> None:
-        """Return after the next ``put`` or after ``timeout_s``, whichever comes first."""
-        event = self._arrived
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except TimeoutError:
-            pass
-
     def close(self) -> None:
         self.closed = True
         while self._queue:
@@ -185,7 +171,7 @@ class PrefillPort:
             h.ended = True
             _release_soon(h)
         self._ready.set()
-        self._arrived.set()
+        self._note_arrival()
 
 
 def _release_soon(h: PrefillHandle) -> None:

@@ -301,13 +301,20 @@ class EngineApiServer:
         return EngineOk(msg.request_id)
 
     def _held_prefill(self, ctx: CallContext, rid: str, attempt: int) -> PrefillHandle:
-        sess = self._session(ctx)
-        if sess.role != "prefill":
-            raise InvalidArgument(f"{sess.engine_id} is a decode engine: prefill calls refused")
-        h = sess.prefill.get(rid)
-        if h is None or h.info.attempt != attempt:
-            raise NotFound(_not_held(sess, rid, attempt))
+        h: PrefillHandle = self._held(ctx, rid, attempt, "prefill")
         return h
+
+    def _held(self, ctx: CallContext, rid: str, attempt: int, role: str) -> Any:
+        """The request ``rid`` (attempt ``attempt``) this connection's engine holds."""
+        sess = self._session(ctx)
+        if sess.role != role:
+            raise InvalidArgument(f"{sess.engine_id} is a {sess.role} engine: {role} calls "
+                                  f"refused")
+        item = (sess.prefill if role == "prefill" else sess.decode).get(rid)
+        if item is None or item.info.attempt != attempt:
+            raise NotFound(f"engine {sess.engine_id} holds no attempt {attempt} of {rid!r} "
+                           f"(not handed to it, another engine's, already finished or failed)")
+        return item
 
     # ------------------------------------------------------------------ decode calls
     async def _took_kv(self, msg: TookKV, ctx: CallContext) -> EngineOk:
@@ -344,13 +351,8 @@ class EngineApiServer:
 
     def _held_decode(self, ctx: CallContext, rid: str, attempt: int
                      ) -> tuple[DecodePort, DecodeRequest]:
-        sess = self._session(ctx)
-        if sess.role != "decode":
-            raise InvalidArgument(f"{sess.engine_id} is a prefill engine: decode calls refused")
-        req = sess.decode.get(rid)
-        if req is None or req.info.attempt != attempt:
-            raise NotFound(_not_held(sess, rid, attempt))
-        return self.ports[sess.engine_id], req
+        req: DecodeRequest = self._held(ctx, rid, attempt, "decode")
+        return self.ports[self._session(ctx).engine_id], req
 
     def _forget_decode(self, sess: EngineSession, rid: str) -> None:
         sess.decode.pop(rid, None)
@@ -387,11 +389,6 @@ def _timeout(value: float) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise InvalidArgument(f"timeout_s must be finite and >= 0, got {value}")
     return min(value, MAX_WAIT_S)
-
-
-def _not_held(sess: EngineSession, rid: str, attempt: int) -> str:
-    return (f"engine {sess.engine_id} holds no attempt {attempt} of {rid!r} (not handed to it, "
-            f"another engine's, already finished or failed)")
 
 
 def _describe(spec: KVSpec) -> str:

@@ -160,7 +160,9 @@ async def test_engines_in_other_processes_see_stored_hit_and_decode_gets_hit_plu
         await until(lambda: not c.pe["p0"].engine_api.sessions, what="engines detached")
 
 
-async def test_killed_engine_frees_its_pages_and_a_restarted_one_finishes_the_replan(tmp_path):
+@pytest.mark.reliability
+async def test_killed_engine_frees_its_pages_and_a_restarted_one_finishes_the_replan(
+        tmp_path, reliability):
     """SIGKILL mid-request: pages back, the attempt fails retryable, the scheduler re-plans
     it, the restarted engine re-attaches under the same id (the node kept running)."""
     async with local_datapath(tmp_path, engines=False, overrides=sockets(tmp_path)) as c, \
@@ -197,11 +199,15 @@ async def test_killed_engine_frees_its_pages_and_a_restarted_one_finishes_the_re
         assert isinstance(ev, RequestFinished) and ev.attempt == 1, ev
         assert pe.engine_api.counters["requests_failed_on_detach"] == 1
         await no_leaks(c)
+        reliability.record("fault", "kill -9 an engine process holding a prefill request",
+                           "pages freed, re-planned, finished by the restarted engine "
+                           "(same id, node not restarted)", lost=0, leaked_pages=0)
 
 
 # ---------------------------------------------------------------- bad input
 
-async def test_attach_refusals_are_typed_and_name_both_specs(tmp_path):
+@pytest.mark.reliability
+async def test_attach_refusals_are_typed_and_name_both_specs(tmp_path, reliability):
     async with local_datapath(tmp_path, scheduler=False, engines=False,
                               overrides=sockets(tmp_path)) as c:
         with pytest.raises(KVSpecMismatch) as e:
@@ -222,6 +228,10 @@ async def test_attach_refusals_are_typed_and_name_both_specs(tmp_path):
         await first.close()
         await second.close()
         assert c.pe["p0"].engine_api.counters["attach_refused"] == 4
+        reliability.record("input", "engine attach: other KV spec, unknown engine id, wrong "
+                           "role, id already attached", "KV_SPEC_MISMATCH naming both specs, "
+                           "NOT_FOUND, INVALID_ARGUMENT, ALREADY_EXISTS (replace=True takes "
+                           "over); node serving")
 
 
 async def test_wrong_versions_are_refused(tmp_path, monkeypatch):
@@ -244,7 +254,8 @@ async def test_wrong_versions_are_refused(tmp_path, monkeypatch):
         assert not rpc.sessions
 
 
-async def test_bad_calls_get_typed_errors_and_leave_the_node_serving(tmp_path):
+@pytest.mark.reliability
+async def test_bad_calls_get_typed_errors_and_leave_the_node_serving(tmp_path, reliability):
     async with local_datapath(tmp_path, scheduler=False, engines=False,
                               overrides=sockets(tmp_path)) as c:
         pe = c.pe["p0"]
@@ -293,6 +304,10 @@ async def test_bad_calls_get_typed_errors_and_leave_the_node_serving(tmp_path):
         await eng.close()
         await no_leaks(c)
         assert pe.status.value == "running"
+        reliability.record("input", "engine channel: garbage frame, unknown / never-assigned "
+                           "request, NaN timeout, output before layer, layer out of range, "
+                           "out of order, finish twice", "typed error to that engine; the "
+                           "request still finished; no page leaked", leaked_pages=0)
 
 
 async def test_a_request_of_another_engine_is_refused_at_once(tmp_path):
@@ -314,7 +329,8 @@ async def test_a_request_of_another_engine_is_refused_at_once(tmp_path):
         await no_leaks(c)
 
 
-async def test_an_engine_that_disconnects_fails_its_requests_retryable(tmp_path):
+@pytest.mark.reliability
+async def test_an_engine_that_disconnects_fails_its_requests_retryable(tmp_path, reliability):
     async with local_datapath(tmp_path, scheduler=False, engines=False,
                               overrides=sockets(tmp_path)) as c:
         eng = await client(tmp_path)
@@ -329,6 +345,8 @@ async def test_an_engine_that_disconnects_fails_its_requests_retryable(tmp_path)
         await no_leaks(c)
         with pytest.raises(DualpathError):
             await h.put_layer(0)
+        reliability.record("fault", "engine disconnects holding a prefill request",
+                           "PEER_FAILED retryable (hop engine), pages freed", leaked_pages=0)
 
 
 # ---------------------------------------------------------------- the emulator as a process

@@ -337,8 +337,8 @@ class RemoteDecodeRequest:
         first, size = self.slots[0].offset, self.slots[0].nbytes
         if any(s.offset != first + i * size for i, s in enumerate(self.slots)):
             return None
-        whole = ArenaSlot(first, size * len(self.slots))
-        return self._c.view(whole).reshape(len(self.slots), -1, self._c.view(whole).shape[1])
+        whole = self._c.view(ArenaSlot(first, size * len(self.slots)))
+        return whole.reshape(len(self.slots), -1, whole.shape[1])
 
     async def call(self, msg: Any, wait_s: float = 0.0) -> Any:
         try:

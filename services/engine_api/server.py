@@ -212,17 +212,24 @@ class EngineApiServer:
             raise InvalidArgument("attach first (AttachEngine) — this connection is no engine")
         return sess
 
+    def _open_port(self, sess: EngineSession) -> Any:
+        port = self.ports[sess.engine_id]
+        if port.closed:
+            raise Unavailable(f"node {self.node_id} is stopping; attach again once it is back",
+                              retry_after_s=0.5)
+        return port
+
     # ------------------------------------------------------------------ getting requests
     async def _next(self, msg: NextRequest, ctx: CallContext) -> Assigned:
         sess = self._session(ctx)
         timeout = _timeout(msg.timeout_s)
         if not 1 <= msg.max_items <= MAX_ITEMS:
             raise InvalidArgument(f"max_items must be in [1, {MAX_ITEMS}], got {msg.max_items}")
-        port = self.ports[sess.engine_id]
+        port = self._open_port(sess)
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         got: list[Any] = []
-        while not got and not port.closed and not sess.closed:
+        while not got and not sess.closed:
             if (item := port.try_next()) is not None:
                 got.append(item)
                 break
@@ -230,6 +237,7 @@ class EngineApiServer:
             if left <= 0:
                 break
             await port.wait_arrival(left)
+            self._open_port(sess)
         while got and len(got) < msg.max_items and (item := port.try_next()) is not None:
             got.append(item)
         return self._assign(sess, got)
@@ -240,7 +248,7 @@ class EngineApiServer:
         rid = msg.request_id
         if rid in sess.prefill or rid in sess.decode:
             raise InvalidArgument(f"request {rid!r} is already claimed by {sess.engine_id}")
-        port = self.ports[sess.engine_id]
+        port = self._open_port(sess)
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while not sess.closed:
@@ -254,6 +262,7 @@ class EngineApiServer:
             if left <= 0:
                 break
             await port.wait_arrival(min(left, CLAIM_RECHECK_S))
+            self._open_port(sess)
         self.counters["claims_not_found"] += 1
         raise NotFound(f"request {rid!r} was not assigned to {sess.engine_id} on "
                        f"{self.node_id} within {timeout:.3g}s")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from common.errors import (AlreadyExists, DualpathError, InvalidArgument, KVSpecMismatch,
-                           NotFound, PeerFailed, VersionMismatch)
+                           NotFound, PeerFailed, Unavailable, VersionMismatch)
 from common.kv import KVSpec, block_keys_from_tokens
 from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
                              DecodeAssigned, EngineAttached, EngineOk, EnginePrompt,
@@ -215,6 +215,9 @@ async def test_attach_refusals_are_typed_and_name_both_specs(tmp_path, reliabili
         assert "61 layers" in e.value.message and "4 layers" in e.value.message
         with pytest.raises(NotFound):
             await client(tmp_path, engine_id="p0.e9")
+        with pytest.raises(Unavailable):                     # no node there: bounded wait
+            await EngineClient.connect(str(tmp_path / "nobody.sock"), engine_id="p0.e0",
+                                       role="prefill", kv_spec=c.spec, timeout_s=0.5)
         with pytest.raises(InvalidArgument):                 # a decode engine on a PE node
             await EngineClient.connect(str(tmp_path / "p0.sock"), engine_id="p0.e0",
                                        role="decode", kv_spec=c.spec, timeout_s=5.0)

@@ -143,6 +143,8 @@ class EngineApiServer:
         if old is not None:
             await self._detach(old, f"replaced by a new attach of {msg.engine_id}")
             old.conn.sender.abort(f"engine {msg.engine_id} was attached again (replace)")
+            if msg.engine_id in self.sessions or ctx.conn.closed:    # raced while detaching
+                raise AlreadyExists(f"engine {msg.engine_id} was attached meanwhile")
         sess = EngineSession(ctx.conn, msg.engine_id, msg.role)
         self.sessions[msg.engine_id] = sess
         self._by_conn[ctx.conn_id] = sess

@@ -418,3 +418,39 @@ def test_cluster_up_runs_engines_in_their_own_processes_and_a_killed_one_restart
             reap(extra)
         assert cli.main(["down", "-c", str(cfg)]) == 0
     assert gone(pids), "a service outlived `cluster down`"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("keep_logging")
+def test_serve_with_engine_socket_lets_an_engine_process_attach(tmp_path):
+    """``dualpath serve pe_receiver --engine-socket PATH``: no emulated engines in the node;
+    an engine in another process attaches and is refused with another KV spec."""
+    from common.kv import PRESETS
+    from services.engine_api.remote import SyncEngineClient
+    from tests.helpers import reap
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(f'[kv]\npreset = "test-small"\n[pe_receiver]\nbuffer_bytes = {8 << 20}\n'
+                   f'[transport]\nstaging_bytes = {16 << 20}\n[logging]\nlevel = "warning"\n')
+    sock = tmp_path / "p0.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "pe_receiver", "-c",
+                             str(cfg), "--node", "p0", "--engine-socket", str(sock)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith('{"event": "ready"'):
+            line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        spec = PRESETS["test-small"]
+        with SyncEngineClient.connect(str(sock), engine_id="p0.e0", role="prefill",
+                                      kv_spec=spec) as c:
+            assert c.kv_spec == spec and c.node_id == "p0"
+            assert c.next_prefill(0.0) is None
+            assert c.arena.nbytes == 8 << 20
+        with pytest.raises(KVSpecMismatch, match="2 layers"):
+            SyncEngineClient.connect(str(sock), engine_id="p0.e1", role="prefill",
+                                     kv_spec=KVSpec("other", 2, 256))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert not sock.exists()                          # unlinked on a clean stop
+    finally:
+        reap(proc)

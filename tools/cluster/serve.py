@@ -127,8 +127,9 @@ class Target:
         if service not in ("node", "engine_sim"):
             return service
         if self.cluster is None:
-            raise ConfigError("serve node: a plain host config (no [cluster]) has no node "
-                              "roles — name the service: pe_receiver or de_loader")
+            raise ConfigError(f"serve {service}: a plain host config (no [cluster]) has no "
+                              f"node roles — name the service: pe_receiver or de_loader"
+                              f"{' (engine_sim needs a cluster file)' if service != 'node' else ''}")
         return ROLE_SERVICE[self.cluster.spec.node(_need(node, service)).role]
 
     def config(self, service: str, node: str | None, **dial: Any) -> Any:

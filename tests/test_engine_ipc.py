@@ -33,13 +33,14 @@ from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, Cla
                              SecondToken, TookKV,
                              WaitLayer, union_members)
 from common.rpc import check_handler_coverage
+from services.engine_api.prompt import next_block_key
 from services.engine_api.remote import EngineClient
 from services.scheduler.client import SchedulerClient
 from tests.helpers import until
 from tests.test_datapath import BT, no_leaks, plan, report, stored_bytes, tokens
 from tools.cluster.inprocess import local_datapath
 from tools.engine_sim.engines import DecodeEngineSim
-from tools.engine_sim.kv_pattern import fill_tokens
+from tools.engine_sim.kv_pattern import fill_tokens, full_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,7 +131,7 @@ async def test_engines_in_other_processes_see_stored_hit_and_decode_gets_hit_plu
         tmp_path, side, claim):
     async with local_datapath(tmp_path, scheduler=False, engines=False,
                               overrides=sockets(tmp_path)) as c:
-        toks = tokens(3 * BT + 40, 5)
+        toks = tokens(3 * BT + 63, 5)          # tail 63 + the first token: one generated block
         keys = block_keys_from_tokens(toks, BT)
         await c.store_blocks(keys[:3])
         rid = f"x-{side}"
@@ -155,7 +156,12 @@ async def test_engines_in_other_processes_see_stored_hit_and_decode_gets_hit_plu
         await until(lambda: report(c.de["d0"], rid, "finished") is not None, what="finished")
         assert report(c.de["d0"], rid, "finished").output_token_ids == [11, 12, 13]
         assert (c.de["d0"].counters["layers_pulled"] > 0) == (side == "de")
-        assert await c.stored_prefix(keys) == len(keys)        # the decode side wrote back
+        # the decode engine wrote the generated block through NewBlock/PutBlock: it is stored
+        # under the chained key of (tail ids + first token), with the bytes the engine wrote
+        gen_key = next_block_key(keys[-1], toks[3 * BT:] + [11], BT)
+        assert await c.stored_prefix(keys + [gen_key]) == 4    # durable before "finished"
+        assert np.array_equal((await stored_bytes(c, [gen_key]))[0].reshape(-1),
+                              full_block(c.spec, gen_key))
         await no_leaks(c)
         await until(lambda: not c.pe["p0"].engine_api.sessions, what="engines detached")
 

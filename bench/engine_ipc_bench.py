@@ -12,11 +12,14 @@ per-call round trips measured inside the engine process (``layer()`` once the KV
 
 Headline: ``engine_ipc_request_time_ratio`` = median request time across processes ÷
 in-process, goal ≤ 1.25 (the engine channel adds a few control round trips per layer; the KV
-itself is never copied by the channel). ``--quick``: fewer requests. On a small host the
-ratio can be below 1: in-process engines share the node service's event loop (and the GIL)
-with its transfers, engines in their own processes run beside it — measured on the shared
-2-core dev host, ``--quick``: in-process p50 289 ms, cross-process 199 ms per 780-token
-request (32 layers × 1 KiB/token), ``layer()`` / ``put_layer()`` round trips ~1.5 ms p50.
+itself is never copied by the channel). A third row runs the cross-process engines with
+``put_layer(wait=False)`` (puts pipelined behind the engine's compute, errors raised by the
+next call). ``--quick``: fewer requests. On a small host the ratio can be below 1: in-process
+engines share the node service's event loop (and the GIL) with its transfers, engines in
+their own processes run beside it. Measured on the shared 2-core dev host (load average ~10,
+so noisy), ``--quick``, 780-token requests of 32 layers × 1 KiB/token: in-process p50
+289-486 ms, cross-process 199-559 ms (ratio 0.69-1.15), pipelined puts ratio 0.97;
+``layer()`` / ``put_layer()`` round trips 1.5-2.4 ms p50, ``put_layer(wait=False)`` 0.14 ms.
 """
 
 from __future__ import annotations
@@ -96,11 +99,13 @@ async def _inprocess_engines(c: Any, n: int) -> None:
 
 
 def peer_main(argv: list[str]) -> int:
-    """``--peer prefill|decode SOCK ENGINE N SPEC_JSON``: engine in its own process."""
+    """``--peer prefill|decode SOCK ENGINE N SPEC_JSON wait|nowait``: an engine in its own
+    process (``nowait``: ``put_layer(wait=False)``, puts pipelined behind the compute)."""
     import msgspec
     from common.kv import KVSpec
     from services.engine_api.remote import SyncEngineClient
     role, sock, engine_id, n, spec_json = argv[0], argv[1], argv[2], int(argv[3]), argv[4]
+    wait = argv[5] == "wait"
     spec = msgspec.json.decode(spec_json, type=KVSpec)
     c = SyncEngineClient.connect(sock, engine_id=engine_id, role=role, kv_spec=spec)
     scratch = np.empty((PROMPT_BLOCKS * BT + BT, spec.kv_bytes_per_token_per_layer), np.uint8)
@@ -116,7 +121,7 @@ def peer_main(argv: list[str]) -> int:
                 t1 = time.perf_counter()
                 _prefill_layer(hit, h.output(layer), scratch)
                 t2 = time.perf_counter()
-                h.put_layer(layer)
+                h.put_layer(layer, wait=wait)
                 waits.append(t1 - t0)
                 puts.append(time.perf_counter() - t2)
             h.finish(1)
@@ -154,8 +159,31 @@ async def _requests(c: Any, n: int, tag: str) -> list[float]:
     return out[WARMUP:]
 
 
-async def _run(n: int) -> dict[str, Any]:
+async def _cross_process(c: Any, root: Path, n: int, puts: str) -> tuple[list[float], dict]:
+    """``n`` requests to engines in two other processes; (request times, prefill peer's
+    per-call times)."""
     import msgspec
+    spec = msgspec.json.encode(c.spec).decode()
+    peers = [subprocess.Popen([sys.executable, "-m", "bench.engine_ipc_bench", "--peer", role,
+                               str(root / sock), eng, str(n), spec, puts],
+                              stdout=subprocess.PIPE, text=True)
+             for role, sock, eng in (("prefill", "p0.sock", "p0.e0"),
+                                     ("decode", "d0.sock", "d0.e0"))]
+    try:
+        for p in peers:
+            await asyncio.to_thread(p.stdout.readline)      # attached
+        times = await _requests(c, n, f"ipc-{puts}-")
+        outs = [json.loads((await asyncio.to_thread(p.communicate, timeout=60))[0]
+                           .splitlines()[-1]) for p in peers]
+    finally:
+        for p in peers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return times, outs[0]
+
+
+async def _run(n: int) -> dict[str, Any]:
     from tools.cluster.inprocess import local_datapath
     with tempfile.TemporaryDirectory(prefix="dualpath-engine-ipc-") as tmp:
         root = Path(tmp)
@@ -164,25 +192,11 @@ async def _run(n: int) -> dict[str, Any]:
             engines = asyncio.ensure_future(_inprocess_engines(c, n))
             local = await _requests(c, n, "in")
             await engines
-            spec = msgspec.json.encode(c.spec).decode()
-            peers = [subprocess.Popen([sys.executable, "-m", "bench.engine_ipc_bench", "--peer",
-                                       role, str(root / sock), eng, str(n), spec],
-                                      stdout=subprocess.PIPE, text=True)
-                     for role, sock, eng in (("prefill", "p0.sock", "p0.e0"),
-                                             ("decode", "d0.sock", "d0.e0"))]
-            try:
-                for p in peers:
-                    await asyncio.to_thread(p.stdout.readline)      # attached
-                remote = await _requests(c, n, "ipc")
-                outs = [json.loads((await asyncio.to_thread(p.communicate, timeout=60))[0]
-                                   .splitlines()[-1]) for p in peers]
-            finally:
-                for p in peers:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
+            remote, peer = await _cross_process(c, root, n, "wait")
+            piped, peer_piped = await _cross_process(c, root, n, "nowait")
             leaks = c.leaks()
-    return {"inprocess_s": local, "cross_process_s": remote, "peer": outs[0], "leaks": leaks,
+    return {"inprocess_s": local, "cross_process_s": remote, "pipelined_s": piped,
+            "peer": peer, "peer_pipelined": peer_piped, "leaks": leaks,
             "per_call_note": "measured in the prefill engine process, all requests",
             "kv": KV, "prompt_tokens": PROMPT_BLOCKS * BT + 12, "hit_tokens": HIT_BLOCKS * BT}
 
@@ -205,15 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"engines": name, "requests": len(xs), "p50_ms": _ms(xs, 0.5),
              "p90_ms": _ms(xs, 0.9), "mean_ms": round(statistics.fmean(xs) * 1e3, 3)}
             for name, xs in (("in-process", res["inprocess_s"]),
-                             ("cross-process", res["cross_process_s"]))]
+                             ("cross-process", res["cross_process_s"]),
+                             ("cross-process, put_layer(wait=False)", res["pipelined_s"]))]
     print_table(rows, ["engines", "requests", "p50_ms", "p90_ms", "mean_ms"])
     peer = res["peer"]
     calls = {"layer_p50_us": _ms(peer["layer_s"], 0.5) * 1e3,
-             "put_layer_p50_us": _ms(peer["put_s"], 0.5) * 1e3}
+             "put_layer_p50_us": _ms(peer["put_s"], 0.5) * 1e3,
+             "put_layer_nowait_p50_us": _ms(res["peer_pipelined"]["put_s"], 0.5) * 1e3}
     print(f"cross-process engine, per layer: layer() p50 {calls['layer_p50_us']:.0f} us, "
-          f"put_layer() p50 {calls['put_layer_p50_us']:.0f} us")
+          f"put_layer() p50 {calls['put_layer_p50_us']:.0f} us (wait=False: "
+          f"{calls['put_layer_nowait_p50_us']:.0f} us)")
     ratio = rows[1]["p50_ms"] / rows[0]["p50_ms"]
-    print(f"request time cross-process / in-process: {ratio:.3f}")
+    print(f"request time cross-process / in-process: {ratio:.3f} (pipelined puts: "
+          f"{rows[2]['p50_ms'] / rows[0]['p50_ms']:.3f})")
     ok = not any(res["leaks"].values())
     write_results(args.out, "engine_ipc",
                   headline("engine_ipc_request_time_ratio", ratio, GOAL, higher_is_better=False),

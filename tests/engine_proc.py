@@ -44,7 +44,7 @@ def prefill(c: SyncEngineClient, spec: KVSpec, out: str, claim: str | None) -> N
         fill_tokens(h.output(layer), spec, info.block_keys, info.tail_key, layer,
                     h.hit_tokens, info.prompt_tokens)
         saved[f"written{layer}"] = h.output(layer).copy()
-        h.put_layer(layer)
+        h.put_layer(layer, wait=claim is None)     # a claiming engine pipelines its puts
     h.finish(11)
     np.savez(out, hit=np.array(h.hit_tokens), **saved)
 

@@ -135,6 +135,7 @@ class SyncPrefillHandle:
 
     def __init__(self, client: SyncEngineClient, h: RemotePrefillHandle) -> None:
         self._s, self._h = client, h
+        self._puts: list[concurrent.futures.Future] = []     # put_layer(wait=False) calls
 
     @property
     def request_id(self) -> str:
@@ -154,6 +155,7 @@ class SyncPrefillHandle:
 
     def layer(self, layer: int, timeout_s: float | None = None) -> np.ndarray:
         """``[hit_tokens, B]`` view once loaded (None: as long as the attempt lives)."""
+        self._raise_failed_put()
         if timeout_s is None:
             return self._s._r.run(self._h.layer(layer), None)
         return self._s._wait(self._h.layer(layer, timeout_s), timeout_s)
@@ -164,13 +166,39 @@ class SyncPrefillHandle:
     def prompt_layer(self, layer: int) -> np.ndarray:
         return self._h.prompt_layer(layer)
 
-    def put_layer(self, layer: int) -> None:
-        self._s._wait(self._h.put_layer(layer))
+    def put_layer(self, layer: int, wait: bool = True) -> None:
+        """Layer ``layer``'s new KV is written: the node forwards it. ``wait=False`` returns
+        at once (a forward pass need not wait a round trip per layer): the call goes out in
+        order behind earlier ones, and its failure is raised by the next call on this handle
+        — by ``finish()`` at the latest."""
+        self._raise_failed_put()
+        if wait:
+            self._s._wait(self._h.put_layer(layer))
+            return
+        self._puts.append(asyncio.run_coroutine_threadsafe(self._h.put_layer(layer),
+                                                           self._s._r.loop))
+
+    def _raise_failed_put(self) -> None:
+        done = [f for f in self._puts if f.done()]
+        self._puts = [f for f in self._puts if not f.done()]
+        for f in done:
+            f.result()                    # raises the put's typed error
+
+    def _drain_puts(self) -> None:
+        puts, self._puts = self._puts, []
+        for f in puts:
+            f.result(self._s._c.max_wait_s + CALL_MARGIN_S)
 
     def finish(self, first_token_id: int | None = None) -> None:
+        """Every layer put (waits for puts still on their way); returns once the decode side
+        holds the full prompt KV."""
+        self._drain_puts()
         self._s._wait(self._h.finish(first_token_id))
 
     def fail(self, reason: BaseException | str | None = None) -> None:
+        for f in self._puts:
+            f.cancel()
+        self._puts = []
         self._s._wait(self._h.fail(reason))
 
 

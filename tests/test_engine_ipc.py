@@ -460,3 +460,25 @@ def test_serve_with_engine_socket_lets_an_engine_process_attach(tmp_path):
         assert not sock.exists()                          # unlinked on a clean stop
     finally:
         reap(proc)
+
+
+async def test_a_pipelined_put_that_fails_is_raised_by_the_next_call(tmp_path):
+    """``put_layer(wait=False)`` returns at once; its typed error comes out of the next call
+    on the handle (here ``finish``), and the request can still be failed cleanly."""
+    from services.engine_api.remote import SyncEngineClient
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides=sockets(tmp_path)) as c:
+        sync = await asyncio.to_thread(SyncEngineClient.connect, str(tmp_path / "p0.sock"),
+                                       engine_id="p0.e0", role="prefill", kv_spec=c.spec)
+        try:
+            c.pe["p0"].submit_plan(plan(c, "w1", tokens(BT + 3, 9), 0, "none"))
+            h = await asyncio.to_thread(sync.claim_prefill, "w1", 5.0)
+            await asyncio.to_thread(h.layer, 0, 5.0)
+            await asyncio.to_thread(h.put_layer, 1, False)         # out of order, not waited
+            with pytest.raises(InvalidArgument, match="in order"):
+                await asyncio.to_thread(h.finish, 3)
+            await asyncio.to_thread(h.fail, "test")
+            await until(lambda: report(c.pe["p0"], "w1", "failed") is not None, what="failed")
+        finally:
+            await asyncio.to_thread(sync.close)
+        await no_leaks(c)

@@ -21,7 +21,8 @@ import numpy as np
 import structlog
 
 from common.config import RpcConfig
-from common.errors import DeadlineExceeded, DualpathError, PeerFailed, ProtocolError
+from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, PeerFailed,
+                           ProtocolError, Unavailable)
 from common.kv import KVSpec
 from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
                              DecodeAssigned, EngineAttached, EnginePrompt, EngineReply,
@@ -29,7 +30,7 @@ from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, Cla
                              NextRequest, PrefillAssigned, PutBlock, PutLayer, ReportCounters,
                              SecondToken, TookKV, WaitLayer)
 from common.rpc_client import RpcClient
-from common.shm import ShmMappings
+from common.shm import ShmMappings, ShmUnavailable
 
 from .decode import GeneratedBlock
 from .prompt import PromptInfo
@@ -75,7 +76,11 @@ class EngineClient:
             await client.wait_connected(timeout_s)
             attached = await client.call(AttachEngine(engine_id, role, kv_spec,  # type: ignore[arg-type]
                                                       replace=replace), timeout=timeout_s)
-            arena = ShmMappings(1).get(attached.arena_name, attached.arena_bytes)
+            try:
+                arena = ShmMappings(1).get(attached.arena_name, attached.arena_bytes)
+            except ShmUnavailable as e:       # another host / container / uid: nothing to map
+                raise Unavailable(f"engine {engine_id} cannot map node "
+                                  f"{attached.node_id}'s arena: {e}") from None
         except BaseException:
             await client.close()
             raise
@@ -112,22 +117,31 @@ class EngineClient:
     # ------------------------------------------------------------------ getting requests
     async def next_prefill(self, timeout_s: float) -> RemotePrefillHandle | None:
         """The next prefill request assigned to this engine, or None after ``timeout_s``."""
+        self._check_role("prefill")
         got = await self._next(timeout_s, 1)
         return got[0] if got else None
 
     async def next_decode(self, timeout_s: float) -> RemoteDecodeRequest | None:
         """The next decode request whose prompt KV is assembled, or None after ``timeout_s``."""
+        self._check_role("decode")
         got = await self._next(timeout_s, 1)
         return got[0] if got else None
 
     async def claim_prefill(self, request_id: str, timeout_s: float) -> RemotePrefillHandle:
         """The prefill request ``request_id`` once assigned here (NotFound after
         ``timeout_s``; InvalidArgument at once if another engine has it)."""
+        self._check_role("prefill")
         return (await self._claim(request_id, timeout_s))[0]
 
     async def claim_decode(self, request_id: str, timeout_s: float) -> RemoteDecodeRequest:
         """The decode request ``request_id`` once its full prompt KV is in the DE buffer."""
+        self._check_role("decode")
         return (await self._claim(request_id, timeout_s))[0]
+
+    def _check_role(self, role: str) -> None:
+        if role != self.role:
+            raise InvalidArgument(f"engine {self.engine_id} attached as a {self.role} engine: "
+                                  f"no {role} requests")
 
     async def _next(self, timeout_s: float, max_items: int) -> list[Any]:
         wait = min(timeout_s, self.max_wait_s)
@@ -219,7 +233,6 @@ class RemotePrefillHandle:
     def _slots(self, layer: int) -> LayerReady:
         ready = self._ready.get(layer)
         if ready is None:
-            from common.errors import InvalidArgument
             raise InvalidArgument(f"output({layer}) before its hit KV was loaded: await "
                                   f"layer({layer}) first")
         return ready
@@ -327,7 +340,6 @@ class RemoteDecodeRequest:
     def layer(self, layer: int) -> np.ndarray:
         """``[prompt_tokens, B]`` view of layer ``layer`` of the full prompt KV."""
         if not 0 <= layer < len(self.slots):
-            from common.errors import InvalidArgument
             raise InvalidArgument(f"layer {layer} out of range [0, {len(self.slots)})")
         return self._c.view(self.slots[layer])
 

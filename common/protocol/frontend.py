@@ -120,6 +120,9 @@ class RequestFailed(Message, tag="sched.ev.failed", frozen=True):
     attempt: int = 0
     attempts: list[AttemptRecord] = []          # every attempt, the last one included
     hit_lookup_failed: bool = False             # the hit was taken as 0 (RequestQueued)
+    # v2: the scheduler stopped without an outcome for it (shutting down): submitting the
+    # same request again is safe, and the client does so (docs/frontend-api.md)
+    resubmit: bool = False
 
 
 RequestEvent = Union[RequestQueued, RequestPlaced, FirstToken, RequestFinished, RequestFailed]

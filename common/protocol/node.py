@@ -51,6 +51,10 @@ class RegisterNodeReply(Message, tag="sched.node.register.reply", frozen=True):
     fetch_interval_s: float
     block_tokens: int = 64
     fetch_wait_s: float = 0.0       # long-poll: an idle group's empty fetch may be held this long
+    # The scheduler's incarnation (v2): a node that re-registers and sees another value knows
+    # the scheduler restarted and redelivers the results it kept (docs/frontend-api.md,
+    # "Scheduler restart").
+    scheduler_epoch: int = 0
 
 
 class Heartbeat(Message, tag="sched.node.heartbeat", frozen=True):
@@ -208,6 +212,9 @@ class ReportProgress(Message, tag="sched.node.progress", frozen=True):
     node_id: str = ""
     output_token_ids: list[int] | None = None   # with "finished": the generated token ids
     read_bytes: int = 0
+    # v2: ``RegisterNodeReply.scheduler_epoch`` of the scheduler that planned the attempt
+    # (0: the current one). A report from an earlier incarnation is a redelivered result.
+    scheduler_epoch: int = 0
 
 
 class ReportProgressReply(Message, tag="sched.node.progress.reply", frozen=True):

@@ -27,6 +27,7 @@ from .hit_lookup import HitLookup
 from .leases import ROLES, LeaseTable, Registration, check_registration
 from .longpoll import WorkSignal, group_idle
 from .records import Assignment, DEBinding, EngineSpec, Role
+from .recovery import KeptResults
 from .request_state import RequestState, State
 from .service_config import SchedulerServiceConfig
 
@@ -55,6 +56,8 @@ class NodeChannel:
     _limits: Limits
     _closing: bool
     _stages: dict[str, StageHandler]
+    epoch: int
+    kept: KeptResults
 
     if TYPE_CHECKING:   # the service's shared transitions
         @staticmethod
@@ -64,6 +67,7 @@ class NodeChannel:
         def _end(self, rs: RequestState, state: State,
                  event: RequestFailed | RequestFinished) -> None: ...
         def _set_state(self, rs: RequestState, state: State) -> None: ...
+        def _revoke(self, rs: RequestState, reason: str) -> None: ...
         def _close_attempt(self, rs: RequestState, outcome: str, hop: str, code: str,
                            message: str, read_bytes: int = 0) -> None: ...
 
@@ -92,7 +96,7 @@ class NodeChannel:
     def _register_reply(self) -> RegisterNodeReply:
         s = self.settings
         return RegisterNodeReply(s.lease_s, s.heartbeat_s, s.fetch_interval_s,
-                                 self.kv.block_tokens, s.fetch_hold_s)
+                                 self.kv.block_tokens, s.fetch_hold_s, self.epoch)
 
     def _add_engines(self, msg: RegisterNode) -> None:
         added: list[str] = []
@@ -250,6 +254,8 @@ class NodeChannel:
             raise InvalidArgument(f"unknown stage {msg.stage[:40]!r}; one of {list(self._stages)}")
         if msg.tokens < 0:
             raise InvalidArgument(f"tokens={msg.tokens} must be >= 0")
+        if msg.scheduler_epoch not in (0, self.epoch):
+            return self._earlier_report(msg)
         rs = self._reqs.get(msg.request_id)
         if rs is None or rs.attempt != msg.attempt or not rs.in_core:
             self.counters["stale_reports"] += 1
@@ -265,6 +271,26 @@ class NodeChannel:
         self.work.kick()                    # capacity may have freed up (finished, failed)
         live = rs.attempt == msg.attempt and (not rs.terminal or rs.state is State.FINISHED)
         return ReportProgressReply(live, rs.state.value)
+
+    def _earlier_report(self, msg: ReportProgress) -> ReportProgressReply:
+        """A report of an attempt an earlier scheduler planned (redelivered after a restart).
+
+        Only a ``finished`` one is of use: it ends the live request it belongs to (whatever
+        attempt this scheduler runs for it is revoked) or waits in ``kept`` for the frontend's
+        resubmission. Anything else is stale: the node drops the attempt.
+        """
+        rs = self._reqs.get(msg.request_id)
+        if msg.stage != "finished" or msg.scheduler_epoch > self.epoch:
+            self.counters["stale_reports"] += 1
+            return ReportProgressReply(False, rs.state.value if rs is not None else "unknown")
+        if rs is not None and not rs.terminal:
+            self._finish_kept(rs, msg, "redelivered by its node")
+            return ReportProgressReply(True, State.FINISHED.value)
+        if rs is None and msg.request_id not in self._recent:
+            self.kept.put(msg, self._now())
+            self.counters["results_kept"] += 1
+            return ReportProgressReply(True, "kept")
+        return ReportProgressReply(False, self._recent.get(msg.request_id, "unknown"))
 
     def _st_allocated(self, rs: RequestState, msg: ReportProgress, now: float) -> None:
         if rs.t_allocated is None:
@@ -302,6 +328,20 @@ class NodeChannel:
                                                            self.kv.block_tokens))
         self.counters["finished"] += 1
         self._end(rs, State.FINISHED, rs.finished_event(msg.tokens, now, msg.output_token_ids))
+
+    def _finish_kept(self, rs: RequestState, kept: ReportProgress, why: str) -> None:
+        """End ``rs`` with a result a node finished under an earlier scheduler (not redone)."""
+        if rs.in_core:
+            self.core.cancel(rs.request_id)
+            rs.in_core = False
+        self._revoke(rs, f"finished under an earlier scheduler ({why})")
+        self.counters["results_recovered"] += 1
+        self.hits.finished(rs.sub.session_id, _stored_keys(rs.sub, kept.output_token_ids,
+                                                           self.kv.block_tokens))
+        self.log.info("result_recovered", request_id=rs.request_id, attempt=kept.attempt,
+                      node=kept.node_id, scheduler_epoch=kept.scheduler_epoch, why=why)
+        self._end(rs, State.FINISHED, rs.finished_event(kept.tokens, self._now(),
+                                                        kept.output_token_ids))
 
     def _st_failed(self, rs: RequestState, msg: ReportProgress, now: float) -> None:
         code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value

@@ -5,6 +5,9 @@ service does not have to: a fresh epoch per process, heartbeats at the interval 
 asks for, ``FetchWork`` with ``ack_seq`` (at-least-once delivery, duplicates dropped), and
 re-registration with a higher epoch when the scheduler says the lease is gone (the owner's
 ``on_lease_lost`` callback must then drop all in-flight work: the scheduler has re-planned it).
+When the new registration shows another scheduler incarnation (``scheduler_epoch``: the
+scheduler restarted), ``on_scheduler_changed(old_epoch)`` runs next, so the owner can
+redeliver the results of attempts that finished while no scheduler listened.
 
 A group leader's loop, in short::
 
@@ -50,12 +53,16 @@ class NodeSession:
                  ucx: tuple[str, int] = ("", 0), engines: Sequence[EngineInfo] = (),
                  epoch: int | None = None, kv_fingerprint: str = "",
                  auth_secret: bytes | None = None,
-                 on_lease_lost: Callable[[], Any] | None = None) -> None:
+                 on_lease_lost: Callable[[], Any] | None = None,
+                 on_scheduler_changed: Callable[[int], Any] | None = None) -> None:
         self.node_id, self.service, self.role = node_id, service, role
         self.engines = list(engines)
         self.epoch = time.time_ns() if epoch is None else epoch
         self._control, self._ucx = control, ucx
         self._on_lease_lost = on_lease_lost
+        self._on_scheduler_changed = on_scheduler_changed
+        self.scheduler_epoch = 0                # RegisterNodeReply.scheduler_epoch, last seen
+        self._relogin = asyncio.Lock()          # heartbeat and fetch may both see NotFound
         self._rpc = RpcClient(rpc, host, port, role=service, node_id=node_id,
                               reply_type=NodeReply, kv_fingerprint=kv_fingerprint,
                               auth_secret=auth_secret)
@@ -80,6 +87,7 @@ class NodeSession:
         self.lease_s, self.heartbeat_s = reply.lease_s, reply.heartbeat_s
         self.fetch_interval_s, self.block_tokens = reply.fetch_interval_s, reply.block_tokens
         self.fetch_wait_s = reply.fetch_wait_s      # long-poll bound (0: plain periodic pull)
+        self.scheduler_epoch = reply.scheduler_epoch
         if self._registered_epoch != self.epoch:    # a new incarnation starts a new outbox
             self._registered_epoch, self._acked = self.epoch, 0
         return reply
@@ -122,13 +130,20 @@ class NodeSession:
 
     async def _lease_lost(self) -> None:
         """The scheduler forgot us: new epoch, register again, tell the owner to drop work."""
-        log.warning("lease_lost", node=self.node_id, node_service=self.service, epoch=self.epoch)
-        self.epoch = max(self.epoch + 1, time.time_ns())
-        if self._on_lease_lost is not None:
-            result = self._on_lease_lost()
-            if inspect.isawaitable(result):
-                await result
-        await self.register()
+        seen = self.epoch
+        async with self._relogin:
+            if self.epoch != seen:              # the other caller registered meanwhile
+                return
+            log.warning("lease_lost", node=self.node_id, node_service=self.service,
+                        epoch=self.epoch)
+            self.epoch = max(self.epoch + 1, time.time_ns())
+            await _maybe_await(self._on_lease_lost)
+            old = self.scheduler_epoch
+            await self.register()
+            if old != self.scheduler_epoch:
+                log.warning("scheduler_restarted", node=self.node_id, node_service=self.service,
+                            old_epoch=old, new_epoch=self.scheduler_epoch)
+                await _maybe_await(self._on_scheduler_changed, old)
 
     async def fetch(self, engines: Sequence[EngineLoad] = (), read_q_tokens: int | None = None,
                     group_id: str = "") -> FetchWorkReply:
@@ -148,5 +163,16 @@ class NodeSession:
     async def report(self, request_id: str, attempt: int, stage: Stage,
                      **kw: Any) -> ReportProgressReply:
         """Report a stage of a request attempt (``tokens``, ``code``, ``message``, ...)."""
-        return await self._rpc.call(ReportProgress(request_id, attempt, stage,
-                                                   node_id=self.node_id, **kw))
+        return await self.send_report(ReportProgress(request_id, attempt, stage,
+                                                     node_id=self.node_id, **kw))
+
+    async def send_report(self, msg: ReportProgress) -> ReportProgressReply:
+        """Send a report as built (a redelivered one keeps its ``scheduler_epoch``)."""
+        return await self._rpc.call(msg)
+
+
+async def _maybe_await(callback: Callable[..., Any] | None, *args: Any) -> None:
+    if callback is not None:
+        result = callback(*args)
+        if inspect.isawaitable(result):
+            await result

@@ -40,6 +40,10 @@ class SchedulerServiceConfig(Section):
     max_sessions: PositiveInt = 100_000                    # sessions remembered by the in-memory prefix index
     recent_requests: NonNegInt = 10_000                    # ended ids remembered (late cancels/reports answer)
     drain_grace_s: NonNegFloat = 2.0                       # stop: open calls get this long after requests fail
+    reattach_grace_s: FiniteNonNegFloat = 5.0              # a frontend whose connection dropped may resubmit
+                                                           # (same id) this long before its requests are cancelled
+    kept_results: PositiveInt = 10_000                     # results redelivered from an earlier scheduler
+    kept_result_s: FinitePositiveFloat = 120.0             # ... kept this long for their frontend's resubmit
 
     @property
     def fetch_hold_s(self) -> float:

@@ -63,7 +63,8 @@ DEADLINE_S = 30.0              # per submission
 LATE_S = 3.0                   # an answer this long after the deadline counts as hung
 FIRE_WITHIN_S = 45.0           # a failpoint the load never reaches in this long: not fired
 RECOVERY_COUNTERS = {"de_loader": ("handed_off",), "pe_receiver": ("attempts_ok",),
-                     "gateway": ("reads_ok", "writes_ok")}
+                     "gateway": ("reads_ok", "writes_ok"),
+                     "scheduler": ("finished",)}    # a restarted scheduler: first request done
 _StatsReply = Union[GetStatsReply, Pong, ErrorReply]
 
 
@@ -198,7 +199,8 @@ class ChaosLauncher(Launcher):
         return self._popen.get(name)
 
     def restart(self, name: str) -> Proc:
-        """Start ``name`` again (SIGKILL first if it still runs); gateways keep their port."""
+        """Start ``name`` again (SIGKILL first if it still runs); gateways and the scheduler
+        keep their port (nodes and frontends dial it: a restart at the same address)."""
         old = self.state.proc(name)
         if alive(old):
             os.kill(old.pid, signal.SIGKILL)
@@ -207,7 +209,7 @@ class ChaosLauncher(Launcher):
             p.wait(timeout=10)
         self.state.procs.remove(old)
         service, argv = self.argvs[name]
-        if service == "gateway" and "--port" not in argv:
+        if service in ("gateway", "scheduler") and "--port" not in argv:
             argv = argv + ["--port", str(old.rpc_port)]   # node services were given this port
         self._wave([(name, service, argv)])
         return self.state.proc(name)
@@ -286,6 +288,7 @@ class ChaosHarness:
         self.launcher = ChaosLauncher(self.cluster)
         self.echo = echo or (lambda msg: None)
         self._seed = 1000
+        self._nodes_before = 0
         from common.kv import spec_from_config
         self.block_tokens = spec_from_config(self.cluster.cfg.kv).block_tokens
 
@@ -352,7 +355,9 @@ class ChaosHarness:
         res = CaseResult(fault.case, fault.target, fault.where, fault.action)
         victim = self.launcher.state.proc(fault.target)
         res.old_epoch = await self.epoch(fault.target)
-        c0 = (await self.status()).counters
+        status0 = await self.status()
+        c0 = status0.counters
+        self._nodes_before = len(status0.nodes)
         log: list[Submission] = []
         drivers: list[asyncio.Task] = []
         stop_load = asyncio.Event()
@@ -368,6 +373,8 @@ class ChaosHarness:
             else:
                 res.fired, res.t_fault_s = True, t_fault - t0
                 t_back = await self._bring_back(fault, victim)
+                if victim.service == "scheduler":
+                    c0 = {}                 # a restarted scheduler counts from 0
                 await self._rejoined(fault.target, res)
                 res.recovery_s = await self._recovery(fault, t_back)
             stop_load.set()
@@ -477,7 +484,12 @@ class ChaosHarness:
         p = self.launcher.state.proc(name)
         end = time.monotonic() + 20.0
         while time.monotonic() < end:
-            if p.service == "gateway":
+            if p.service == "scheduler":    # back at its address, every node registered again
+                with contextlib.suppress(DualpathError, OSError):
+                    if len((await self.status()).nodes) >= self._nodes_before:
+                        res.rejoined = True
+                        return
+            elif p.service == "gateway":
                 if self._state(p) == "running" and await self.stats(name) is not None:
                     res.rejoined = True
                     return

@@ -12,8 +12,10 @@ Headline: ``requests_lost`` summed over every fault (goal 0): a submission that 
 finished with verified bytes nor failed with a retryable error within its deadline. The JSON
 also lists every fault (target, point, action, requests affected, outcome), leaked pages per
 surviving service and the recovery times (restart → first transfer through the victim).
-``--quick``: 7 faults — both read paths (PE-path and DE-path reads, the gateway's read), the
-PE→DE hand-off, write-back, decode, and a pause past the lease;
+``--quick``: 8 faults — both read paths (PE-path and DE-path reads, the gateway's read), the
+PE→DE hand-off, write-back, decode, a pause past the lease, and the scheduler killed with
+SIGKILL mid-replay and restarted at its address (no standby: frontends resubmit, nodes
+redeliver results finished in the gap — docs/frontend-api.md, "Scheduler restart");
 the full run every failpoint, two repetitions at different hits, and outside signals.
 """
 
@@ -38,6 +40,7 @@ def faults(quick: bool) -> list:
         F("pe-read-kill", "pe_receiver:p0", "kill", "pe.read.batch", at=2),
         F("de-writeback-kill", "de_loader:d0", "kill", "de.writeback", at=2),
         F("de-decode-kill", "de_loader:d1", "kill", "de.decode", at=2),
+        F("sched-kill-restart", "scheduler", "kill", None, after_s=1.5),
     ]
     if quick:
         return core
@@ -52,6 +55,8 @@ def faults(quick: bool) -> list:
         F("gw-stop", "gateway:d0", "stop", None, after_s=0.5),
         F("de-sigkill-outside", "de_loader:d1", "kill", None, after_s=0.7),
         F("pe-sigkill-outside", "pe_receiver:p0", "kill", None, after_s=0.7),
+        F("sched-kill-burst", "scheduler", "kill", None, after_s=0.3, agents=8),
+        F("gw-restart-outside", "gateway:p0", "kill", None, after_s=0.7),
     ]
     # a second repetition of the kills at a later hit: a different request, a later step
     again = [F(f"{f.case}-rep2", f.target, f.action, f.point, at=f.at + 3)

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-# 2: RegisterNodeReply.scheduler_epoch, ReportProgress.scheduler_epoch, RequestFailed.resubmit
+# 2: RegisterNodeReply / FetchWorkReply / ReportProgress .scheduler_epoch, RequestFailed.resubmit
 # (scheduler restart: docs/frontend-api.md)
 PROTOCOL_VERSION = 2
 

@@ -178,6 +178,9 @@ class FetchWorkReply(Message, tag="sched.node.fetch.reply", frozen=True):
     plans: list[RequestPlan]
     revoked: list[Revocation]
     more: bool = False
+    # v2: the epoch of the scheduler that sent it (fencing: a node refuses a reply from an
+    # epoch below the highest it has seen — a deposed leader's plans)
+    scheduler_epoch: int = 0
 
 
 # The stages a node reports, in the order an attempt reaches them ("failed" may come at any

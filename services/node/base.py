@@ -92,14 +92,20 @@ class NodeBase(Service):
                              kv_fingerprint=self.spec.fingerprint(),
                              auth_secret=load_secret(self.cfg.rpc))
         await self.rpc.start(s.host, s.rpc_port)
-        if s.scheduler_port:
+        etcd = getattr(self.cfg, "etcd", None)
+        resolve = None
+        if etcd is not None and etcd.endpoints:     # the scheduler leader, found in etcd
+            from services.scheduler.election import LeaderResolver
+            resolve = LeaderResolver(etcd)
+        if s.scheduler_port or resolve is not None:
             infos = [EngineInfo(e, self.role, self.engine_hbm()) for e in self.engine_ids]
             self.session = NodeSession(
                 self.cfg.rpc, s.scheduler_host, s.scheduler_port, node_id=self.node_id,
                 service=self.name, role=self.role, control=(s.host, self.rpc.port),
                 ucx=self.transport.address, engines=infos,
                 kv_fingerprint=self.spec.fingerprint(), auth_secret=load_secret(self.cfg.rpc),
-                on_lease_lost=self._on_lease_lost, on_scheduler_changed=self._redeliver)
+                on_lease_lost=self._on_lease_lost, on_scheduler_changed=self._redeliver,
+                resolve=resolve)
             await self.session.start()
         self.log.info("node_service_listening", rpc_port=self.rpc.port,
                       ucx_port=self.transport.address[1], engines=len(self.engine_ids),

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from common.config import RpcConfig
@@ -70,10 +70,13 @@ class SchedulerClient:
     def __init__(self, host: str, port: int, *, rpc: RpcConfig | None = None,
                  client_id: str = "frontend", auth_secret: bytes | None = None,
                  stream_timeout_s: float = DEFAULT_STREAM_TIMEOUT_S,
-                 resubmit_window_s: float = DEFAULT_RESUBMIT_WINDOW_S) -> None:
+                 resubmit_window_s: float = DEFAULT_RESUBMIT_WINDOW_S,
+                 resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None) -> None:
+        # resolve: the leader's address before each connection (etcd: election.LeaderResolver)
         self._rpc = RpcClient(rpc or RpcConfig(), host, port, role="frontend", node_id=client_id,
                               reply_type=FrontendReply, event_type=RequestEvent,
-                              auth_secret=auth_secret)
+                              auth_secret=auth_secret, resolve=resolve)
+        self._resolve = resolve
         self._stream_timeout_s = stream_timeout_s
         self._resubmit_window_s = resubmit_window_s     # 0: a lost connection fails the request
         self.resubmits = 0                      # requests submitted again after a lost connection
@@ -87,8 +90,12 @@ class SchedulerClient:
         await self._rpc.wait_connected(timeout)
 
     async def close(self) -> None:
-        """Close the connection; the scheduler cancels this client's unfinished requests."""
+        """Close the connection; the scheduler cancels this client's unfinished requests
+        (after ``scheduler_service.reattach_grace_s``)."""
         await self._rpc.close()
+        close = getattr(self._resolve, "close", None)
+        if close is not None:               # election.LeaderResolver holds an etcd client
+            await close()
 
     async def __aenter__(self) -> SchedulerClient:
         await self.connect()

@@ -13,7 +13,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from common.errors import DualpathError, ErrorCode, InvalidArgument, NotFound
+import msgspec
+
+from common.errors import DualpathError, ErrorCode, InvalidArgument, NotFound, Unavailable
 from common.kv import ROOT_KEY, KVSpec, block_keys_from_tokens
 from common.protocol import (DecodeBinding, FetchWork, FetchWorkReply, Heartbeat,
                              HeartbeatReply, RegisterNode, RegisterNodeReply, ReportProgress,
@@ -72,8 +74,15 @@ class NodeChannel:
                            message: str, read_bytes: int = 0) -> None: ...
 
     # ------------------------------------------------------------------ node channel
+    def _check_leading(self) -> None:
+        """A standby replica (epoch 0 until it wins the election) serves nobody."""
+        if not self.epoch:
+            raise Unavailable(f"scheduler {getattr(self, 'node_id', '')} is a standby, not the "
+                              f"leader: resolve the leader again (etcd)", retry_after_s=0.2)
+
     async def _on_register(self, msg: RegisterNode, ctx: CallContext) -> RegisterNodeReply:
         s = self.settings
+        self._check_leading()
         check_registration(msg, s.max_id_chars, s.max_engines_per_node)
         old = self.leases.classify(msg)
         now = self._now()
@@ -133,6 +142,7 @@ class NodeChannel:
         self._after_replan(list(requeued), failed, reason, ErrorCode.PEER_FAILED)
 
     async def _on_heartbeat(self, msg: Heartbeat, ctx: CallContext) -> HeartbeatReply:
+        self._check_leading()
         reg = self.leases.live(msg.node_id, msg.service, msg.epoch)
         self.leases.renew(reg, self._now())
         if msg.read_q_tokens is not None:
@@ -144,6 +154,7 @@ class NodeChannel:
     async def _on_fetch(self, msg: FetchWork, ctx: CallContext) -> FetchWorkReply:
         if msg.role not in ROLES:
             raise InvalidArgument(f"FetchWork.role {msg.role!r} must be one of {ROLES}")
+        self._check_leading()
         reg = self.leases.live_leader(msg.node_id, msg.role, msg.epoch)
         if msg.group_id and msg.group_id != reg.group_id:
             raise InvalidArgument(f"{msg.node_id} leads group {reg.group_id!r}, not "
@@ -155,7 +166,7 @@ class NodeChannel:
         again = box.resend(msg.ack_seq)
         if again is not None:
             self.counters["fetch_resends"] += 1
-            return again
+            return self._fenced(again)
         hold_until = now + min(msg.wait_s, self.settings.fetch_hold_s) \
             if msg.wait_s > 0 and group_idle(msg.engines) else now
         if ctx.deadline is not None:            # answer inside the caller's deadline
@@ -179,8 +190,12 @@ class NodeChannel:
                 break
             reg = self.leases.live_leader(msg.node_id, msg.role, msg.epoch)  # dropped meanwhile?
             box, now = self._outboxes[(msg.role, reg.group_id)], self._now()
-        return take_reply(box, self._reqs, self._limits, self._binding_msg, self._plan_msg,
-                          self._delivered, msg.ack_seq is not None)
+        return self._fenced(take_reply(box, self._reqs, self._limits, self._binding_msg,
+                                       self._plan_msg, self._delivered, msg.ack_seq is not None))
+
+    def _fenced(self, reply: FetchWorkReply) -> FetchWorkReply:
+        """Stamp the epoch: a node refuses plans from below the highest epoch it has seen."""
+        return msgspec.structs.replace(reply, scheduler_epoch=self.epoch)
 
     def _on_binding(self, b: DEBinding, box: Outbox) -> None:
         rs = self._reqs.get(b.request_id)
@@ -254,6 +269,7 @@ class NodeChannel:
             raise InvalidArgument(f"unknown stage {msg.stage[:40]!r}; one of {list(self._stages)}")
         if msg.tokens < 0:
             raise InvalidArgument(f"tokens={msg.tokens} must be >= 0")
+        self._check_leading()
         if msg.scheduler_epoch not in (0, self.epoch):
             return self._earlier_report(msg)
         rs = self._reqs.get(msg.request_id)

@@ -9,6 +9,11 @@ When the new registration shows another scheduler incarnation (``scheduler_epoch
 scheduler restarted), ``on_scheduler_changed(old_epoch)`` runs next, so the owner can
 redeliver the results of attempts that finished while no scheduler listened.
 
+Fencing (etcd mode, docs/cluster.md "etcd"): replies carry the scheduler's epoch; a register
+or fetch reply from an epoch below the highest this session has seen comes from a deposed
+leader — it is refused (``stale_replies``), the connection dropped, and the leader resolved
+again (``resolve``: the address is asked for before each connection attempt).
+
 A group leader's loop, in short::
 
     session = NodeSession(rpc_cfg, sched_host, sched_port, node_id="p0", service="pe_receiver",
@@ -30,13 +35,13 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
 
 from common.config import RpcConfig
-from common.errors import DualpathError, NotFound
+from common.errors import DualpathError, NotFound, Unavailable
 from common.protocol import (Stage, EngineInfo, EngineLoad, FetchWork, FetchWorkReply, Heartbeat,
                              NodeReply, RegisterNode, RegisterNodeReply, ReportProgress,
                              ReportProgressReply)
@@ -54,7 +59,8 @@ class NodeSession:
                  epoch: int | None = None, kv_fingerprint: str = "",
                  auth_secret: bytes | None = None,
                  on_lease_lost: Callable[[], Any] | None = None,
-                 on_scheduler_changed: Callable[[int], Any] | None = None) -> None:
+                 on_scheduler_changed: Callable[[int], Any] | None = None,
+                 resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None) -> None:
         self.node_id, self.service, self.role = node_id, service, role
         self.engines = list(engines)
         self.epoch = time.time_ns() if epoch is None else epoch
@@ -65,7 +71,10 @@ class NodeSession:
         self._relogin = asyncio.Lock()          # heartbeat and fetch may both see NotFound
         self._rpc = RpcClient(rpc, host, port, role=service, node_id=node_id,
                               reply_type=NodeReply, kv_fingerprint=kv_fingerprint,
-                              auth_secret=auth_secret)
+                              auth_secret=auth_secret, resolve=resolve)
+        self._resolve = resolve
+        self.highest_epoch = 0                  # fencing: the highest scheduler epoch seen
+        self.stale_replies = 0
         self.lease_s = self.heartbeat_s = self.fetch_interval_s = self.fetch_wait_s = 0.0
         self.block_tokens = 0
         self._acked: int | None = None
@@ -84,6 +93,7 @@ class NodeSession:
         msg = RegisterNode(self.node_id, self.service, self.role, *self._control, *self._ucx,
                            self.engines, self.epoch)
         reply: RegisterNodeReply = await self._rpc.call(msg)
+        await self._fence(reply.scheduler_epoch)
         self.lease_s, self.heartbeat_s = reply.lease_s, reply.heartbeat_s
         self.fetch_interval_s, self.block_tokens = reply.fetch_interval_s, reply.block_tokens
         self.fetch_wait_s = reply.fetch_wait_s      # long-poll bound (0: plain periodic pull)
@@ -100,6 +110,7 @@ class NodeSession:
                 await self._heartbeats
             self._heartbeats = None
         await self._rpc.close()
+        await _close_resolver(self._resolve)
 
     async def __aenter__(self) -> NodeSession:
         await self.start()
@@ -155,6 +166,11 @@ class NodeSession:
         except NotFound:
             await self._lease_lost()
             return FetchWorkReply(0, [], [], [], more=True)
+        try:
+            await self._fence(reply.scheduler_epoch)
+        except Unavailable as e:                # a deposed leader's plans: not run
+            log.warning("stale_epoch_refused", node=self.node_id, error=e.message)
+            return FetchWorkReply(0, [], [], [], more=False)
         if self._acked is not None and reply.seq <= self._acked:    # a resend we applied
             return FetchWorkReply(reply.seq, [], [], [], reply.more)
         self._acked = reply.seq
@@ -166,9 +182,25 @@ class NodeSession:
         return await self.send_report(ReportProgress(request_id, attempt, stage,
                                                      node_id=self.node_id, **kw))
 
+    async def _fence(self, epoch: int) -> None:
+        """Refuse a reply from below the highest scheduler epoch seen (a deposed leader)."""
+        if epoch and epoch < self.highest_epoch:
+            self.stale_replies += 1
+            await self._rpc.drop_connection()
+            raise Unavailable(f"scheduler epoch {epoch} is below {self.highest_epoch}, the "
+                              f"highest seen: a deposed leader — refused")
+        self.highest_epoch = max(self.highest_epoch, epoch)
+
     async def send_report(self, msg: ReportProgress) -> ReportProgressReply:
         """Send a report as built (a redelivered one keeps its ``scheduler_epoch``)."""
         return await self._rpc.call(msg)
+
+
+async def _close_resolver(resolve: Any) -> None:
+    """A resolver that holds a connection (``election.LeaderResolver``) is closed with us."""
+    close = getattr(resolve, "close", None)
+    if close is not None:
+        await close()
 
 
 async def _maybe_await(callback: Callable[..., Any] | None, *args: Any) -> None:

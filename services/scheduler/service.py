@@ -79,7 +79,8 @@ class SchedulerService(NodeChannel, Service):
 
     def __init__(self, config: ServicesConfig | None = None, *, host: str | None = None,
                  port: int | None = None, hit_lookup: HitLookup | None = None,
-                 node_id: str = "scheduler", auth_secret: bytes | None = _UNSET) -> None:
+                 node_id: str = "scheduler", auth_secret: bytes | None = _UNSET,
+                 epoch: int | None = None) -> None:
         cfg = config if config is not None else ServicesConfig()
         self.settings = s = cfg.scheduler_service
         super().__init__(node_id, drain_timeout_s=s.drain_grace_s)
@@ -89,8 +90,9 @@ class SchedulerService(NodeChannel, Service):
         self.hits: HitLookup = hit_lookup or SessionPrefixIndex(s.max_sessions)
         self.leases = LeaseTable(s.lease_s)
         # This incarnation, told to nodes at registration: a node that sees it change knows
-        # the scheduler restarted and redelivers the results it kept (``recovery``).
-        self.epoch = time.time_ns()
+        # the scheduler restarted and redelivers the results it kept (``recovery``). With
+        # etcd it is the election's fencing epoch, 0 (standby: every call refused) until won.
+        self.epoch = time.time_ns() if epoch is None else epoch
         self.kept = KeptResults(s.kept_results, s.kept_result_s)
         self._host = host or s.host or cfg.rpc.host
         self._port = s.port if port is None else port
@@ -204,6 +206,7 @@ class SchedulerService(NodeChannel, Service):
         s = self.settings
         if self._closing:
             raise Unavailable("the scheduler is shutting down", retry_after_s=STOP_RETRY_AFTER_S)
+        self._check_leading()
         try:
             sub = check_submit(msg, s, self.kv.block_tokens)
             live = self._reqs.get(sub.request_id)

@@ -12,6 +12,17 @@ from common.config import (FiniteNonNegFloat, FinitePositiveFloat, NonNegFloat, 
                            PositiveInt, Section)
 
 
+class EtcdConfig(Section):
+    """``[etcd]``: with ``endpoints`` set, scheduler replicas elect a leader there and frontends
+    and nodes find it there (``services.scheduler.election``); empty: the static address."""
+
+    endpoints: list[str] = []                  # "host:port" of etcd members (client URLs)
+    prefix: str = "/dualpath"                  # key prefix: <prefix>/scheduler/leader
+    lease_s: PositiveInt = 2                   # leader lease (etcd TTLs are whole seconds)
+    poll_s: FinitePositiveFloat = 0.2          # a standby looks for a vacant leader key this often
+    dial_timeout_s: FinitePositiveFloat = 2.0  # one etcd call (then the next endpoint)
+
+
 class SchedulerServiceConfig(Section):
     """Port, leases, fetch interval and input bounds of the scheduler service."""
 

@@ -28,11 +28,11 @@ from services.scheduler.election import LeaderResolver
 from services.scheduler.node_client import NodeSession
 from services.scheduler.service import SchedulerService
 from services.scheduler.service_config import EtcdConfig
-from tests.etcd_members import EtcdMembers, require_etcd
-from tests.helpers import reap, until
+from tests.helpers import reap, require_etcd, until
 from tests.test_scheduler_restart import plans_for, run_to_first_token, take_until_final
 from tests.test_scheduler_service import RPC, make_cfg, nxt
 from tools.cluster.config import free_port
+from tools.cluster.etcd_members import EtcdMembers
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
@@ -79,7 +80,8 @@ class SchedulerClient:
         self._resolve = resolve
         self._stream_timeout_s = stream_timeout_s
         self._resubmit_window_s = resubmit_window_s     # 0: a lost connection fails the request
-        self.resubmits = 0                      # requests submitted again after a lost connection
+        # "resubmits" (requests submitted again after a lost connection), "duplicate_finals"
+        self.stream_counts: Counter[str] = Counter()
 
     @property
     def address(self) -> str:
@@ -119,10 +121,11 @@ class SchedulerClient:
         budget = (self._stream_timeout_s if deadline_s is None
                   else deadline_s + STREAM_GRACE_S)
         return ResubmittingStream(lambda left: self._rpc.stream(msg, timeout=left), request_id,
-                                  budget, self._resubmit_window_s, self._count_resubmit)
+                                  budget, self._resubmit_window_s, self.stream_counts)
 
-    def _count_resubmit(self) -> None:
-        self.resubmits += 1
+    @property
+    def resubmits(self) -> int:
+        return self.stream_counts["resubmits"]
 
     async def run(self, request_id: str, session_id: str, prompt_tokens: int, gen_tokens: int,
                   *, check: bool = False, **kw: Any) -> RequestFinished | RequestFailed:

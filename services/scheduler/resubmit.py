@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
@@ -43,12 +43,14 @@ class ResubmittingStream:
 
     def __init__(self, open_stream: Callable[[float], RpcStream], request_id: str,
                  budget_s: float, window_s: float,
-                 on_resubmit: Callable[[], Any] | None = None) -> None:
+                 counts: Counter[str] | None = None) -> None:
         self._open = open_stream            # budget seconds -> a fresh stream of the submit
         self.request_id = request_id
         self._budget_s = budget_s
         self._window_s = window_s
-        self._on_resubmit = on_resubmit
+        # shared with the client: "resubmits", "duplicate_finals" (a second final event for
+        # one request reached this stream: the server broke at-most-once; never passed on)
+        self.counts: Counter[str] = counts if counts is not None else Counter()
         self._stream: RpcStream | None = None
         self._until: float | None = None    # end of the whole budget (loop time)
         self._give_up_at: float | None = None   # set while reconnecting: end of the window
@@ -119,6 +121,7 @@ class ResubmittingStream:
             self._first_seen = True
         elif isinstance(ev, FINAL):
             if self._final_seen:
+                self.counts["duplicate_finals"] += 1
                 return False
             self._final_seen = True
         return True
@@ -137,7 +140,6 @@ class ResubmittingStream:
             self._give_up(err)
         await asyncio.sleep(delay)
         self.resubmits += 1
-        if self._on_resubmit is not None:
-            self._on_resubmit()
+        self.counts["resubmits"] += 1
         log.info("request_resubmitting", request_id=self.request_id, resubmits=self.resubmits,
                  error=err.message)

@@ -371,7 +371,8 @@ class SchedulerService(NodeChannel, Service):
         by_state = {s.value: self._states[s] for s in State
                     if self._states[s] and s not in TERMINAL}   # ended ones: counters
         return ClusterStatus(self.core.config.policy, nodes, engines, read_q,
-                             self.core.queue_lengths(), by_state, dict(self.counters))
+                             self.core.queue_lengths(), by_state,
+                             {**self.counters, "epoch": self.epoch})   # fencing epoch
 
     async def _on_ping(self, msg: Ping, ctx: CallContext) -> Pong:
         return Pong(msg.payload)

@@ -3,8 +3,8 @@
 ``EtcdMembers(tmp, n).start()`` launches ``n`` members of one cluster (Debian ``etcd-server``,
 ``make etcd``) and waits until every one answers a health check; ``kill(i)`` SIGKILLs one,
 ``restart(i)`` brings it back on its ports and data; ``stop()`` ends them all, by pid.
-``require_etcd()`` skips with a loud reason where the binary is missing — and fails under
-``CI=true``, where a skip would hide the failover tests.
+``etcd_missing()`` says why etcd cannot run here (tests skip loudly on it, and fail under
+``CI=true``: ``tests.helpers.require_etcd``).
 """
 
 from __future__ import annotations
@@ -15,19 +15,14 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from tools.cluster.config import free_port
 
 
-def require_etcd() -> str:
-    path = shutil.which("etcd")
-    if path is None:
-        reason = "etcd is not installed (`make etcd` installs Debian's etcd-server)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason}; required under CI=true")
-        pytest.skip(f"SKIPPED LOUDLY: {reason}")
-    return path
+def etcd_missing() -> str | None:
+    """Why etcd cannot be started here (None: it can)."""
+    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
+        return "etcd is not installed (`make etcd` installs Debian's etcd-server and etcd-client)"
+    return None
 
 
 class EtcdMembers:

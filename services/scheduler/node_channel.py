@@ -30,6 +30,7 @@ from .leases import ROLES, LeaseTable, Registration, check_registration
 from .longpoll import WorkSignal, group_idle
 from .records import Assignment, DEBinding, EngineSpec, Role
 from .recovery import KeptResults
+from .stored_prefix import PromisedPrefixes
 from .request_state import RequestState, State
 from .service_config import SchedulerServiceConfig
 
@@ -60,6 +61,7 @@ class NodeChannel:
     _stages: dict[str, StageHandler]
     epoch: int
     kept: KeptResults
+    promised: PromisedPrefixes
 
     if TYPE_CHECKING:   # the service's shared transitions
         @staticmethod
@@ -340,8 +342,9 @@ class NodeChannel:
         self.core.complete(rs.request_id)
         rs.in_core = False
         self._st_first(rs, msg, now)
-        self.hits.finished(rs.sub.session_id, _stored_keys(rs.sub, msg.output_token_ids,
-                                                           self.kv.block_tokens))
+        stored = _stored_keys(rs.sub, msg.output_token_ids, self.kv.block_tokens)
+        self.hits.finished(rs.sub.session_id, stored)
+        self.promised.finished(rs.sub.session_id, stored)
         self.counters["finished"] += 1
         self._end(rs, State.FINISHED, rs.finished_event(msg.tokens, now, msg.output_token_ids))
 
@@ -352,8 +355,9 @@ class NodeChannel:
             rs.in_core = False
         self._revoke(rs, f"finished under an earlier scheduler ({why})")
         self.counters["results_recovered"] += 1
-        self.hits.finished(rs.sub.session_id, _stored_keys(rs.sub, kept.output_token_ids,
-                                                           self.kv.block_tokens))
+        stored = _stored_keys(rs.sub, kept.output_token_ids, self.kv.block_tokens)
+        self.hits.finished(rs.sub.session_id, stored)
+        self.promised.finished(rs.sub.session_id, stored)
         self.log.info("result_recovered", request_id=rs.request_id, attempt=kept.attempt,
                       node=kept.node_id, scheduler_epoch=kept.scheduler_epoch, why=why)
         self._end(rs, State.FINISHED, rs.finished_event(kept.tokens, self._now(),

@@ -141,7 +141,7 @@ class RequestState:
                  "t_submit", "t_placed", "t_dispatched", "t_allocated", "t_read", "t_first",
                  "t_second", "assignment", "de_engine", "de_node", "de_group", "pe_group",
                  "deadline", "timer", "hbm_bytes", "attempts", "hit_lookup_failed",
-                 "detach_timer")
+                 "detach_timer", "hit_shortfall_tokens")
 
     def __init__(self, sub: Submission, conn_id: int, now: float, deadline: float | None) -> None:
         self.sub = sub
@@ -149,6 +149,7 @@ class RequestState:
         self.state = State.QUEUED
         self.hit_tokens = 0
         self.hit_lookup_failed = False   # the storage lookup failed: hit taken as 0
+        self.hit_shortfall_tokens = 0    # stored by an earlier turn, not found (stored_prefix)
         self.hbm_bytes = 0
         self.attempt = 0
         self.in_core = False             # submitted to the core (after the hit lookup)

@@ -56,6 +56,7 @@ from .longpoll import WorkSignal
 from .node_channel import NodeChannel
 from .records import Phase, Request, Role
 from .recovery import KeptResults
+from .stored_prefix import PromisedPrefixes
 from .request_state import (SUPERSEDED, TERMINAL, RequestState, State, Submission,
                             check_submit, usable_hit_blocks)
 
@@ -69,7 +70,8 @@ COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded",
             "rejected_invalid", "rejected_overload", "registrations", "leases_expired",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
             "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
-            "attempts_failed", "resubmits", "detached", "results_kept", "results_recovered")
+            "attempts_failed", "resubmits", "detached", "results_kept", "results_recovered",
+            "hit_shortfalls", "hit_shortfall_tokens")
 
 
 class SchedulerService(NodeChannel, Service):
@@ -94,6 +96,7 @@ class SchedulerService(NodeChannel, Service):
         # etcd it is the election's fencing epoch, 0 (standby: every call refused) until won.
         self.epoch = time.time_ns() if epoch is None else epoch
         self.kept = KeptResults(s.kept_results, s.kept_result_s)
+        self.promised = PromisedPrefixes(s.max_sessions)    # what finished turns stored
         self._host = host or s.host or cfg.rpc.host
         self._port = s.port if port is None else port
         self._reqs: dict[str, RequestState] = {}
@@ -283,6 +286,8 @@ class SchedulerService(NodeChannel, Service):
             blocks = await self._lookup(sub)
             rs.hit_lookup_failed = blocks is None
             hit = usable_hit_blocks(blocks or 0, len(sub.keys), sub.prompt_tokens, bt) * bt
+            if blocks is not None:
+                self._check_shortfall(rs, hit // bt)
         else:
             hit = 0
         if rs.terminal:             # cancelled or expired during the lookup
@@ -301,7 +306,22 @@ class SchedulerService(NodeChannel, Service):
         q = self.core.queue_lengths()
         position = q["global"] + q["private"] + q["pe"] - 1
         rs.events.put_nowait(RequestQueued(sub.request_id, position, hit,
-                                           hit_lookup_failed=rs.hit_lookup_failed))
+                                           hit_lookup_failed=rs.hit_lookup_failed,
+                                           hit_shortfall_tokens=rs.hit_shortfall_tokens))
+
+    def _check_shortfall(self, rs: RequestState, found_blocks: int) -> None:
+        """Count and log a hit shorter than what the session's last turn stored."""
+        sub, bt = rs.sub, self.kv.block_tokens
+        short = self.promised.shortfall(sub.session_id, sub.keys, found_blocks,
+                                        (sub.prompt_tokens - 1) // bt)
+        if not short:
+            return
+        rs.hit_shortfall_tokens = short * bt
+        self.counters["hit_shortfalls"] += 1
+        self.counters["hit_shortfall_tokens"] += short * bt
+        self.log.warning("hit_shorter_than_stored", request_id=sub.request_id,
+                         session_id=sub.session_id, found_blocks=found_blocks,
+                         missing_blocks=short, missing_tokens=short * bt)
 
     async def _lookup(self, sub: Submission) -> int | None:
         """Stored leading blocks; None when the lookup failed (the caller takes hit 0)."""
@@ -460,7 +480,8 @@ class SchedulerService(NodeChannel, Service):
             outcome = "cancelled" if state is State.CANCELLED else "failed"
             self._close_attempt(rs, outcome, "scheduler", event.code, event.message)
         return msgspec.structs.replace(event, attempts=list(rs.attempts),
-                                       hit_lookup_failed=rs.hit_lookup_failed)
+                                       hit_lookup_failed=rs.hit_lookup_failed,
+                                       hit_shortfall_tokens=rs.hit_shortfall_tokens)
 
     def _revoke(self, rs: RequestState, reason: str) -> None:
         for role, group in ((Role.DECODE.value, rs.de_group), (Role.PREFILL.value, rs.pe_group)):

@@ -9,7 +9,10 @@ as the standby. Frontends (the replay's clients) and nodes find the leader in et
 :meth:`FailoverHarness.kill_leader` SIGKILLs the leader and measures, from the kill:
 
 * ``election_s`` — until the standby is elected (its ready line appears);
-* ``failover_s`` — until the new leader has finished its first request (service restored);
+* ``failover_s`` — until the new leader serves again: every node service has registered with
+  it and it has sent its first plan (work flows);
+* ``first_finish_s`` — until it has finished its first request (that includes one request's
+  own run time, ~1-2 s here);
 
 then starts a fresh standby from the killed replica's command line. :meth:`replay` runs one
 agentic replay and judges it (every planned request finished with verified bytes, or it is
@@ -62,7 +65,8 @@ class Kill:
     old_epoch: int | None = None
     new_epoch: int | None = None
     election_s: float | None = None     # kill → standby elected
-    failover_s: float | None = None     # kill → first request finished by the new leader
+    failover_s: float | None = None     # kill → nodes re-registered and a plan sent
+    first_finish_s: float | None = None  # kill → the new leader finished a request
 
 
 @dataclass
@@ -146,22 +150,32 @@ class FailoverHarness(ChaosHarness):
         old, new = self.leader, self.standby
         k = Kill(time.monotonic() - t0)
         with contextlib.suppress(DualpathError, OSError):
-            k.old_epoch = (await self.status()).counters.get("epoch")   # the leader's
+            before = await self.status()
+            k.old_epoch, self._nodes_before = before.counters.get("epoch"), len(before.nodes)
         t_kill = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.kill(old.pid, signal.SIGKILL)
         info = await _poll(new.elected, DEADLINE_S)
         if info is not None:
             k.election_s, k.new_epoch = time.monotonic() - t_kill, info.get("epoch")
-        if await _poll(self._new_leader_served, DEADLINE_S * 2, interval=0.05):
+        if await _poll(self._new_leader_placing, DEADLINE_S * 2, interval=0.02):
             k.failover_s = time.monotonic() - t_kill
+        if await _poll(self._new_leader_finished, DEADLINE_S * 2, interval=0.05):
+            k.first_finish_s = time.monotonic() - t_kill
         self._reap(old)
         self.leader, self.standby = new, self._spawn_standby(old.argv)
-        self.echo(f"   leader killed at {k.t_s:.1f} s: elected in {k.election_s} s, serving "
-                  f"again in {k.failover_s} s (epoch {k.old_epoch} → {k.new_epoch})")
+        self.echo(f"   leader killed at {k.t_s:.1f} s: elected in {_r(k.election_s)} s, placing "
+                  f"again in {_r(k.failover_s)} s, first request finished in "
+                  f"{_r(k.first_finish_s)} s (epoch {k.old_epoch} → {k.new_epoch})")
         return k
 
-    async def _new_leader_served(self) -> bool:
+    async def _new_leader_placing(self) -> bool:
+        with contextlib.suppress(DualpathError, OSError):
+            st = await self.status()
+            return len(st.nodes) >= self._nodes_before and st.counters.get("plans_sent", 0) > 0
+        return False
+
+    async def _new_leader_finished(self) -> bool:
         with contextlib.suppress(DualpathError, OSError):
             return (await self.status()).counters.get("finished", 0) > 0
         return False
@@ -175,8 +189,10 @@ class FailoverHarness(ChaosHarness):
 
     # ------------------------------------------------------------------ one replay
     async def replay(self, label: str, agents: int, turns: int, kills: int,
-                     first_kill_s: float = 2.0, kill_every_s: float = 6.0) -> ReplayResult:
-        """One byte-verified agentic replay, killing the leader ``kills`` times in it."""
+                     first_kill_s: float = 2.0, kill_every_s: float = 6.0,
+                     etcd_member_kill: bool = False) -> ReplayResult:
+        """One byte-verified agentic replay, killing the leader ``kills`` times in it — or,
+        with ``etcd_member_kill``, one etcd member (SIGKILL, back after ``kill_every_s``)."""
         from tools.replay.driver import ClientPool, _agent
         from tools.replay.workloads import AgenticSpec, AgenticWorkload
         self._seed += 1
@@ -190,8 +206,12 @@ class FailoverHarness(ChaosHarness):
             r = _drive_classes()(pool, deadline_s=DEADLINE_S, retries=3, log=log)
             load = asyncio.gather(*(_agent(r, t, self.block_tokens, i)
                                     for i, t in enumerate(trajs)))
-            killer = asyncio.create_task(self._kills(res, kills, t0, first_kill_s,
-                                                     kill_every_s, load))
+            if etcd_member_kill:
+                killer = asyncio.create_task(self._etcd_member_kill(res, t0, first_kill_s,
+                                                                    kill_every_s))
+            else:
+                killer = asyncio.create_task(self._kills(res, kills, t0, first_kill_s,
+                                                         kill_every_s, load))
             try:
                 await load
             finally:
@@ -202,6 +222,24 @@ class FailoverHarness(ChaosHarness):
                 res.duplicate_finals += c.stream_counts["duplicate_finals"]
         _judge(res, log)
         return res
+
+    async def _etcd_member_kill(self, res: ReplayResult, t0: float, at_s: float,
+                                down_s: float) -> None:
+        """SIGKILL the etcd member the cluster lists first, restart it ``down_s`` later; the
+        leader must keep its lease through the other two (``res.kills`` records the epochs:
+        unchanged when no failover happened)."""
+        await asyncio.sleep(at_s)
+        k = Kill(time.monotonic() - t0)
+        with contextlib.suppress(DualpathError, OSError):
+            k.old_epoch = (await self.status()).counters.get("epoch")
+        self.etcd.kill(0)
+        await asyncio.sleep(down_s)     # longer than the 2 s lease: renewals went elsewhere
+        await asyncio.to_thread(self.etcd.restart, 0)
+        with contextlib.suppress(DualpathError, OSError):
+            k.new_epoch = (await self.status()).counters.get("epoch")
+        res.kills.append(k)
+        self.echo(f"   etcd member m0 killed at {k.t_s:.1f} s, back {down_s} s later; leader "
+                  f"epoch {k.old_epoch} → {k.new_epoch}")
 
     async def _kills(self, res: ReplayResult, kills: int, t0: float, first_s: float,
                      every_s: float, load: asyncio.Future) -> None:
@@ -226,6 +264,10 @@ def _judge(res: ReplayResult, log: list[Submission]) -> None:
                  if s.outcome == "finished" and s.t_end is not None]
     res.lost_detail = [f"{s.request_id}: {s.outcome} {s.code or ''} {s.message or ''}"
                        for s in log if s.lost][:20]
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
 
 
 def _base_id(rid: str) -> str:

@@ -75,7 +75,9 @@ def etcd(tmp_path):
         yield members
 
 
-async def test_leader_killed_the_standby_takes_over_and_no_request_is_lost(etcd, tmp_path):
+@pytest.mark.reliability
+async def test_leader_killed_the_standby_takes_over_and_no_request_is_lost(etcd, tmp_path,
+                                                                           reliability):
     cfg = EtcdConfig(endpoints=etcd.endpoints)
     a, a_ready = replica(tmp_path, "a", etcd.endpoints)
     b = None
@@ -107,6 +109,10 @@ async def test_leader_killed_the_standby_takes_over_and_no_request_is_lost(etcd,
         assert isinstance(await final, RequestFinished)
         assert sum(isinstance(e, RequestFinished) for e in seen) == 1
         assert fe.resubmits >= 1
+        reliability.record("fault", "kill -9 scheduler leader, etcd standby takes over",
+                           f"request finished once after resubmission; epoch "
+                           f"{first['epoch']} → {second['epoch']}; nodes re-registered",
+                           target="scheduler (etcd leader)", action="kill")
     finally:
         await fe.close()
         await p0.close()
@@ -116,8 +122,9 @@ async def test_leader_killed_the_standby_takes_over_and_no_request_is_lost(etcd,
                 reap(proc)
 
 
-async def test_etcd_lost_the_leader_steps_down_and_a_replica_leads_when_it_returns(etcd,
-                                                                                    tmp_path):
+@pytest.mark.reliability
+async def test_etcd_lost_the_leader_steps_down_and_a_replica_leads_when_it_returns(
+        etcd, tmp_path, reliability):
     a, a_ready = replica(tmp_path, "a", etcd.endpoints)
     try:
         first = await elected(a, a_ready, tmp_path)
@@ -129,6 +136,10 @@ async def test_etcd_lost_the_leader_steps_down_and_a_replica_leads_when_it_retur
         b, b_ready = replica(tmp_path, "b", etcd.endpoints)
         try:
             assert (await elected(b, b_ready, tmp_path))["epoch"] > first["epoch"]
+            reliability.record("fault", "etcd lost while running (1 member killed, restarted)",
+                               "leader stepped down (exit 1) after its lease; a replica was "
+                               "elected with a higher epoch once etcd returned",
+                               target="etcd", action="kill")
         finally:
             reap(b)
     finally:
@@ -181,7 +192,9 @@ async def test_a_deposed_leaders_replies_are_refused_and_a_standby_serves_nobody
             await svc.stop()
 
 
-async def test_an_etcd_member_lost_the_leader_keeps_its_lease_through_the_others(tmp_path):
+@pytest.mark.reliability
+async def test_an_etcd_member_lost_the_leader_keeps_its_lease_through_the_others(tmp_path,
+                                                                                 reliability):
     require_etcd()
     with EtcdMembers(tmp_path / "etcd3", 3) as members:
         a, a_ready = replica(tmp_path, "a", members.endpoints)
@@ -197,6 +210,9 @@ async def test_an_etcd_member_lost_the_leader_keeps_its_lease_through_the_others
             assert a.poll() is None, (tmp_path / "a.log").read_text()[-2000:]
             status = await fe.cluster_status(timeout=10)
             assert status.counters["epoch"] == first["epoch"]   # no failover happened
+            reliability.record("fault", "kill -9 one member of a 3-member etcd",
+                               "leader kept its lease through the other members; same epoch",
+                               target="etcd member", action="kill")
         finally:
             await fe.close()
             reap(a)

@@ -84,7 +84,8 @@ async def run_to_first_token(p0: NodeSession, plan: Any) -> None:
         assert (await p0.report(plan.request_id, plan.attempt, stage)).current, stage
 
 
-async def test_scheduler_killed_mid_request_loses_and_repeats_nothing(tmp_path):
+@pytest.mark.reliability
+async def test_scheduler_killed_mid_request_loses_and_repeats_nothing(tmp_path, reliability):
     port = free_port()
     proc = await start_scheduler(port, tmp_path)
     changed: list[int] = []
@@ -133,6 +134,10 @@ async def test_scheduler_killed_mid_request_loses_and_repeats_nothing(tmp_path):
         status = await fe.cluster_status(timeout=5)
         assert status.counters["results_recovered"] == 1
         assert status.counters["finished"] == 1       # only the replanned one ran here
+        reliability.record("fault", "kill -9 scheduler (no standby), restart at its address",
+                           "2/2 requests ended once: one with the result its node finished in "
+                           "the gap (kept, not redone), one re-planned",
+                           target="scheduler", action="kill")
     finally:
         await fe.close()
         await p0.close()

@@ -42,6 +42,7 @@ import structlog
 
 from common.config import RpcConfig
 from common.errors import DualpathError, NotFound, Unavailable
+from common.faults import failpoint
 from common.protocol import (Stage, EngineInfo, EngineLoad, FetchWork, FetchWorkReply, Heartbeat,
                              NodeReply, RegisterNode, RegisterNodeReply, ReportProgress,
                              ReportProgressReply)
@@ -92,7 +93,7 @@ class NodeSession:
     async def register(self) -> RegisterNodeReply:
         msg = RegisterNode(self.node_id, self.service, self.role, *self._control, *self._ucx,
                            self.engines, self.epoch)
-        reply: RegisterNodeReply = await self._rpc.call(msg)
+        reply: RegisterNodeReply = await self._call(msg)
         await self._fence(reply.scheduler_epoch)
         self.lease_s, self.heartbeat_s = reply.lease_s, reply.heartbeat_s
         self.fetch_interval_s, self.block_tokens = reply.fetch_interval_s, reply.block_tokens
@@ -121,7 +122,7 @@ class NodeSession:
 
     async def heartbeat(self) -> None:
         try:
-            await self._rpc.call(Heartbeat(self.node_id, self.service, self.epoch,
+            await self._call(Heartbeat(self.node_id, self.service, self.epoch,
                                            self.read_q_tokens), timeout=self.lease_s)
         except NotFound:
             await self._lease_lost()
@@ -162,7 +163,7 @@ class NodeSession:
         msg = FetchWork(self.node_id, group_id, self.role, self.epoch, list(engines),
                         read_q_tokens, self._acked, self.fetch_wait_s)
         try:
-            reply: FetchWorkReply = await self._rpc.call(msg)
+            reply: FetchWorkReply = await self._call(msg)
         except NotFound:
             await self._lease_lost()
             return FetchWorkReply(0, [], [], [], more=True)
@@ -182,6 +183,10 @@ class NodeSession:
         return await self.send_report(ReportProgress(request_id, attempt, stage,
                                                      node_id=self.node_id, **kw))
 
+    async def _call(self, msg: Any, timeout: float | None = None) -> Any:
+        failpoint("node.sched.call")    # chaos: a node cut off from the scheduler (faults)
+        return await self._rpc.call(msg, timeout)
+
     async def _fence(self, epoch: int) -> None:
         """Refuse a reply from below the highest scheduler epoch seen (a deposed leader)."""
         if epoch and epoch < self.highest_epoch:
@@ -193,7 +198,7 @@ class NodeSession:
 
     async def send_report(self, msg: ReportProgress) -> ReportProgressReply:
         """Send a report as built (a redelivered one keeps its ``scheduler_epoch``)."""
-        return await self._rpc.call(msg)
+        return await self._call(msg)
 
 
 async def _close_resolver(resolve: Any) -> None:

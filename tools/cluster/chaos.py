@@ -74,23 +74,33 @@ class Fault:
 
     case: str
     target: str
-    action: str                    # kill | stop
+    action: str                    # kill | stop | partition | latency (the last two: a point)
     point: str | None = None       # a failpoint (None: a signal from outside at after_s)
     at: int = 1                    # the failpoint's hit that fires
     after_s: float = 1.0           # outside signal: seconds into the load
-    pause_s: float = 3.5           # stop: SIGCONT this long after the pause (lease is 2 s)
+    pause_s: float = 3.5           # stop: SIGCONT this long after the pause (lease is 2 s);
+                                   # partition: its length; latency: how long the disk is slow
+    latency_s: float = 0.3         # latency: added to every hit of the point
     agents: int = 4
     turns: int = 4
 
     def __post_init__(self) -> None:
-        if self.action not in ("kill", "stop"):
-            raise ValueError(f"{self.case}: action must be kill or stop")
+        if self.action not in ("kill", "stop", "partition", "latency"):
+            raise ValueError(f"{self.case}: action must be kill, stop, partition or latency")
+        if self.action in ("partition", "latency") and self.point is None:
+            raise ValueError(f"{self.case}: {self.action} needs a failpoint")
         if self.point is not None and self.point not in FAILPOINTS:
             raise ValueError(f"{self.case}: unknown failpoint {self.point!r}")
 
     @property
     def where(self) -> str:
         return self.point or f"external@{self.after_s:g}s"
+
+    @property
+    def spec(self) -> str:
+        """The failpoint spec armed in the victim (common.faults)."""
+        arg = {"partition": f":{self.pause_s:g}", "latency": f":{self.latency_s:g}"}
+        return f"{self.point}={self.action}{arg.get(self.action, '')}@{self.at}"
 
 
 @dataclass
@@ -365,7 +375,7 @@ class ChaosHarness:
         t_fault = None
         try:
             if fault.point is not None:
-                self.launcher.arm(fault.target, f"{fault.point}={fault.action}@{fault.at}")
+                self.launcher.arm(fault.target, fault.spec)
             t_fault = await self._inject(fault, victim)
             if t_fault is None:
                 res.outcome = "failpoint never fired"
@@ -414,10 +424,13 @@ class ChaosHarness:
             t = time.monotonic()
             await self._wait_state(victim, fault.action, 5.0)
             return t
-        want = "dead" if fault.action == "kill" else "stopped"
+        want = {"kill": "dead", "stop": "stopped"}.get(fault.action)
         limit = time.monotonic() + FIRE_WITHIN_S
         while time.monotonic() < limit:
-            if self._state(victim) == want:
+            if want is not None and self._state(victim) == want:
+                return time.monotonic()
+            if want is None and f"FAILPOINT {fault.point} {fault.action}" in \
+                    self.launcher.log_tail(fault.target, 400):    # it runs on: see its log
                 return time.monotonic()
             await asyncio.sleep(0.02)
         return None
@@ -451,6 +464,10 @@ class ChaosHarness:
 
     async def _bring_back(self, fault: Fault, victim: Proc) -> float:
         """Restart a killed victim / SIGCONT a paused one; returns when it was back."""
+        if fault.action in ("partition", "latency"):
+            await asyncio.sleep(fault.pause_s)      # a partition heals by itself
+            self.launcher.arm(fault.target, "")    # the disk is fast again
+            return time.monotonic()
         self.launcher.fp_file(fault.target).write_text("")
         if fault.action == "stop":
             await asyncio.sleep(fault.pause_s)

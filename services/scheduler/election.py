@@ -57,18 +57,19 @@ class EtcdEndpoints:
     def current(self) -> str:
         return self.endpoints[self._i % len(self.endpoints)]
 
-    async def client(self) -> Any:
+    async def client(self, timeout_s: float | None = None) -> Any:
         """A connected client; Unavailable naming every endpoint when none answers."""
         if self._client is not None:
             return self._client
         import aetcd
         errors = []
+        wait = timeout_s or self.timeout_s
         for _ in range(len(self.endpoints)):
             host, _, port = self.current.rpartition(":")
             c = aetcd.Client(host=host or "127.0.0.1", port=int(port),
                              timeout=max(1, round(self.timeout_s)))
             try:
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout(wait):
                     await c.connect()
                     await c.status()            # connect() is lazy: prove the member answers
                 self._client = c
@@ -89,19 +90,24 @@ class EtcdEndpoints:
             with contextlib.suppress(Exception):
                 await c.close()
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)`` on a reachable member, one retry on the next member."""
-        for attempt in range(2):
-            c = await self.client()
+    async def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
+        """``fn(client)`` on a reachable member; after a failure (a dead member hangs rather
+        than refuses: gRPC waits out the timeout) the next member, each member once.
+        ``timeout_s``: per member (default ``dial_timeout_s``)."""
+        wait = timeout_s or self.timeout_s
+        last: Exception | None = None
+        for _ in range(len(self.endpoints)):
             try:
-                async with asyncio.timeout(self.timeout_s):
+                c = await self.client(wait)
+                async with asyncio.timeout(wait):
                     return await fn(c)
+            except Unavailable as e:           # no member answered at all
+                raise e from None
             except Exception as e:
+                last = e
                 await self.failed()
-                if attempt:
-                    raise Unavailable(f"etcd call failed on {', '.join(self.endpoints)}: "
-                                      f"{type(e).__name__}: {e}") from None
-        raise AssertionError("unreachable")
+        raise Unavailable(f"etcd call failed on every member of {', '.join(self.endpoints)}: "
+                          f"{type(last).__name__}: {last}") from None
 
     async def close(self) -> None:
         await self.failed()
@@ -161,18 +167,24 @@ class SchedulerElection:
 
     async def keep(self) -> None:
         """Renew the lease every third of it; return when it could not be renewed for a whole
-        lease (the caller steps down: another replica may lead by now)."""
+        lease (the caller steps down: another replica may lead by now).
+
+        Each try gives a member a quarter of the lease, then goes on to the next member (a
+        3-member etcd that lost one still renews well inside the lease), and a failed round
+        is retried at once, not a third of a lease later."""
         last_ok = time.monotonic()
-        lease = self._lease
+        lease, renewed = self._lease, True
+        per_member = self.cfg.lease_s / 4
         while True:
-            await asyncio.sleep(self.cfg.lease_s / 3)
+            await asyncio.sleep(self.cfg.lease_s / 3 if renewed else 0.05)
             try:
-                reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id))
+                reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id), per_member)
                 if reply is None or reply.TTL <= 0:
                     log.error("leader_lease_gone", node_id=self.node_id, epoch=self.epoch)
                     return
-                last_ok = time.monotonic()
+                last_ok, renewed = time.monotonic(), True
             except Unavailable as e:
+                renewed = False
                 log.warning("leader_lease_renewal_failed", node_id=self.node_id,
                             error=e.message)
                 if time.monotonic() - last_ok >= self.cfg.lease_s:

@@ -3,10 +3,11 @@ and the live service that runs them behind one RPC port.
 
 Sans-I/O core — what this package exports. ``core``, ``policy``, ``state``, ``records``,
 ``config``, ``batching`` and ``cost_model`` (with the service's pure helpers ``dispatch``,
-``leases``, ``modes``, ``recovery``, ``stored_prefix`` and ``service_config``) import neither asyncio nor ucxx, read no clock
-and touch no network, so the live service, the tests and the discrete-event simulator run
-exactly the same decisions (``core``, ``policy``, ``state`` and ``batching`` are compiled with
-mypyc for the simulator: ``sim.accel``). Importing ``services.scheduler`` pulls in no asyncio.
+``leases``, ``modes``, ``recovery``, ``stored_prefix`` and ``service_config``) import neither
+asyncio nor ucxx, read no clock and touch no network, so the live service, the tests and the
+discrete-event simulator run exactly the same decisions (``core``, ``policy``, ``state`` and
+``batching`` are compiled with mypyc for the simulator: ``sim.accel``). Importing
+``services.scheduler`` pulls in no asyncio.
 
 * ``core.Scheduler`` — inter-engine placement: DE two-phase placement, PE Algorithm 1, read side;
   the request flow and how a service or a simulator drives it are in ``core``'s docstring.

@@ -204,3 +204,42 @@ async def test_a_dropped_frontend_is_cancelled_after_the_grace_unless_it_resubmi
         await d0.report("back", plan.attempt, "finished", tokens=2)
         kinds = [type(e) async for e in stream]
         assert kinds == [RequestPlaced, FirstToken, RequestFinished]
+
+
+async def test_a_clean_stop_fails_requests_for_resubmission_and_the_client_resubmits():
+    from services.scheduler.service import SchedulerService
+    from tests.test_scheduler_service import make_cfg
+    first = SchedulerService(make_cfg(), port=0)
+    await first.start()
+    port = first.port
+    fe = SchedulerClient("127.0.0.1", port, rpc=RPC)
+    second = None
+    try:
+        stream = fe.submit("r", "s", 100, 2)
+        assert isinstance(await nxt(stream), RequestQueued)
+        reading = asyncio.create_task(take_until_final(stream, seen := []))
+        await first.stop()                 # RequestFailed(UNAVAILABLE, resubmit=True): held back
+        second = SchedulerService(make_cfg(), port=port)
+        await second.start()               # the same address
+        await until(lambda: second.request_state("r") == "queued", what="resubmitted")
+        assert not reading.done()          # the shutdown failure did not reach the frontend
+        p0 = NodeSession(RPC, "127.0.0.1", port, node_id="p0", service="pe_receiver",
+                         role="prefill", engines=[EngineInfo("p0.e0", "prefill", 0)],
+                         kv_fingerprint=second.kv.fingerprint())
+        d0 = NodeSession(RPC, "127.0.0.1", port, node_id="d0", service="de_loader",
+                         role="decode", engines=[EngineInfo("d0.e0", "decode", 1 << 40)],
+                         kv_fingerprint=second.kv.fingerprint())
+        await p0.start()
+        await d0.start()
+        plan = await plans_for(p0, d0, "r")
+        await run_to_first_token(p0, plan)
+        await d0.report("r", plan.attempt, "finished", tokens=2)
+        assert isinstance(await reading, RequestFinished)
+        assert not any(isinstance(e, RequestFailed) for e in seen) and fe.resubmits == 1
+        await p0.close()
+        await d0.close()
+    finally:
+        await fe.close()
+        await first.stop()
+        if second is not None:
+            await second.stop()

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv lint test test-fast test-chaos demo bench bench-quick reliability sim-accel clean
+.PHONY: venv lint test test-fast test-chaos demo bench bench-quick reliability sim-accel clean etcd
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ bench-quick: $(STAMP)
 # docs/reliability.md from a run of the reliability-marked tests and a chaos benchmark
 reliability: $(STAMP)
 	$(PY) -m bench.reliability_report
+
+# etcd for the scheduler's election/discovery tests and `dualpath bench failover`: Debian's
+# etcd-server (3.4); the tests start their own members on free ports. Needs root or sudo.
+etcd:
+	@command -v etcd >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server etcd-client; }
+	@etcd --version | head -1
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis results data

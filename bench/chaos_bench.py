@@ -12,8 +12,12 @@ Headline: ``requests_lost`` summed over every fault (goal 0): a submission that 
 finished with verified bytes nor failed with a retryable error within its deadline. The JSON
 also lists every fault (target, point, action, requests affected, outcome), leaked pages per
 surviving service and the recovery times (restart → first transfer through the victim).
-``--quick``: 7 faults — both read paths (PE-path and DE-path reads, the gateway's read), the
-PE→DE hand-off, write-back, decode, and a pause past the lease;
+``--quick``: 10 faults — both read paths (PE-path and DE-path reads, the gateway's read), the
+PE→DE hand-off, write-back, decode, a pause past the lease, the scheduler killed with
+SIGKILL mid-replay and restarted at its address (no standby: frontends resubmit, nodes
+redeliver results finished in the gap — docs/frontend-api.md, "Scheduler restart"), a DE
+loader partitioned from the scheduler past its lease (failpoint ``node.sched.call``), and a
+slow disk (``gw.read`` latency); with a standby through etcd: ``dualpath bench failover``;
 the full run every failpoint, two repetitions at different hits, and outside signals.
 """
 
@@ -38,6 +42,12 @@ def faults(quick: bool) -> list:
         F("pe-read-kill", "pe_receiver:p0", "kill", "pe.read.batch", at=2),
         F("de-writeback-kill", "de_loader:d0", "kill", "de.writeback", at=2),
         F("de-decode-kill", "de_loader:d1", "kill", "de.decode", at=2),
+        F("sched-kill-restart", "scheduler", "kill", None, after_s=1.5),
+        # a DE loader cut off from the scheduler past its lease, then healed: the scheduler
+        # re-planned its work; its late reports are stale, it registers with a new epoch
+        F("node-partition", "de_loader:d0", "partition", "node.sched.call", at=5, pause_s=3.5),
+        # a slow disk: every read of one gateway takes 0.3 s longer for 3 s
+        F("slow-disk", "gateway:d1", "latency", "gw.read", pause_s=3.0, latency_s=0.3),
     ]
     if quick:
         return core
@@ -52,6 +62,8 @@ def faults(quick: bool) -> list:
         F("gw-stop", "gateway:d0", "stop", None, after_s=0.5),
         F("de-sigkill-outside", "de_loader:d1", "kill", None, after_s=0.7),
         F("pe-sigkill-outside", "pe_receiver:p0", "kill", None, after_s=0.7),
+        F("sched-kill-burst", "scheduler", "kill", None, after_s=0.3, agents=8),
+        F("gw-restart-outside", "gateway:p0", "kill", None, after_s=0.7),
     ]
     # a second repetition of the kills at a later hit: a different request, a later step
     again = [F(f"{f.case}-rep2", f.target, f.action, f.point, at=f.at + 3)

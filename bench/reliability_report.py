@@ -82,7 +82,28 @@ def _extra_cols(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(k, k) for k in keys]
 
 
-def render(rows: list[dict[str, Any]], chaos: dict[str, Any] | None) -> str:
+def render_failover(fo: dict[str, Any]) -> list[str]:
+    """The ``dualpath bench failover`` section: headline, replays, kills."""
+    head, res = fo.get("headline", {}), fo.get("results", {})
+    lines = [f"## Scheduler failover benchmark (`dualpath bench failover"
+             f"{' --quick' if res.get('quick') else ''}`)", "",
+             "Two scheduler replicas elected through a 3-member etcd; the leader SIGKILLed "
+             "mid-replay (docs/cluster.md, \"etcd\").", "",
+             f"Headline `{head.get('metric')}` = **{head.get('value')}** (goal "
+             f"{head.get('goal')}).", ""]
+    replays = res.get("replays") or []
+    if replays:
+        lines += _table(replays, [(k, k) for k in replays[0].keys()]) + [""]
+    kills = res.get("kills") or []
+    if kills:
+        lines += _table(kills, [(k, k) for k in kills[0].keys()]) + [""]
+    if "summary" in res:
+        lines += [f"- `summary`: `{json.dumps(res['summary'], default=str)}`", ""]
+    return lines
+
+
+def render(rows: list[dict[str, Any]], chaos: dict[str, Any] | None,
+           failover: dict[str, Any] | None = None) -> str:
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_cat[r["category"]].append(r)
@@ -118,6 +139,8 @@ def render(rows: list[dict[str, Any]], chaos: dict[str, Any] | None) -> str:
             if key in res:
                 lines += [f"- `{key}`: `{json.dumps(res[key], default=str)}`"]
         lines.append("")
+    if failover is not None:
+        lines += render_failover(failover)
     for cat, title in SECTIONS:
         rs = by_cat.get(cat, [])
         lines += [f"## {title}", ""]
@@ -137,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.reliability_report", description=__doc__)
     p.add_argument("--chaos-json", type=Path, help="use this chaos bench JSON instead of a run")
     p.add_argument("--full-chaos", action="store_true", help="run chaos without --quick")
+    p.add_argument("--failover-json", type=Path,
+                   help="add this `dualpath bench failover` JSON (results/failover.json)")
     p.add_argument("--rows", type=Path, help="use recorded rows instead of running the tests")
     p.add_argument("--out", type=Path, default=DOC)
     a = p.parse_args(argv)
@@ -149,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             run_chaos(chaos_path, quick=not a.full_chaos)
         rows = load_rows(rows_path)
         chaos = json.loads(chaos_path.read_text()) if chaos_path.exists() else None
-    a.out.write_text(render(rows, chaos))
+    failover = json.loads(a.failover_json.read_text()) if a.failover_json else None
+    a.out.write_text(render(rows, chaos, failover))
     print(f"wrote {a.out} ({len(rows)} cases)")
     return 0
 

@@ -13,7 +13,11 @@ step of a request while everything else runs unchanged::
 * ``stop``      — SIGSTOP this process (a pause: sockets stay open, nothing answers; the
   harness sends SIGCONT later);
 * ``delay:S``   — block the whole process for S seconds (a stall, e.g. a GC or swap pause);
-* ``error``     — raise ``Unavailable`` (retryable) at that point.
+* ``error``     — raise ``Unavailable`` (retryable) at that point;
+* ``partition:S`` — from that hit on, every hit raises ``Unavailable`` for S seconds (a node
+  cut off from a peer, then healed; e.g. ``node.sched.call``: its scheduler calls);
+* ``latency:S`` — from that hit on, every hit waits S seconds (a slow disk, ``gw.read``), until
+  disarmed; only where the point is awaited (``afailpoint``), the process keeps running.
 
 ``@N`` fires on the N-th hit of that point in this process (default 1), once. A running
 process can be (re-)armed without a restart: when ``DUALPATH_FAILPOINTS_FILE`` names a file,
@@ -50,8 +54,11 @@ FAILPOINTS: dict[str, str] = {
     "de.decode": "DE loader: decode running (second token reported)",
     "gw.read": "storage gateway: a read checked and queued, about to read (UCX or shm path)",
     "gw.write": "storage gateway: a write's blocks received, about to be stored",
+    "node.sched.call": "PE receiver / DE loader: any call to the scheduler (register, "
+                       "heartbeat, fetch, report)",
 }
-ACTIONS = ("kill", "stop", "delay", "error")
+ACTIONS = ("kill", "stop", "delay", "error", "partition", "latency")
+TIMED = ("delay", "partition", "latency")      # actions that take seconds: ACTION:S
 
 
 @dataclass
@@ -62,7 +69,7 @@ class _Point:
     delay_s: float = 0.0
     hits: int = 0
     fired: int = 0
-
+    until: float = 0.0              # partition: monotonic end
 
 def parse(spec: str) -> dict[str, _Point]:
     """``NAME=ACTION[@N];...`` → points; ConfigError names the first bad entry."""
@@ -81,13 +88,14 @@ def parse(spec: str) -> dict[str, _Point]:
         p = _Point(name, kind)
         if kind not in ACTIONS:
             raise ConfigError(f"{ENV}: {name}: unknown action {kind!r}; one of {ACTIONS}")
-        if kind == "delay":
+        if kind in TIMED:
             try:
                 p.delay_s = float(arg)
             except ValueError:
-                raise ConfigError(f"{ENV}: {name}: delay needs seconds, e.g. delay:0.5") from None
+                raise ConfigError(f"{ENV}: {name}: {kind} needs seconds, e.g. {kind}:0.5"
+                                  ) from None
             if not 0 <= p.delay_s <= 3600:
-                raise ConfigError(f"{ENV}: {name}: delay {p.delay_s} outside [0, 3600] s")
+                raise ConfigError(f"{ENV}: {name}: {kind} {p.delay_s} outside [0, 3600] s")
         elif arg:
             raise ConfigError(f"{ENV}: {name}: action {kind!r} takes no argument")
         if at:
@@ -156,6 +164,10 @@ def failpoint(name: str) -> None:
     if p is None:
         return
     p.hits += 1
+    if p.action == "partition" and p.fired:
+        if time.monotonic() < p.until:
+            raise Unavailable(f"failpoint {name}: partitioned", retry_after_s=0.1)
+        return
     if p.hits != p.at:
         return
     p.fired += 1
@@ -170,3 +182,24 @@ def failpoint(name: str) -> None:
         time.sleep(p.delay_s)          # the whole process stalls, on purpose
     elif p.action == "error":
         raise Unavailable(f"failpoint {name} injected an error", retry_after_s=0.1)
+    elif p.action == "partition":
+        p.until = time.monotonic() + p.delay_s
+        raise Unavailable(f"failpoint {name}: partitioned", retry_after_s=0.1)
+
+
+async def afailpoint(name: str) -> None:
+    """``failpoint`` for a point on an event loop; ``latency:S`` waits there without
+    stalling the process (every hit from the N-th on, until disarmed)."""
+    p = _armed.get(name) if _armed else None
+    if p is None or p.action != "latency":
+        failpoint(name)
+        return
+    import asyncio
+    p.hits += 1
+    if p.hits < p.at:
+        return
+    if p.hits == p.at:
+        p.fired += 1
+        sys.stderr.write(f"FAILPOINT {name} {p.action} (hit {p.hits}) pid {os.getpid()}\n")
+        sys.stderr.flush()
+    await asyncio.sleep(p.delay_s)

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import random
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -230,10 +231,12 @@ class RpcClient:
 
     def __init__(self, cfg: RpcConfig, host: str, port: int, *, role: str, node_id: str,
                  reply_type: Any, kv_fingerprint: str = "", auth_secret: bytes | None = None,
-                 event_type: Any = None, unix_path: str | None = None) -> None:
+                 event_type: Any = None, unix_path: str | None = None,
+                 resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None) -> None:
         self._cfg = cfg
         self._host, self._port = host, port
         self._unix_path = unix_path          # set: a local Unix socket instead of TCP
+        self._resolve = resolve     # asked for the address before each connection attempt
         self._role, self._node_id = role, node_id
         self._kv_fingerprint = kv_fingerprint
         # No explicit secret: the one ``cfg`` names (rpc.auth_secret_file / _env), so every
@@ -259,6 +262,13 @@ class RpcClient:
     def peer(self) -> HelloReply | None:
         """The server's HelloReply on the current connection."""
         return self._conn.peer if self._conn is not None else None
+
+    async def drop_connection(self) -> None:
+        """Close the current connection (pending calls fail); the next call connects anew
+        (and resolves the address again): e.g. after a reply from a deposed leader."""
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            await conn.aclose()
 
     async def connect(self) -> None:
         """Connect now (with backoff); raises Unavailable or a typed handshake error."""
@@ -374,6 +384,9 @@ class RpcClient:
     async def _open(self) -> _Connection:
         """One connection attempt; transient failures raise Unavailable (retryable)."""
         cfg = self._cfg
+        if self._resolve is not None:       # e.g. the scheduler leader, from etcd
+            async with asyncio.timeout(cfg.connect_timeout_s):
+                self._host, self._port = await self._resolve()
         try:
             async with asyncio.timeout(cfg.connect_timeout_s):
                 if self._unix_path is not None:

@@ -13,7 +13,7 @@ import msgspec
 from services.node.arbiter import ArbiterConfig
 from services.node.config import DELoaderConfig, PEReceiverConfig
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service_config import SchedulerServiceConfig
+from services.scheduler.service_config import EtcdConfig, SchedulerServiceConfig
 from storage_gateway.config import GatewayNodeConfig
 
 
@@ -28,3 +28,5 @@ class ServicesConfig(GatewayNodeConfig):
     pe_receiver: PEReceiverConfig = msgspec.field(default_factory=PEReceiverConfig)
     de_loader: DELoaderConfig = msgspec.field(default_factory=DELoaderConfig)
     arbiter: ArbiterConfig = msgspec.field(default_factory=ArbiterConfig)
+    # scheduler election and discovery (empty endpoints: the static scheduler address)
+    etcd: EtcdConfig = msgspec.field(default_factory=EtcdConfig)

@@ -46,7 +46,7 @@ from structlog.contextvars import bound_contextvars
 from common.auth import load_secret
 from common.buffers import Allocation, AsyncPagePool, PagePool
 from common.errors import ConfigError, DualpathError, InvalidArgument, Unavailable
-from common.faults import failpoint
+from common.faults import afailpoint, failpoint
 from common.kv import KVSpec, spec_from_config, validate_keys
 from common.protocol import (BlocksWritten, GatewayLimits, GatewayRequest, GatewayTelemetry,
                              GetLimits, GetStats, GetStatsReply, LookupPrefix, LookupPrefixReply, Ping, Pong,
@@ -325,7 +325,7 @@ class GatewayService(Service):
                 dests = self._shm_dests(msg, plans) if msg.shm_segment else None
                 out.pending_tokens = len(msg.keys) * self.spec.block_tokens
                 self._pending_tokens += out.pending_tokens
-                failpoint("gw.read")               # chaos tests (common.faults); no-op unarmed
+                await afailpoint("gw.read")        # chaos tests (common.faults); no-op unarmed
                 if dests is None:
                     await self._pipeline(msg, plans, out, self._deadline_at(ctx))
                 else:

@@ -137,3 +137,19 @@ def reap(proc: Any) -> None:
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()
+
+
+def require_etcd() -> None:
+    """Skip loudly where etcd cannot run — but fail under CI=true, where a skip would hide
+    the election and failover tests (``make etcd`` installs it; .ci/run does)."""
+    import os
+
+    import pytest
+
+    from tools.cluster.etcd_members import etcd_missing
+    reason = etcd_missing()
+    if reason is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; required under CI=true")
+    pytest.skip(f"SKIPPED LOUDLY: {reason}")

@@ -112,3 +112,37 @@ def test_sigusr1_rearms_from_the_file(tmp_path):
     r = _child("", body, {faults.FILE_ENV: str(spec)})
     assert r.returncode == 0, r.stderr
     assert "raised Unavailable" in r.stdout
+
+
+def test_partition_fails_every_hit_until_it_heals(monkeypatch):
+    now = {"t": 100.0}
+    monkeypatch.setattr(faults.time, "monotonic", lambda: now["t"])
+    faults.arm("node.sched.call=partition:2@2")
+    faults.failpoint("node.sched.call")                  # hit 1: before the partition
+    for _ in range(3):                                   # from hit 2, for 2 s: every call fails
+        with pytest.raises(Unavailable, match="partitioned"):
+            faults.failpoint("node.sched.call")
+    now["t"] = 102.5                                     # healed
+    faults.failpoint("node.sched.call")
+    assert faults.fired("node.sched.call") == 1
+
+
+async def test_latency_delays_every_awaited_hit_until_disarmed(monkeypatch):
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+    import asyncio
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    faults.arm("gw.read=latency:0.3@2")
+    for _ in range(4):
+        await faults.afailpoint("gw.read")
+    assert slept == [0.3, 0.3, 0.3] and faults.fired("gw.read") == 1
+    faults.arm("")                                       # the disk is fast again
+    await faults.afailpoint("gw.read")
+    assert len(slept) == 3
+
+
+def test_timed_actions_need_seconds():
+    with pytest.raises(ConfigError, match="partition needs seconds"):
+        faults.parse("node.sched.call=partition")

@@ -138,7 +138,9 @@ def test_sync_client_leaving_a_stream_cancels_the_request():
 
 def test_sync_client_sees_the_server_go_away():
     server = ServiceThread(with_nodes=False)
-    with SyncSchedulerClient("127.0.0.1", server.svc.port, rpc=RPC) as sched:
+    # resubmit_window_s=0: a lost scheduler is the request's outcome (no resubmission)
+    with SyncSchedulerClient("127.0.0.1", server.svc.port, rpc=RPC,
+                             resubmit_window_s=0) as sched:
         events = sched.submit("q", "s", 100, 2)
         assert isinstance(next(events), RequestQueued)
         server.close()                                   # live requests fail, then it closes

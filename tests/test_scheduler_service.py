@@ -578,13 +578,14 @@ async def test_fetch_replies_are_bounded_and_resent_until_acknowledged():
 async def test_stopping_the_service_fails_live_requests_retryably():
     svc = SchedulerService(make_cfg(), port=0)
     await svc.start()
-    fe = SchedulerClient("127.0.0.1", svc.port, rpc=RPC)
+    fe = SchedulerClient("127.0.0.1", svc.port, rpc=RPC, resubmit_window_s=0)  # no resubmit
     try:
         stream = fe.submit("r", "s", 100, 2)
         await nxt(stream)
         await svc.stop()
         failed = await nxt(stream)
-        assert (failed.code, failed.retryable) == (ErrorCode.UNAVAILABLE, True)
+        assert (failed.code, failed.retryable, failed.resubmit) == \
+            (ErrorCode.UNAVAILABLE, True, True)
     finally:
         await fe.close()
         await svc.stop()

@@ -7,7 +7,9 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# 2: RegisterNodeReply / FetchWorkReply / ReportProgress .scheduler_epoch, RequestFailed.resubmit
+# (scheduler restart: docs/frontend-api.md)
+PROTOCOL_VERSION = 2
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t"):

@@ -44,6 +44,9 @@ class RequestQueued(Message, tag="sched.ev.queued", frozen=True):
     position: int
     hit_tokens: int = 0
     hit_lookup_failed: bool = False
+    # v2: prompt tokens an earlier turn of the session stored that the lookup did not find
+    # (write-backs lost with a DE, or evicted): recomputed, so the hit is shorter by this much
+    hit_shortfall_tokens: int = 0
 
 
 class RequestPlaced(Message, tag="sched.ev.placed", frozen=True):
@@ -107,6 +110,7 @@ class RequestFinished(Message, tag="sched.ev.finished", frozen=True):
     output_token_ids: list[int] | None = None   # generated ids (first included), when reported
     attempts: list[AttemptRecord] = []          # every attempt, the last one included
     hit_lookup_failed: bool = False             # the hit was taken as 0 (RequestQueued)
+    hit_shortfall_tokens: int = 0               # v2: see RequestQueued
 
 
 class RequestFailed(Message, tag="sched.ev.failed", frozen=True):
@@ -120,6 +124,10 @@ class RequestFailed(Message, tag="sched.ev.failed", frozen=True):
     attempt: int = 0
     attempts: list[AttemptRecord] = []          # every attempt, the last one included
     hit_lookup_failed: bool = False             # the hit was taken as 0 (RequestQueued)
+    hit_shortfall_tokens: int = 0               # v2: see RequestQueued
+    # v2: the scheduler stopped without an outcome for it (shutting down): submitting the
+    # same request again is safe, and the client does so (docs/frontend-api.md)
+    resubmit: bool = False
 
 
 RequestEvent = Union[RequestQueued, RequestPlaced, FirstToken, RequestFinished, RequestFailed]

@@ -51,6 +51,10 @@ class RegisterNodeReply(Message, tag="sched.node.register.reply", frozen=True):
     fetch_interval_s: float
     block_tokens: int = 64
     fetch_wait_s: float = 0.0       # long-poll: an idle group's empty fetch may be held this long
+    # The scheduler's incarnation (v2): a node that re-registers and sees another value knows
+    # the scheduler restarted and redelivers the results it kept (docs/frontend-api.md,
+    # "Scheduler restart").
+    scheduler_epoch: int = 0
 
 
 class Heartbeat(Message, tag="sched.node.heartbeat", frozen=True):
@@ -174,6 +178,9 @@ class FetchWorkReply(Message, tag="sched.node.fetch.reply", frozen=True):
     plans: list[RequestPlan]
     revoked: list[Revocation]
     more: bool = False
+    # v2: the epoch of the scheduler that sent it (fencing: a node refuses a reply from an
+    # epoch below the highest it has seen — a deposed leader's plans)
+    scheduler_epoch: int = 0
 
 
 # The stages a node reports, in the order an attempt reaches them ("failed" may come at any
@@ -208,6 +215,9 @@ class ReportProgress(Message, tag="sched.node.progress", frozen=True):
     node_id: str = ""
     output_token_ids: list[int] | None = None   # with "finished": the generated token ids
     read_bytes: int = 0
+    # v2: ``RegisterNodeReply.scheduler_epoch`` of the scheduler that planned the attempt
+    # (0: the current one). A report from an earlier incarnation is a redelivered result.
+    scheduler_epoch: int = 0
 
 
 class ReportProgressReply(Message, tag="sched.node.progress.reply", frozen=True):

@@ -5,6 +5,12 @@ A node service runs with a scheduler (``scheduler_port`` set: register, heartbea
 with ``FetchWork``, report stages) or standalone (work is handed in by ``submit_plan`` /
 ``bind``; reports are kept in ``self.reports``) — the second is what tests and benchmarks of
 the data path alone use.
+
+Scheduler restarts: every report carries the epoch of the scheduler the node is registered
+with, and ``finished`` reports stay in ``self.finished`` for ``finished_keep_s``. When the node
+re-registers and finds another scheduler incarnation, it drops its in-flight attempts (their
+frontends resubmit them) and redelivers the kept results, so an attempt that finished while
+no scheduler listened is not redone (docs/frontend-api.md, "Scheduler restart").
 """
 
 from __future__ import annotations
@@ -69,6 +75,12 @@ class NodeBase(Service):
         self.session: NodeSession | None = None
         self.read_q: int | None = None
         self.reports: collections.deque[ReportProgress] = collections.deque(maxlen=_REPORT_KEEP)
+        # finished reports (and when), for redelivery to a restarted scheduler
+        self.finished: collections.OrderedDict[tuple[str, int], tuple[ReportProgress, float]] = \
+            collections.OrderedDict()
+        # scheduler epoch each attempt was planned under: its reports carry it (fencing)
+        self.planned_under: collections.OrderedDict[tuple[str, int], int] = \
+            collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
         self._gateways: dict[tuple[str, int], GatewayClient] = {}
         self._closing = False
@@ -87,14 +99,20 @@ class NodeBase(Service):
         await self.rpc.start(s.host, s.rpc_port)
         if s.engine_socket:
             await self._serve_engines(s.engine_socket)
-        if s.scheduler_port:
+        etcd = getattr(self.cfg, "etcd", None)
+        resolve = None
+        if etcd is not None and etcd.endpoints:     # the scheduler leader, found in etcd
+            from services.scheduler.election import LeaderResolver
+            resolve = LeaderResolver(etcd)
+        if s.scheduler_port or resolve is not None:
             infos = [EngineInfo(e, self.role, self.engine_hbm()) for e in self.engine_ids]
             self.session = NodeSession(
                 self.cfg.rpc, s.scheduler_host, s.scheduler_port, node_id=self.node_id,
                 service=self.name, role=self.role, control=(s.host, self.rpc.port),
                 ucx=self.transport.address, engines=infos,
                 kv_fingerprint=self.spec.fingerprint(), auth_secret=load_secret(self.cfg.rpc),
-                on_lease_lost=self._on_lease_lost)
+                on_lease_lost=self._on_lease_lost, on_scheduler_changed=self._redeliver,
+                resolve=resolve)
             await self.session.start()
         self.log.info("node_service_listening", rpc_port=self.rpc.port,
                       ucx_port=self.transport.address[1], engines=len(self.engine_ids),
@@ -188,6 +206,7 @@ class NodeBase(Service):
                 continue
             for r in reply.revoked:
                 self.revoke(r)
+            self._note_epoch(reply, s.scheduler_epoch)
             await self.apply(reply)
             if not reply.more:
                 await asyncio.sleep(s.fetch_interval_s)
@@ -202,13 +221,52 @@ class NodeBase(Service):
             self.reports.append(ReportProgress(request_id, attempt, stage, node_id=self.node_id,
                                                **kw))
             return True
+        epoch = self.planned_under.get((request_id, attempt), self.session.scheduler_epoch)
+        msg = ReportProgress(request_id, attempt, stage, node_id=self.node_id,
+                             scheduler_epoch=epoch, **kw)
+        if stage == "finished":
+            self._keep_finished(msg)
         try:
-            reply = await self.session.report(request_id, attempt, stage, **kw)
+            reply = await self.session.send_report(msg)
         except DualpathError as e:
             log.warning("report_failed", request_id=request_id, attempt=attempt, stage=stage,
                         error=repr(e))
             return True        # unknown: carry on; leases and revocations settle it
         return reply.current
+
+    def _note_epoch(self, reply: FetchWorkReply, epoch: int) -> None:
+        """Remember which scheduler planned each attempt (bounded, oldest out first)."""
+        marks = self.planned_under
+        for work in (*reply.plans, *reply.bindings):
+            marks[(work.request_id, work.attempt)] = epoch
+        while len(marks) > _REPORT_KEEP:
+            marks.popitem(last=False)
+
+    def _keep_finished(self, msg: ReportProgress) -> None:
+        """Keep a result for ``finished_keep_s`` (bounded), should the scheduler restart."""
+        now = asyncio.get_running_loop().time()
+        kept = self.finished
+        kept[(msg.request_id, msg.attempt)] = (msg, now)
+        while kept and (len(kept) > _REPORT_KEEP or
+                        next(iter(kept.values()))[1] < now - self.settings.finished_keep_s):
+            kept.popitem(last=False)
+
+    async def _redeliver(self, old_epoch: int) -> None:
+        """The scheduler restarted: hand it the results its predecessor may not have passed
+        on (it keeps them for the frontends' resubmissions; duplicates are harmless)."""
+        sent = 0
+        for msg, _ in list(self.finished.values()):
+            if msg.scheduler_epoch != old_epoch or not old_epoch or self.session is None:
+                continue
+            try:
+                await self.session.send_report(msg)
+                sent += 1
+            except DualpathError as e:
+                log.warning("result_redelivery_failed", request_id=msg.request_id,
+                            attempt=msg.attempt, error=repr(e))
+        self.counters["results_redelivered"] += sent
+        log.info("results_redelivered", node=self.node_id, node_service=self.name,
+                 results=sent, old_epoch=old_epoch)
 
     async def _read_q_loop(self) -> None:
         """Follow this node's gateway read queue (sent with each FetchWork)."""

@@ -34,6 +34,7 @@ class NodeServiceConfig(Section):
     control_timeout_s: PositiveFloat = 10.0         # one data-path / report RPC
     engine_socket: str = ""                         # Unix socket engines in other processes
                                                     # attach to (docs/engine-api.md); "": none
+    finished_keep_s: PositiveFloat = 120.0          # results kept for a restarted scheduler
 
     @property
     def num_pages(self) -> int:

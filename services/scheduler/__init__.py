@@ -3,10 +3,11 @@ and the live service that runs them behind one RPC port.
 
 Sans-I/O core — what this package exports. ``core``, ``policy``, ``state``, ``records``,
 ``config``, ``batching`` and ``cost_model`` (with the service's pure helpers ``dispatch``,
-``leases``, ``modes`` and ``service_config``) import neither asyncio nor ucxx, read no clock
-and touch no network, so the live service, the tests and the discrete-event simulator run
-exactly the same decisions (``core``, ``policy``, ``state`` and ``batching`` are compiled with
-mypyc for the simulator: ``sim.accel``). Importing ``services.scheduler`` pulls in no asyncio.
+``leases``, ``modes``, ``recovery``, ``stored_prefix`` and ``service_config``) import neither
+asyncio nor ucxx, read no clock and touch no network, so the live service, the tests and the
+discrete-event simulator run exactly the same decisions (``core``, ``policy``, ``state`` and
+``batching`` are compiled with mypyc for the simulator: ``sim.accel``). Importing
+``services.scheduler`` pulls in no asyncio.
 
 * ``core.Scheduler`` — inter-engine placement: DE two-phase placement, PE Algorithm 1, read side;
   the request flow and how a service or a simulator drives it are in ``core``'s docstring.
@@ -18,8 +19,10 @@ mypyc for the simulator: ``sim.accel``). Importing ``services.scheduler`` pulls 
 Service (asyncio), imported by name only: ``service.SchedulerService`` (the shell; its node
 channel handlers in ``node_channel``, per-request state in ``request_state``, held fetches in
 ``longpoll``, hit lookups in ``hit_lookup``); ``client`` (frontends) and ``node_client`` (node services) are the client
-modules other packages talk to it through; ``stub_nodes`` are stand-in group leaders for tests
-and tools.
+modules other packages talk to it through (``resubmit``: the client's stream that reconnects and
+resubmits across a scheduler restart); ``election`` — leader election, fencing epochs and
+leader discovery through etcd (``[etcd] endpoints``); ``stub_nodes`` are stand-in group
+leaders for tests and tools.
 """
 
 from .batching import BatchItem, ForwardBatch, PrefillBatcher, max_chunk, plan_batch

@@ -30,7 +30,9 @@ Synchronous (a thread-based frontend; the client runs its own event loop in a th
 
 Bad input raises a typed ``common.errors`` exception from the first event (InvalidArgument,
 AlreadyExists, Overloaded with ``retry_after_s``); outcomes of accepted requests arrive as
-events. Leaving the iteration early (``break``, ``aclose()``) cancels the request.
+events. Leaving the iteration early (``break``, ``aclose()``) cancels the request. A lost
+connection (the scheduler killed or restarted) is not an outcome: the stream reconnects and
+resubmits the request under the same id for up to ``resubmit_window_s`` (``resubmit``).
 Event order and every message: docs/frontend-api.md.
 """
 
@@ -38,7 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from common.config import RpcConfig
@@ -46,10 +49,13 @@ from common.errors import DualpathError, error_from_code
 from common.protocol import (CancelRequest, CancelRequestReply, ClusterStatus, FrontendReply,
                              GetClusterStatus, RequestEvent, RequestFailed, RequestFinished,
                              SubmitRequest)
-from common.rpc import RpcClient, RpcStream
+from common.rpc import RpcClient
+
+from .resubmit import ResubmittingStream
 
 STREAM_GRACE_S = 5.0          # the stream outlives the request's own deadline by this much
 DEFAULT_STREAM_TIMEOUT_S = 24 * 3600.0   # requests without a deadline
+DEFAULT_RESUBMIT_WINDOW_S = 60.0         # how long a lost request looks for a scheduler
 FINAL = (RequestFinished, RequestFailed)
 
 
@@ -64,11 +70,18 @@ class SchedulerClient:
 
     def __init__(self, host: str, port: int, *, rpc: RpcConfig | None = None,
                  client_id: str = "frontend", auth_secret: bytes | None = None,
-                 stream_timeout_s: float = DEFAULT_STREAM_TIMEOUT_S) -> None:
+                 stream_timeout_s: float = DEFAULT_STREAM_TIMEOUT_S,
+                 resubmit_window_s: float = DEFAULT_RESUBMIT_WINDOW_S,
+                 resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None) -> None:
+        # resolve: the leader's address before each connection (etcd: election.LeaderResolver)
         self._rpc = RpcClient(rpc or RpcConfig(), host, port, role="frontend", node_id=client_id,
                               reply_type=FrontendReply, event_type=RequestEvent,
-                              auth_secret=auth_secret)
+                              auth_secret=auth_secret, resolve=resolve)
+        self._resolve = resolve
         self._stream_timeout_s = stream_timeout_s
+        self._resubmit_window_s = resubmit_window_s     # 0: a lost connection fails the request
+        # "resubmits" (requests submitted again after a lost connection), "duplicate_finals"
+        self.stream_counts: Counter[str] = Counter()
 
     @property
     def address(self) -> str:
@@ -79,8 +92,12 @@ class SchedulerClient:
         await self._rpc.wait_connected(timeout)
 
     async def close(self) -> None:
-        """Close the connection; the scheduler cancels this client's unfinished requests."""
+        """Close the connection; the scheduler cancels this client's unfinished requests
+        (after ``scheduler_service.reattach_grace_s``)."""
         await self._rpc.close()
+        close = getattr(self._resolve, "close", None)
+        if close is not None:               # election.LeaderResolver holds an etcd client
+            await close()
 
     async def __aenter__(self) -> SchedulerClient:
         await self.connect()
@@ -91,7 +108,8 @@ class SchedulerClient:
 
     def submit(self, request_id: str, session_id: str, prompt_tokens: int, gen_tokens: int, *,
                block_keys: Sequence[str] = (), token_ids: Sequence[int] | None = None,
-               hit_tokens: int | None = None, deadline_s: float | None = None) -> RpcStream:
+               hit_tokens: int | None = None,
+               deadline_s: float | None = None) -> ResubmittingStream:
         """Submit one request; iterate the result for its RequestEvents (last: Finished/Failed).
 
         Give ``token_ids`` (the prompt) or ``block_keys`` (its full blocks' keys) so the
@@ -102,7 +120,12 @@ class SchedulerClient:
                             deadline_s)
         budget = (self._stream_timeout_s if deadline_s is None
                   else deadline_s + STREAM_GRACE_S)
-        return self._rpc.stream(msg, timeout=budget)
+        return ResubmittingStream(lambda left: self._rpc.stream(msg, timeout=left), request_id,
+                                  budget, self._resubmit_window_s, self.stream_counts)
+
+    @property
+    def resubmits(self) -> int:
+        return self.stream_counts["resubmits"]
 
     async def run(self, request_id: str, session_id: str, prompt_tokens: int, gen_tokens: int,
                   *, check: bool = False, **kw: Any) -> RequestFinished | RequestFailed:

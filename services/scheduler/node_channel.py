@@ -13,7 +13,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from common.errors import DualpathError, ErrorCode, InvalidArgument, NotFound
+import msgspec
+
+from common.errors import DualpathError, ErrorCode, InvalidArgument, NotFound, Unavailable
 from common.kv import ROOT_KEY, KVSpec, block_keys_from_tokens
 from common.protocol import (DecodeBinding, FetchWork, FetchWorkReply, Heartbeat,
                              HeartbeatReply, RegisterNode, RegisterNodeReply, ReportProgress,
@@ -27,6 +29,8 @@ from .hit_lookup import HitLookup
 from .leases import ROLES, LeaseTable, Registration, check_registration
 from .longpoll import WorkSignal, group_idle
 from .records import Assignment, DEBinding, EngineSpec, Role
+from .recovery import KeptResults
+from .stored_prefix import PromisedPrefixes
 from .request_state import RequestState, State
 from .service_config import SchedulerServiceConfig
 
@@ -55,6 +59,9 @@ class NodeChannel:
     _limits: Limits
     _closing: bool
     _stages: dict[str, StageHandler]
+    epoch: int
+    kept: KeptResults
+    promised: PromisedPrefixes
 
     if TYPE_CHECKING:   # the service's shared transitions
         @staticmethod
@@ -64,12 +71,20 @@ class NodeChannel:
         def _end(self, rs: RequestState, state: State,
                  event: RequestFailed | RequestFinished) -> None: ...
         def _set_state(self, rs: RequestState, state: State) -> None: ...
+        def _revoke(self, rs: RequestState, reason: str) -> None: ...
         def _close_attempt(self, rs: RequestState, outcome: str, hop: str, code: str,
                            message: str, read_bytes: int = 0) -> None: ...
 
     # ------------------------------------------------------------------ node channel
+    def _check_leading(self) -> None:
+        """A standby replica (epoch 0 until it wins the election) serves nobody."""
+        if not self.epoch:
+            raise Unavailable(f"scheduler {getattr(self, 'node_id', '')} is a standby, not the "
+                              f"leader: resolve the leader again (etcd)", retry_after_s=0.2)
+
     async def _on_register(self, msg: RegisterNode, ctx: CallContext) -> RegisterNodeReply:
         s = self.settings
+        self._check_leading()
         check_registration(msg, s.max_id_chars, s.max_engines_per_node)
         old = self.leases.classify(msg)
         now = self._now()
@@ -92,7 +107,7 @@ class NodeChannel:
     def _register_reply(self) -> RegisterNodeReply:
         s = self.settings
         return RegisterNodeReply(s.lease_s, s.heartbeat_s, s.fetch_interval_s,
-                                 self.kv.block_tokens, s.fetch_hold_s)
+                                 self.kv.block_tokens, s.fetch_hold_s, self.epoch)
 
     def _add_engines(self, msg: RegisterNode) -> None:
         added: list[str] = []
@@ -129,6 +144,7 @@ class NodeChannel:
         self._after_replan(list(requeued), failed, reason, ErrorCode.PEER_FAILED)
 
     async def _on_heartbeat(self, msg: Heartbeat, ctx: CallContext) -> HeartbeatReply:
+        self._check_leading()
         reg = self.leases.live(msg.node_id, msg.service, msg.epoch)
         self.leases.renew(reg, self._now())
         if msg.read_q_tokens is not None:
@@ -140,6 +156,7 @@ class NodeChannel:
     async def _on_fetch(self, msg: FetchWork, ctx: CallContext) -> FetchWorkReply:
         if msg.role not in ROLES:
             raise InvalidArgument(f"FetchWork.role {msg.role!r} must be one of {ROLES}")
+        self._check_leading()
         reg = self.leases.live_leader(msg.node_id, msg.role, msg.epoch)
         if msg.group_id and msg.group_id != reg.group_id:
             raise InvalidArgument(f"{msg.node_id} leads group {reg.group_id!r}, not "
@@ -151,7 +168,7 @@ class NodeChannel:
         again = box.resend(msg.ack_seq)
         if again is not None:
             self.counters["fetch_resends"] += 1
-            return again
+            return self._fenced(again)
         hold_until = now + min(msg.wait_s, self.settings.fetch_hold_s) \
             if msg.wait_s > 0 and group_idle(msg.engines) else now
         if ctx.deadline is not None:            # answer inside the caller's deadline
@@ -175,8 +192,12 @@ class NodeChannel:
                 break
             reg = self.leases.live_leader(msg.node_id, msg.role, msg.epoch)  # dropped meanwhile?
             box, now = self._outboxes[(msg.role, reg.group_id)], self._now()
-        return take_reply(box, self._reqs, self._limits, self._binding_msg, self._plan_msg,
-                          self._delivered, msg.ack_seq is not None)
+        return self._fenced(take_reply(box, self._reqs, self._limits, self._binding_msg,
+                                       self._plan_msg, self._delivered, msg.ack_seq is not None))
+
+    def _fenced(self, reply: FetchWorkReply) -> FetchWorkReply:
+        """Stamp the epoch: a node refuses plans from below the highest epoch it has seen."""
+        return msgspec.structs.replace(reply, scheduler_epoch=self.epoch)
 
     def _on_binding(self, b: DEBinding, box: Outbox) -> None:
         rs = self._reqs.get(b.request_id)
@@ -250,6 +271,9 @@ class NodeChannel:
             raise InvalidArgument(f"unknown stage {msg.stage[:40]!r}; one of {list(self._stages)}")
         if msg.tokens < 0:
             raise InvalidArgument(f"tokens={msg.tokens} must be >= 0")
+        self._check_leading()
+        if msg.scheduler_epoch not in (0, self.epoch):
+            return self._earlier_report(msg)
         rs = self._reqs.get(msg.request_id)
         if rs is None or rs.attempt != msg.attempt or not rs.in_core:
             self.counters["stale_reports"] += 1
@@ -265,6 +289,26 @@ class NodeChannel:
         self.work.kick()                    # capacity may have freed up (finished, failed)
         live = rs.attempt == msg.attempt and (not rs.terminal or rs.state is State.FINISHED)
         return ReportProgressReply(live, rs.state.value)
+
+    def _earlier_report(self, msg: ReportProgress) -> ReportProgressReply:
+        """A report of an attempt an earlier scheduler planned (redelivered after a restart).
+
+        Only a ``finished`` one is of use: it ends the live request it belongs to (whatever
+        attempt this scheduler runs for it is revoked) or waits in ``kept`` for the frontend's
+        resubmission. Anything else is stale: the node drops the attempt.
+        """
+        rs = self._reqs.get(msg.request_id)
+        if msg.stage != "finished" or msg.scheduler_epoch > self.epoch:
+            self.counters["stale_reports"] += 1
+            return ReportProgressReply(False, rs.state.value if rs is not None else "unknown")
+        if rs is not None and not rs.terminal:
+            self._finish_kept(rs, msg, "redelivered by its node")
+            return ReportProgressReply(True, State.FINISHED.value)
+        if rs is None and msg.request_id not in self._recent:
+            self.kept.put(msg, self._now())
+            self.counters["results_kept"] += 1
+            return ReportProgressReply(True, "kept")
+        return ReportProgressReply(False, self._recent.get(msg.request_id, "unknown"))
 
     def _st_allocated(self, rs: RequestState, msg: ReportProgress, now: float) -> None:
         if rs.t_allocated is None:
@@ -298,10 +342,26 @@ class NodeChannel:
         self.core.complete(rs.request_id)
         rs.in_core = False
         self._st_first(rs, msg, now)
-        self.hits.finished(rs.sub.session_id, _stored_keys(rs.sub, msg.output_token_ids,
-                                                           self.kv.block_tokens))
+        stored = _stored_keys(rs.sub, msg.output_token_ids, self.kv.block_tokens)
+        self.hits.finished(rs.sub.session_id, stored)
+        self.promised.finished(rs.sub.session_id, stored)
         self.counters["finished"] += 1
         self._end(rs, State.FINISHED, rs.finished_event(msg.tokens, now, msg.output_token_ids))
+
+    def _finish_kept(self, rs: RequestState, kept: ReportProgress, why: str) -> None:
+        """End ``rs`` with a result a node finished under an earlier scheduler (not redone)."""
+        if rs.in_core:
+            self.core.cancel(rs.request_id)
+            rs.in_core = False
+        self._revoke(rs, f"finished under an earlier scheduler ({why})")
+        self.counters["results_recovered"] += 1
+        stored = _stored_keys(rs.sub, kept.output_token_ids, self.kv.block_tokens)
+        self.hits.finished(rs.sub.session_id, stored)
+        self.promised.finished(rs.sub.session_id, stored)
+        self.log.info("result_recovered", request_id=rs.request_id, attempt=kept.attempt,
+                      node=kept.node_id, scheduler_epoch=kept.scheduler_epoch, why=why)
+        self._end(rs, State.FINISHED, rs.finished_event(kept.tokens, self._now(),
+                                                        kept.output_token_ids))
 
     def _st_failed(self, rs: RequestState, msg: ReportProgress, now: float) -> None:
         code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value

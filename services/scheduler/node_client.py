@@ -5,6 +5,14 @@ service does not have to: a fresh epoch per process, heartbeats at the interval 
 asks for, ``FetchWork`` with ``ack_seq`` (at-least-once delivery, duplicates dropped), and
 re-registration with a higher epoch when the scheduler says the lease is gone (the owner's
 ``on_lease_lost`` callback must then drop all in-flight work: the scheduler has re-planned it).
+When the new registration shows another scheduler incarnation (``scheduler_epoch``: the
+scheduler restarted), ``on_scheduler_changed(old_epoch)`` runs next, so the owner can
+redeliver the results of attempts that finished while no scheduler listened.
+
+Fencing (etcd mode, docs/cluster.md "etcd"): replies carry the scheduler's epoch; a register
+or fetch reply from an epoch below the highest this session has seen comes from a deposed
+leader — it is refused (``stale_replies``), the connection dropped, and the leader resolved
+again (``resolve``: the address is asked for before each connection attempt).
 
 A group leader's loop, in short::
 
@@ -27,13 +35,14 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
 
 from common.config import RpcConfig
-from common.errors import DualpathError, NotFound
+from common.errors import DualpathError, NotFound, Unavailable
+from common.faults import failpoint
 from common.protocol import (Stage, EngineInfo, EngineLoad, FetchWork, FetchWorkReply, Heartbeat,
                              NodeReply, RegisterNode, RegisterNodeReply, ReportProgress,
                              ReportProgressReply)
@@ -50,15 +59,23 @@ class NodeSession:
                  ucx: tuple[str, int] = ("", 0), engines: Sequence[EngineInfo] = (),
                  epoch: int | None = None, kv_fingerprint: str = "",
                  auth_secret: bytes | None = None,
-                 on_lease_lost: Callable[[], Any] | None = None) -> None:
+                 on_lease_lost: Callable[[], Any] | None = None,
+                 on_scheduler_changed: Callable[[int], Any] | None = None,
+                 resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None) -> None:
         self.node_id, self.service, self.role = node_id, service, role
         self.engines = list(engines)
         self.epoch = time.time_ns() if epoch is None else epoch
         self._control, self._ucx = control, ucx
         self._on_lease_lost = on_lease_lost
+        self._on_scheduler_changed = on_scheduler_changed
+        self.scheduler_epoch = 0                # RegisterNodeReply.scheduler_epoch, last seen
+        self._relogin = asyncio.Lock()          # heartbeat and fetch may both see NotFound
         self._rpc = RpcClient(rpc, host, port, role=service, node_id=node_id,
                               reply_type=NodeReply, kv_fingerprint=kv_fingerprint,
-                              auth_secret=auth_secret)
+                              auth_secret=auth_secret, resolve=resolve)
+        self._resolve = resolve
+        self.highest_epoch = 0                  # fencing: the highest scheduler epoch seen
+        self.stale_replies = 0
         self.lease_s = self.heartbeat_s = self.fetch_interval_s = self.fetch_wait_s = 0.0
         self.block_tokens = 0
         self._acked: int | None = None
@@ -76,10 +93,12 @@ class NodeSession:
     async def register(self) -> RegisterNodeReply:
         msg = RegisterNode(self.node_id, self.service, self.role, *self._control, *self._ucx,
                            self.engines, self.epoch)
-        reply: RegisterNodeReply = await self._rpc.call(msg)
+        reply: RegisterNodeReply = await self._call(msg)
+        await self._fence(reply.scheduler_epoch)
         self.lease_s, self.heartbeat_s = reply.lease_s, reply.heartbeat_s
         self.fetch_interval_s, self.block_tokens = reply.fetch_interval_s, reply.block_tokens
         self.fetch_wait_s = reply.fetch_wait_s      # long-poll bound (0: plain periodic pull)
+        self.scheduler_epoch = reply.scheduler_epoch
         if self._registered_epoch != self.epoch:    # a new incarnation starts a new outbox
             self._registered_epoch, self._acked = self.epoch, 0
         return reply
@@ -92,6 +111,7 @@ class NodeSession:
                 await self._heartbeats
             self._heartbeats = None
         await self._rpc.close()
+        await _close_resolver(self._resolve)
 
     async def __aenter__(self) -> NodeSession:
         await self.start()
@@ -102,7 +122,7 @@ class NodeSession:
 
     async def heartbeat(self) -> None:
         try:
-            await self._rpc.call(Heartbeat(self.node_id, self.service, self.epoch,
+            await self._call(Heartbeat(self.node_id, self.service, self.epoch,
                                            self.read_q_tokens), timeout=self.lease_s)
         except NotFound:
             await self._lease_lost()
@@ -122,13 +142,20 @@ class NodeSession:
 
     async def _lease_lost(self) -> None:
         """The scheduler forgot us: new epoch, register again, tell the owner to drop work."""
-        log.warning("lease_lost", node=self.node_id, node_service=self.service, epoch=self.epoch)
-        self.epoch = max(self.epoch + 1, time.time_ns())
-        if self._on_lease_lost is not None:
-            result = self._on_lease_lost()
-            if inspect.isawaitable(result):
-                await result
-        await self.register()
+        seen = self.epoch
+        async with self._relogin:
+            if self.epoch != seen:              # the other caller registered meanwhile
+                return
+            log.warning("lease_lost", node=self.node_id, node_service=self.service,
+                        epoch=self.epoch)
+            self.epoch = max(self.epoch + 1, time.time_ns())
+            await _maybe_await(self._on_lease_lost)
+            old = self.scheduler_epoch
+            await self.register()
+            if old != self.scheduler_epoch:
+                log.warning("scheduler_restarted", node=self.node_id, node_service=self.service,
+                            old_epoch=old, new_epoch=self.scheduler_epoch)
+                await _maybe_await(self._on_scheduler_changed, old)
 
     async def fetch(self, engines: Sequence[EngineLoad] = (), read_q_tokens: int | None = None,
                     group_id: str = "") -> FetchWorkReply:
@@ -136,10 +163,15 @@ class NodeSession:
         msg = FetchWork(self.node_id, group_id, self.role, self.epoch, list(engines),
                         read_q_tokens, self._acked, self.fetch_wait_s)
         try:
-            reply: FetchWorkReply = await self._rpc.call(msg)
+            reply: FetchWorkReply = await self._call(msg)
         except NotFound:
             await self._lease_lost()
             return FetchWorkReply(0, [], [], [], more=True)
+        try:
+            await self._fence(reply.scheduler_epoch)
+        except Unavailable as e:                # a deposed leader's plans: not run
+            log.warning("stale_epoch_refused", node=self.node_id, error=e.message)
+            return FetchWorkReply(0, [], [], [], more=False)
         if self._acked is not None and reply.seq <= self._acked:    # a resend we applied
             return FetchWorkReply(reply.seq, [], [], [], reply.more)
         self._acked = reply.seq
@@ -148,5 +180,36 @@ class NodeSession:
     async def report(self, request_id: str, attempt: int, stage: Stage,
                      **kw: Any) -> ReportProgressReply:
         """Report a stage of a request attempt (``tokens``, ``code``, ``message``, ...)."""
-        return await self._rpc.call(ReportProgress(request_id, attempt, stage,
-                                                   node_id=self.node_id, **kw))
+        return await self.send_report(ReportProgress(request_id, attempt, stage,
+                                                     node_id=self.node_id, **kw))
+
+    async def _call(self, msg: Any, timeout: float | None = None) -> Any:
+        failpoint("node.sched.call")    # chaos: a node cut off from the scheduler (faults)
+        return await self._rpc.call(msg, timeout)
+
+    async def _fence(self, epoch: int) -> None:
+        """Refuse a reply from below the highest scheduler epoch seen (a deposed leader)."""
+        if epoch and epoch < self.highest_epoch:
+            self.stale_replies += 1
+            await self._rpc.drop_connection()
+            raise Unavailable(f"scheduler epoch {epoch} is below {self.highest_epoch}, the "
+                              f"highest seen: a deposed leader — refused")
+        self.highest_epoch = max(self.highest_epoch, epoch)
+
+    async def send_report(self, msg: ReportProgress) -> ReportProgressReply:
+        """Send a report as built (a redelivered one keeps its ``scheduler_epoch``)."""
+        return await self._call(msg)
+
+
+async def _close_resolver(resolve: Any) -> None:
+    """A resolver that holds a connection (``election.LeaderResolver``) is closed with us."""
+    close = getattr(resolve, "close", None)
+    if close is not None:
+        await close()
+
+
+async def _maybe_await(callback: Callable[..., Any] | None, *args: Any) -> None:
+    if callback is not None:
+        result = callback(*args)
+        if inspect.isawaitable(result):
+            await result

@@ -26,6 +26,7 @@ import asyncio
 import enum
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -50,6 +51,9 @@ class State(enum.StrEnum):
 
 
 TERMINAL = frozenset((State.FINISHED, State.FAILED, State.CANCELLED))
+
+# Put in a superseded event queue (``RequestState.attach``): that stream ends, the request lives.
+SUPERSEDED: Any = object()
 
 
 class Submission(msgspec.Struct, frozen=True):
@@ -136,7 +140,8 @@ class RequestState:
     __slots__ = ("sub", "conn_id", "state", "hit_tokens", "attempt", "in_core", "events",
                  "t_submit", "t_placed", "t_dispatched", "t_allocated", "t_read", "t_first",
                  "t_second", "assignment", "de_engine", "de_node", "de_group", "pe_group",
-                 "deadline", "timer", "hbm_bytes", "attempts", "hit_lookup_failed")
+                 "deadline", "timer", "hbm_bytes", "attempts", "hit_lookup_failed",
+                 "detach_timer", "hit_shortfall_tokens")
 
     def __init__(self, sub: Submission, conn_id: int, now: float, deadline: float | None) -> None:
         self.sub = sub
@@ -144,6 +149,7 @@ class RequestState:
         self.state = State.QUEUED
         self.hit_tokens = 0
         self.hit_lookup_failed = False   # the storage lookup failed: hit taken as 0
+        self.hit_shortfall_tokens = 0    # stored by an earlier turn, not found (stored_prefix)
         self.hbm_bytes = 0
         self.attempt = 0
         self.in_core = False             # submitted to the core (after the hit lookup)
@@ -151,6 +157,7 @@ class RequestState:
         self.t_submit = now
         self.deadline = deadline         # loop time, or None
         self.timer: asyncio.TimerHandle | None = None
+        self.detach_timer: asyncio.TimerHandle | None = None   # frontend gone: cancel unless
         self.de_engine = self.de_node = None
         self.de_group: str | None = None  # DE group that got this attempt's binding
         self.pe_group: str | None = None  # PE group that got this attempt's plan
@@ -202,6 +209,27 @@ class RequestState:
         for i, rec in enumerate(self.attempts):
             if rec.attempt == attempt and read_bytes > rec.read_bytes:
                 self.attempts[i] = msgspec.structs.replace(rec, read_bytes=read_bytes)
+
+    def attach(self, conn_id: int) -> asyncio.Queue:
+        """A resubmission of this live request takes over its event stream.
+
+        Events not yet sent move to a fresh queue; the old stream finds ``SUPERSEDED`` in its
+        queue and ends without cancelling the request (docs/frontend-api.md, "Resubmitting").
+        """
+        old, self.events = self.events, asyncio.Queue()
+        while not old.empty():
+            self.events.put_nowait(old.get_nowait())
+        old.put_nowait(SUPERSEDED)
+        self.conn_id = conn_id
+        if self.detach_timer is not None:
+            self.detach_timer.cancel()
+            self.detach_timer = None
+        return self.events
+
+    def same_request(self, sub: Submission) -> bool:
+        """A resubmission is the same request when all but its deadline match."""
+        return msgspec.structs.replace(sub, deadline_s=None) == \
+            msgspec.structs.replace(self.sub, deadline_s=None)
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else max(self.deadline - now, 0.0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -54,8 +55,10 @@ from .leases import LeaseTable
 from .longpoll import WorkSignal
 from .node_channel import NodeChannel
 from .records import Phase, Request, Role
-from .request_state import (TERMINAL, RequestState, State, Submission, check_submit,
-                            usable_hit_blocks)
+from .recovery import KeptResults
+from .stored_prefix import PromisedPrefixes
+from .request_state import (SUPERSEDED, TERMINAL, RequestState, State, Submission,
+                            check_submit, usable_hit_blocks)
 
 log = structlog.get_logger(__name__)
 
@@ -67,7 +70,8 @@ COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded",
             "rejected_invalid", "rejected_overload", "registrations", "leases_expired",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
             "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
-            "attempts_failed")
+            "attempts_failed", "resubmits", "detached", "results_kept", "results_recovered",
+            "hit_shortfalls", "hit_shortfall_tokens")
 
 
 class SchedulerService(NodeChannel, Service):
@@ -77,7 +81,8 @@ class SchedulerService(NodeChannel, Service):
 
     def __init__(self, config: ServicesConfig | None = None, *, host: str | None = None,
                  port: int | None = None, hit_lookup: HitLookup | None = None,
-                 node_id: str = "scheduler", auth_secret: bytes | None = _UNSET) -> None:
+                 node_id: str = "scheduler", auth_secret: bytes | None = _UNSET,
+                 epoch: int | None = None) -> None:
         cfg = config if config is not None else ServicesConfig()
         self.settings = s = cfg.scheduler_service
         super().__init__(node_id, drain_timeout_s=s.drain_grace_s)
@@ -86,6 +91,12 @@ class SchedulerService(NodeChannel, Service):
         self.core = Scheduler(cfg.scheduler)
         self.hits: HitLookup = hit_lookup or SessionPrefixIndex(s.max_sessions)
         self.leases = LeaseTable(s.lease_s)
+        # This incarnation, told to nodes at registration: a node that sees it change knows
+        # the scheduler restarted and redelivers the results it kept (``recovery``). With
+        # etcd it is the election's fencing epoch, 0 (standby: every call refused) until won.
+        self.epoch = time.time_ns() if epoch is None else epoch
+        self.kept = KeptResults(s.kept_results, s.kept_result_s)
+        self.promised = PromisedPrefixes(s.max_sessions)    # what finished turns stored
         self._host = host or s.host or cfg.rpc.host
         self._port = s.port if port is None else port
         self._reqs: dict[str, RequestState] = {}
@@ -139,8 +150,9 @@ class SchedulerService(NodeChannel, Service):
         self._closing = True
         self.work.kick()
         for rs in list(self._reqs.values()):
-            self._end(rs, State.FAILED, rs.failed_event(
-                ErrorCode.UNAVAILABLE, "the scheduler is shutting down", True, STOP_RETRY_AFTER_S))
+            event = rs.failed_event(ErrorCode.UNAVAILABLE, "the scheduler is shutting down", True,
+                                    STOP_RETRY_AFTER_S)
+            self._end(rs, State.FAILED, msgspec.structs.replace(event, resubmit=True))
         await self._server.stop(grace_s=self.settings.drain_grace_s)
 
     async def _lease_loop(self) -> None:
@@ -161,29 +173,48 @@ class SchedulerService(NodeChannel, Service):
 
     # ------------------------------------------------------------------ frontend channel
     async def _on_submit(self, msg: SubmitRequest, ctx: CallContext):
-        rs = self._admit(msg, ctx)
+        rs, queue = self._admit(msg, ctx)
         try:
-            await self._enqueue(rs)
+            if queue is None:               # a new request (not a resubmission of a live one)
+                queue = rs.events
+                kept = self.kept.take(rs.request_id, self._now())
+                if kept is not None:
+                    self._finish_kept(rs, kept, "its frontend resubmitted it")
+                else:
+                    await self._enqueue(rs)
             while True:
-                event = await rs.events.get()
+                event = await queue.get()
+                if event is SUPERSEDED:     # a resubmission took the stream over: this one ends
+                    yield rs.failed_event(ErrorCode.ALREADY_EXISTS, "a resubmission of this "
+                                          "request took its event stream over", False)
+                    return
                 yield event
                 if isinstance(event, (RequestFinished, RequestFailed)):
                     return
         finally:
-            if not rs.terminal:     # the frontend left (cancel, disconnect, call deadline)
-                self._end(rs, State.CANCELLED, rs.failed_event(
-                    ErrorCode.CANCELLED, "the frontend closed the submit stream", False))
+            if not rs.terminal and rs.events is queue:
+                if ctx.conn.closed:         # the connection dropped: wait for a resubmission
+                    self._detach(rs, ctx.conn_id)
+                else:                       # the frontend left (cancel, call deadline)
+                    self._end(rs, State.CANCELLED, rs.failed_event(
+                        ErrorCode.CANCELLED, "the frontend closed the submit stream", False))
 
-    def _admit(self, msg: SubmitRequest, ctx: CallContext) -> RequestState:
-        """Checks that need no await; the request is registered (its id taken) on return."""
+    def _admit(self, msg: SubmitRequest,
+               ctx: CallContext) -> tuple[RequestState, asyncio.Queue | None]:
+        """Checks that need no await; the request is registered (its id taken) on return.
+
+        A resubmission of a live request (same id and content) returns it with the event queue
+        it now streams to; a new request returns None for the queue.
+        """
         s = self.settings
         if self._closing:
             raise Unavailable("the scheduler is shutting down", retry_after_s=STOP_RETRY_AFTER_S)
+        self._check_leading()
         try:
             sub = check_submit(msg, s, self.kv.block_tokens)
-            if sub.request_id in self._reqs:
-                raise AlreadyExists(f"request {sub.request_id!r} is already queued or running; "
-                                    f"request ids must be unique among live requests")
+            live = self._reqs.get(sub.request_id)
+            if live is not None:
+                return live, self._reattach(live, sub, ctx)
         except DualpathError:
             self.counters["rejected_invalid"] += 1
             raise
@@ -195,7 +226,42 @@ class SchedulerService(NodeChannel, Service):
                              f"{s.max_queued_requests}, max_active_requests="
                              f"{s.max_active_requests}); retry later",
                              retry_after_s=s.overload_retry_after_s)
-        return self._register_request(sub, ctx)
+        return self._register_request(sub, ctx), None
+
+    def _reattach(self, rs: RequestState, sub: Submission, ctx: CallContext) -> asyncio.Queue:
+        """A frontend resubmitted a live request (after reconnecting): it gets the stream."""
+        if not rs.same_request(sub):
+            raise AlreadyExists(f"request {sub.request_id!r} is already queued or running with "
+                                f"other content; request ids must be unique among live requests")
+        self.counters["resubmits"] += 1
+        self.log.info("request_resubmitted", request_id=rs.request_id, state=rs.state.value,
+                      attempt=rs.attempt, old_conn=rs.conn_id, conn=ctx.conn_id)
+        queue = rs.attach(ctx.conn_id)
+        # an event at once tells the frontend the request is held again (its wait is bounded)
+        queue.put_nowait(RequestQueued(rs.request_id, 0, rs.hit_tokens,
+                                       hit_lookup_failed=rs.hit_lookup_failed))
+        return queue
+
+    def _detach(self, rs: RequestState, conn_id: int) -> None:
+        """The frontend's connection dropped: cancel after ``reattach_grace_s`` unless it
+        resubmits the request (``_reattach``) before then."""
+        grace = self.settings.reattach_grace_s
+        if grace <= 0 or self._closing:
+            self._end(rs, State.CANCELLED, rs.failed_event(
+                ErrorCode.CANCELLED, "the frontend disconnected", False))
+            return
+        if rs.detach_timer is None:
+            self.counters["detached"] += 1
+            rs.detach_timer = asyncio.get_running_loop().call_later(
+                grace, self._detach_expired, rs, conn_id)
+
+    def _detach_expired(self, rs: RequestState, conn_id: int) -> None:
+        rs.detach_timer = None
+        if rs.terminal or rs.conn_id != conn_id or self._reqs.get(rs.request_id) is not rs:
+            return
+        self._end(rs, State.CANCELLED, rs.failed_event(
+            ErrorCode.CANCELLED, f"the frontend disconnected and did not resubmit within "
+            f"scheduler_service.reattach_grace_s={self.settings.reattach_grace_s}s", False))
 
     def _register_request(self, sub: Submission, ctx: CallContext) -> RequestState:
         loop = asyncio.get_running_loop()
@@ -220,6 +286,8 @@ class SchedulerService(NodeChannel, Service):
             blocks = await self._lookup(sub)
             rs.hit_lookup_failed = blocks is None
             hit = usable_hit_blocks(blocks or 0, len(sub.keys), sub.prompt_tokens, bt) * bt
+            if blocks is not None:
+                self._check_shortfall(rs, hit // bt)
         else:
             hit = 0
         if rs.terminal:             # cancelled or expired during the lookup
@@ -238,7 +306,22 @@ class SchedulerService(NodeChannel, Service):
         q = self.core.queue_lengths()
         position = q["global"] + q["private"] + q["pe"] - 1
         rs.events.put_nowait(RequestQueued(sub.request_id, position, hit,
-                                           hit_lookup_failed=rs.hit_lookup_failed))
+                                           hit_lookup_failed=rs.hit_lookup_failed,
+                                           hit_shortfall_tokens=rs.hit_shortfall_tokens))
+
+    def _check_shortfall(self, rs: RequestState, found_blocks: int) -> None:
+        """Count and log a hit shorter than what the session's last turn stored."""
+        sub, bt = rs.sub, self.kv.block_tokens
+        short = self.promised.shortfall(sub.session_id, sub.keys, found_blocks,
+                                        (sub.prompt_tokens - 1) // bt)
+        if not short:
+            return
+        rs.hit_shortfall_tokens = short * bt
+        self.counters["hit_shortfalls"] += 1
+        self.counters["hit_shortfall_tokens"] += short * bt
+        self.log.warning("hit_shorter_than_stored", request_id=sub.request_id,
+                         session_id=sub.session_id, found_blocks=found_blocks,
+                         missing_blocks=short, missing_tokens=short * bt)
 
     async def _lookup(self, sub: Submission) -> int | None:
         """Stored leading blocks; None when the lookup failed (the caller takes hit 0)."""
@@ -289,11 +372,11 @@ class SchedulerService(NodeChannel, Service):
 
     def _on_disconnect(self, conn: ServerConnection) -> None:
         gone = [rs for rs in self._reqs.values() if rs.conn_id == conn.conn_id]
-        for rs in gone:
-            self._end(rs, State.CANCELLED, rs.failed_event(
-                ErrorCode.CANCELLED, "the frontend disconnected", False))
+        for rs in gone:                 # normally their streams' ``finally`` did this already
+            self._detach(rs, conn.conn_id)
         if gone:
-            self.log.info("frontend_disconnected", conn_id=conn.conn_id, cancelled=len(gone))
+            self.log.info("frontend_disconnected", conn_id=conn.conn_id, detached=len(gone),
+                          grace_s=self.settings.reattach_grace_s)
 
     async def _on_status(self, msg: GetClusterStatus, ctx: CallContext) -> ClusterStatus:
         now = self._now()
@@ -308,7 +391,8 @@ class SchedulerService(NodeChannel, Service):
         by_state = {s.value: self._states[s] for s in State
                     if self._states[s] and s not in TERMINAL}   # ended ones: counters
         return ClusterStatus(self.core.config.policy, nodes, engines, read_q,
-                             self.core.queue_lengths(), by_state, dict(self.counters))
+                             self.core.queue_lengths(), by_state,
+                             {**self.counters, "epoch": self.epoch})   # fencing epoch
 
     async def _on_ping(self, msg: Ping, ctx: CallContext) -> Pong:
         return Pong(msg.payload)
@@ -396,7 +480,8 @@ class SchedulerService(NodeChannel, Service):
             outcome = "cancelled" if state is State.CANCELLED else "failed"
             self._close_attempt(rs, outcome, "scheduler", event.code, event.message)
         return msgspec.structs.replace(event, attempts=list(rs.attempts),
-                                       hit_lookup_failed=rs.hit_lookup_failed)
+                                       hit_lookup_failed=rs.hit_lookup_failed,
+                                       hit_shortfall_tokens=rs.hit_shortfall_tokens)
 
     def _revoke(self, rs: RequestState, reason: str) -> None:
         for role, group in ((Role.DECODE.value, rs.de_group), (Role.PREFILL.value, rs.pe_group)):

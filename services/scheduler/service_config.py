@@ -12,6 +12,17 @@ from common.config import (FiniteNonNegFloat, FinitePositiveFloat, NonNegFloat, 
                            PositiveInt, Section)
 
 
+class EtcdConfig(Section):
+    """``[etcd]``: with ``endpoints`` set, scheduler replicas elect a leader there and frontends
+    and nodes find it there (``services.scheduler.election``); empty: the static address."""
+
+    endpoints: list[str] = []                  # "host:port" of etcd members (client URLs)
+    prefix: str = "/dualpath"                  # key prefix: <prefix>/scheduler/leader
+    lease_s: PositiveInt = 2                   # leader lease (etcd TTLs are whole seconds)
+    poll_s: FinitePositiveFloat = 0.2          # a standby looks for a vacant leader key this often
+    dial_timeout_s: FinitePositiveFloat = 2.0  # one etcd call (then the next endpoint)
+
+
 class SchedulerServiceConfig(Section):
     """Port, leases, fetch interval and input bounds of the scheduler service."""
 
@@ -40,6 +51,10 @@ class SchedulerServiceConfig(Section):
     max_sessions: PositiveInt = 100_000                    # sessions remembered by the in-memory prefix index
     recent_requests: NonNegInt = 10_000                    # ended ids remembered (late cancels/reports answer)
     drain_grace_s: NonNegFloat = 2.0                       # stop: open calls get this long after requests fail
+    reattach_grace_s: FiniteNonNegFloat = 5.0              # a frontend whose connection dropped may resubmit
+                                                           # (same id) this long before its requests are cancelled
+    kept_results: PositiveInt = 10_000                     # results redelivered from an earlier scheduler
+    kept_result_s: FinitePositiveFloat = 120.0             # ... kept this long for their frontend's resubmit
 
     @property
     def fetch_hold_s(self) -> float:

@@ -63,7 +63,8 @@ DEADLINE_S = 30.0              # per submission
 LATE_S = 3.0                   # an answer this long after the deadline counts as hung
 FIRE_WITHIN_S = 45.0           # a failpoint the load never reaches in this long: not fired
 RECOVERY_COUNTERS = {"de_loader": ("handed_off",), "pe_receiver": ("attempts_ok",),
-                     "gateway": ("reads_ok", "writes_ok")}
+                     "gateway": ("reads_ok", "writes_ok"),
+                     "scheduler": ("finished",)}    # a restarted scheduler: first request done
 _StatsReply = Union[GetStatsReply, Pong, ErrorReply]
 
 
@@ -73,23 +74,33 @@ class Fault:
 
     case: str
     target: str
-    action: str                    # kill | stop
+    action: str                    # kill | stop | partition | latency (the last two: a point)
     point: str | None = None       # a failpoint (None: a signal from outside at after_s)
     at: int = 1                    # the failpoint's hit that fires
     after_s: float = 1.0           # outside signal: seconds into the load
-    pause_s: float = 3.5           # stop: SIGCONT this long after the pause (lease is 2 s)
+    pause_s: float = 3.5           # stop: SIGCONT this long after the pause (lease is 2 s);
+                                   # partition: its length; latency: how long the disk is slow
+    latency_s: float = 0.3         # latency: added to every hit of the point
     agents: int = 4
     turns: int = 4
 
     def __post_init__(self) -> None:
-        if self.action not in ("kill", "stop"):
-            raise ValueError(f"{self.case}: action must be kill or stop")
+        if self.action not in ("kill", "stop", "partition", "latency"):
+            raise ValueError(f"{self.case}: action must be kill, stop, partition or latency")
+        if self.action in ("partition", "latency") and self.point is None:
+            raise ValueError(f"{self.case}: {self.action} needs a failpoint")
         if self.point is not None and self.point not in FAILPOINTS:
             raise ValueError(f"{self.case}: unknown failpoint {self.point!r}")
 
     @property
     def where(self) -> str:
         return self.point or f"external@{self.after_s:g}s"
+
+    @property
+    def spec(self) -> str:
+        """The failpoint spec armed in the victim (common.faults)."""
+        arg = {"partition": f":{self.pause_s:g}", "latency": f":{self.latency_s:g}"}
+        return f"{self.point}={self.action}{arg.get(self.action, '')}@{self.at}"
 
 
 @dataclass
@@ -198,7 +209,8 @@ class ChaosLauncher(Launcher):
         return self._popen.get(name)
 
     def restart(self, name: str) -> Proc:
-        """Start ``name`` again (SIGKILL first if it still runs); gateways keep their port."""
+        """Start ``name`` again (SIGKILL first if it still runs); gateways and the scheduler
+        keep their port (nodes and frontends dial it: a restart at the same address)."""
         old = self.state.proc(name)
         if alive(old):
             os.kill(old.pid, signal.SIGKILL)
@@ -207,7 +219,7 @@ class ChaosLauncher(Launcher):
             p.wait(timeout=10)
         self.state.procs.remove(old)
         service, argv = self.argvs[name]
-        if service == "gateway" and "--port" not in argv:
+        if service in ("gateway", "scheduler") and "--port" not in argv:
             argv = argv + ["--port", str(old.rpc_port)]   # node services were given this port
         self._wave([(name, service, argv)])
         return self.state.proc(name)
@@ -290,6 +302,7 @@ class ChaosHarness:
         self.launcher = ChaosLauncher(self.cluster)
         self.echo = echo or (lambda msg: None)
         self._seed = 1000
+        self._nodes_before = 0
         from common.kv import spec_from_config
         self.block_tokens = spec_from_config(self.cluster.cfg.kv).block_tokens
 
@@ -365,7 +378,9 @@ class ChaosHarness:
         res = CaseResult(fault.case, fault.target, fault.where, fault.action)
         victim = self.launcher.state.proc(fault.target)
         res.old_epoch = await self.epoch(fault.target)
-        c0 = (await self.status()).counters
+        status0 = await self.status()
+        c0 = status0.counters
+        self._nodes_before = len(status0.nodes)
         log: list[Submission] = []
         drivers: list[asyncio.Task] = []
         stop_load = asyncio.Event()
@@ -373,7 +388,7 @@ class ChaosHarness:
         t_fault = None
         try:
             if fault.point is not None:
-                self.launcher.arm(fault.target, f"{fault.point}={fault.action}@{fault.at}")
+                self.launcher.arm(fault.target, fault.spec)
             t_fault = await self._inject(fault, victim)
             if t_fault is None:
                 res.outcome = "failpoint never fired"
@@ -381,6 +396,8 @@ class ChaosHarness:
             else:
                 res.fired, res.t_fault_s = True, t_fault - t0
                 t_back = await self._bring_back(fault, victim)
+                if victim.service == "scheduler":
+                    c0 = {}                 # a restarted scheduler counts from 0
                 await self._rejoined(fault.target, res)
                 res.recovery_s = await self._recovery(fault, t_back)
             stop_load.set()
@@ -420,10 +437,13 @@ class ChaosHarness:
             t = time.monotonic()
             await self._wait_state(victim, fault.action, 5.0)
             return t
-        want = "dead" if fault.action == "kill" else "stopped"
+        want = {"kill": "dead", "stop": "stopped"}.get(fault.action)
         limit = time.monotonic() + FIRE_WITHIN_S
         while time.monotonic() < limit:
-            if self._state(victim) == want:
+            if want is not None and self._state(victim) == want:
+                return time.monotonic()
+            if want is None and f"FAILPOINT {fault.point} {fault.action}" in \
+                    self.launcher.log_tail(fault.target, 400):    # it runs on: see its log
                 return time.monotonic()
             await asyncio.sleep(0.02)
         return None
@@ -457,6 +477,10 @@ class ChaosHarness:
 
     async def _bring_back(self, fault: Fault, victim: Proc) -> float:
         """Restart a killed victim / SIGCONT a paused one; returns when it was back."""
+        if fault.action in ("partition", "latency"):
+            await asyncio.sleep(fault.pause_s)      # a partition heals by itself
+            self.launcher.arm(fault.target, "")    # the disk is fast again
+            return time.monotonic()
         self.launcher.fp_file(fault.target).write_text("")
         if fault.action == "stop":
             await asyncio.sleep(fault.pause_s)
@@ -497,6 +521,11 @@ class ChaosHarness:
                 if st is not None and st.get("engine_api_engines_attached") == len(p.engines):
                     res.rejoined = True
                     return
+            elif p.service == "scheduler":    # back at its address, every node registered again
+                with contextlib.suppress(DualpathError, OSError):
+                    if len((await self.status()).nodes) >= self._nodes_before:
+                        res.rejoined = True
+                        return
             elif p.service == "gateway":
                 if self._state(p) == "running" and await self.stats(name) is not None:
                     res.rejoined = True

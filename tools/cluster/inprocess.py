@@ -135,7 +135,8 @@ async def attach_remote_engines(stack: contextlib.AsyncExitStack, svc: Any, cfg:
 
 async def lookup_scheduler(stack: contextlib.AsyncExitStack, cfg: Any,
                            gateways: Mapping[str, tuple[str, int]] | None, *,
-                           host: str | None = None, port: int | None = 0) -> tuple[Any, Any]:
+                           host: str | None = None, port: int | None = 0,
+                           **service: Any) -> tuple[Any, Any]:
     """A started scheduler and its hit lookup over ``gateways`` (name → RPC address, every
     gateway of the shared store: asked in turn, the next one when one fails); None or empty:
     the scheduler's per-session index, and None for the lookup."""
@@ -149,7 +150,7 @@ async def lookup_scheduler(stack: contextlib.AsyncExitStack, cfg: Any,
                    for name, (h, p) in gateways.items()}      # lookups only: no transport
         hit_lookup = GatewayHitLookup(clients, cfg.scheduler_service.hit_lookup_timeout_s)
         stack.push_async_callback(hit_lookup.close)
-    svc = SchedulerService(cfg, host=host, port=port, hit_lookup=hit_lookup)
+    svc = SchedulerService(cfg, host=host, port=port, hit_lookup=hit_lookup, **service)
     return await stack.enter_async_context(svc), hit_lookup
 
 

@@ -37,6 +37,7 @@ prefixes between requests). No gateway known: the scheduler's per-session index.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import sys
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 
 from common.config import build_config, env_overlay, read_toml
 from common.errors import ConfigError, DualpathError
@@ -53,6 +55,8 @@ from common.service import run_cli, serve_process
 from tools.config import DualpathConfig
 
 from .config import ROLE_SERVICE, Cluster, apply_mode, load_cluster, load_data, service_config
+
+log = structlog.get_logger(__name__)
 
 SERVICE_CHOICES = ("scheduler", "gateway", "pe_receiver", "de_loader", "node", "engine_sim")
 
@@ -203,9 +207,31 @@ class _Roles:
         from common.metrics import scheduler_stats
         from .inprocess import lookup_scheduler
         cfg = self.target.config("scheduler", None)
+        if cfg.etcd.endpoints:
+            return await self._elected_scheduler(stack, cfg)
         svc, _ = await lookup_scheduler(stack, cfg, self._lookup_gateways(),
                                         port=self.args.port)
         self.info.update(host=svc.host, rpc_port=svc.port)
+        self._source(stack, "scheduler", "scheduler", scheduler_stats(svc))
+        return svc
+
+    async def _elected_scheduler(self, stack: contextlib.AsyncExitStack, cfg: Any) -> Any:
+        """etcd mode: listen as a standby (refusing every call), campaign, serve once elected
+        with the election's fencing epoch; stop when the lease cannot be kept (a standby
+        takes over). Ready (the JSON line) only once elected: docs/cluster.md, "etcd"."""
+        from common.metrics import scheduler_stats
+        from services.scheduler.election import SchedulerElection
+        from .inprocess import lookup_scheduler
+        replica = self.args.node or f"scheduler-{os.getpid()}"
+        election = SchedulerElection(cfg.etcd, replica)
+        await election.check()          # etcd unreachable at start: exit 1 naming it
+        svc, _ = await lookup_scheduler(stack, cfg, self._lookup_gateways(),
+                                        port=self.args.port, epoch=0, node_id=replica)
+        stack.push_async_callback(election.resign)     # a clean stop hands over at once
+        svc.epoch = await election.win(svc.host, svc.port)
+        keeper = asyncio.create_task(_lead_until_lost(election, svc), name="scheduler-lease")
+        stack.callback(keeper.cancel)
+        self.info.update(host=svc.host, rpc_port=svc.port, epoch=svc.epoch, replica=replica)
         self._source(stack, "scheduler", "scheduler", scheduler_stats(svc))
         return svc
 
@@ -295,6 +321,14 @@ class _Roles:
         host = self.info.get("host") or self.target.cfg.rpc.host
         self.info["metrics_port"] = await ep.start(port, host)
         stack.push_async_callback(ep.stop)
+
+
+async def _lead_until_lost(election: Any, svc: Any) -> None:
+    """Keep the leader lease; when it is lost, step down (the process ends, exit status 1)."""
+    await election.keep()
+    log.error("scheduler_stepped_down", epoch=svc.epoch,
+              reason=f"leader lease not renewed for {election.cfg.lease_s}s")
+    await svc.stop()
 
 
 # --------------------------------------------------------------------------- entry

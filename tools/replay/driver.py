@@ -105,9 +105,12 @@ class Progress:
 class ClientPool:
     """Enough scheduler connections for ``streams`` concurrent submit streams."""
 
-    def __init__(self, host: str, port: int, streams: int, rpc: RpcConfig | None = None) -> None:
+    def __init__(self, host: str, port: int, streams: int, rpc: RpcConfig | None = None,
+                 resolve_factory: Any = None) -> None:
+        # resolve_factory() -> a leader resolver per client (etcd mode: election.LeaderResolver)
         n = max(1, -(-streams // STREAMS_PER_CLIENT))
-        self.clients = [SchedulerClient(host, port, rpc=rpc, client_id=f"replay-{i}")
+        self.clients = [SchedulerClient(host, port, rpc=rpc, client_id=f"replay-{i}",
+                                        resolve=resolve_factory() if resolve_factory else None)
                         for i in range(n)]
         self.sems = [asyncio.Semaphore(STREAMS_PER_CLIENT) for _ in self.clients]
         self._rr = itertools.count()

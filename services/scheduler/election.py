@@ -1,0 +1,218 @@
+"""Scheduler leader election and discovery through etcd (issue 16, item 1).
+
+With ``[etcd] endpoints`` set, two or more scheduler replicas run; one is the leader:
+
+* **Election.** A replica campaigns by creating ``<prefix>/scheduler/leader`` under an etcd
+  lease of ``etcd.lease_s`` seconds, in a transaction that succeeds only while the key does
+  not exist (``create_revision == 0``). The winner keeps the lease alive (every third of it);
+  the others poll the key and campaign again once it is gone — when the leader's lease ran out
+  (killed, partitioned) or it resigned (stopped). Takeover time ≤ lease + one poll.
+* **Fencing epoch.** The key's ``create_revision`` — etcd's cluster-wide revision, which only
+  grows — is the leader's epoch (``SchedulerService.epoch``). Every node-facing reply carries
+  it (``RegisterNodeReply``, ``FetchWorkReply``); a node refuses a reply whose epoch is below
+  the highest it has seen, so a deposed leader's plans are not run (``NodeSession``).
+* **Stepping down.** A leader that cannot renew its lease for ``lease_s`` (etcd lost, or
+  partitioned from it) stops serving: by then another replica may have won.
+* **Discovery.** The key's value is the leader's RPC address; frontends and nodes resolve it
+  before each connection attempt (:class:`LeaderResolver`, ``RpcClient(resolve=...)``).
+
+etcd itself is the one Debian packages (``etcd-server`` 3.4, ``make etcd``), reached with the
+``aetcd`` asyncio client; no consensus of our own. Keys and timings: docs/cluster.md ("etcd").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from common.errors import Unavailable
+
+from .service_config import EtcdConfig
+
+log = structlog.get_logger(__name__)
+
+
+def leader_key(cfg: EtcdConfig) -> bytes:
+    return f"{cfg.prefix.rstrip('/')}/scheduler/leader".encode()
+
+
+class EtcdEndpoints:
+    """An ``aetcd`` client on the first reachable endpoint; the next one after a failure."""
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float) -> None:
+        if not endpoints:
+            raise ValueError("etcd.endpoints is empty")
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self._i = 0
+        self._client: Any = None
+
+    @property
+    def current(self) -> str:
+        return self.endpoints[self._i % len(self.endpoints)]
+
+    async def client(self, timeout_s: float | None = None) -> Any:
+        """A connected client; Unavailable naming every endpoint when none answers."""
+        if self._client is not None:
+            return self._client
+        import aetcd
+        errors = []
+        wait = timeout_s or self.timeout_s
+        for _ in range(len(self.endpoints)):
+            host, _, port = self.current.rpartition(":")
+            c = aetcd.Client(host=host or "127.0.0.1", port=int(port),
+                             timeout=max(1, round(self.timeout_s)))
+            try:
+                async with asyncio.timeout(wait):
+                    await c.connect()
+                    await c.status()            # connect() is lazy: prove the member answers
+                self._client = c
+                return c
+            except Exception as e:              # grpc/aetcd errors, timeouts: try the next
+                errors.append(f"{self.current}: {type(e).__name__}")
+                with contextlib.suppress(Exception):
+                    await c.close()
+                self._i += 1
+        raise Unavailable(f"etcd unreachable at {', '.join(self.endpoints)} ({'; '.join(errors)})"
+                          f" — check [etcd] endpoints and that etcd runs")
+
+    async def failed(self) -> None:
+        """The current member misbehaved: drop the client, the next call tries the next."""
+        c, self._client = self._client, None
+        self._i += 1
+        if c is not None:
+            with contextlib.suppress(Exception):
+                await c.close()
+
+    async def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
+        """``fn(client)`` on a reachable member; after a failure (a dead member hangs rather
+        than refuses: gRPC waits out the timeout) the next member, each member once.
+        ``timeout_s``: per member (default ``dial_timeout_s``)."""
+        wait = timeout_s or self.timeout_s
+        last: Exception | None = None
+        for _ in range(len(self.endpoints)):
+            try:
+                c = await self.client(wait)
+                async with asyncio.timeout(wait):
+                    return await fn(c)
+            except Unavailable as e:           # no member answered at all
+                raise e from None
+            except Exception as e:
+                last = e
+                await self.failed()
+        raise Unavailable(f"etcd call failed on every member of {', '.join(self.endpoints)}: "
+                          f"{type(last).__name__}: {last}") from None
+
+    async def close(self) -> None:
+        await self.failed()
+
+
+class SchedulerElection:
+    """One replica's campaign: ``await win(address)`` returns the epoch once it leads."""
+
+    def __init__(self, cfg: EtcdConfig, node_id: str) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.etcd = EtcdEndpoints(cfg.endpoints, cfg.dial_timeout_s)
+        self.key = leader_key(cfg)
+        self.epoch = 0
+        self._lease: Any = None
+        self._value = b""
+
+    async def check(self) -> None:
+        """Fail at start (Unavailable naming the endpoints) when etcd cannot be reached."""
+        await self.etcd.client()
+
+    async def win(self, host: str, port: int) -> int:
+        """Campaign until this replica leads; its epoch (the key's create revision)."""
+        self._value = json.dumps({"host": host, "port": port, "node_id": self.node_id,
+                                  "started": time.time()}).encode()
+        while True:
+            try:
+                epoch = await self._campaign()
+            except Unavailable as e:
+                log.warning("election_etcd_unreachable", error=e.message)
+                epoch = None
+            if epoch is not None:
+                self.epoch = epoch
+                log.warning("scheduler_elected", node_id=self.node_id, epoch=epoch,
+                            endpoint=self.etcd.current)
+                return epoch
+            await asyncio.sleep(self.cfg.poll_s)
+
+    async def _campaign(self) -> int | None:
+        lease = await self.etcd.call(lambda c: c.lease(self.cfg.lease_s))
+        key, value = self.key, self._value
+
+        async def txn(c: Any) -> bool:
+            t = c.transactions
+            ok, _ = await c.transaction(compare=[t.create(key) == 0],
+                                        success=[t.put(key, value, lease)], failure=[])
+            return ok
+        if not await self.etcd.call(txn):
+            with contextlib.suppress(Unavailable):
+                await self.etcd.call(lambda c: c.revoke_lease(lease.id))
+            return None
+        self._lease = lease
+        got = await self.etcd.call(lambda c: c.get(key))
+        if got is None or got.value != value:
+            return None                     # lost between the two calls: campaign again
+        return int(got.create_revision)
+
+    async def keep(self) -> None:
+        """Renew the lease every third of it; return when it could not be renewed for a whole
+        lease (the caller steps down: another replica may lead by now).
+
+        Each try gives a member a quarter of the lease, then goes on to the next member (a
+        3-member etcd that lost one still renews well inside the lease), and a failed round
+        is retried at once, not a third of a lease later."""
+        last_ok = time.monotonic()
+        lease, renewed = self._lease, True
+        per_member = self.cfg.lease_s / 4
+        while True:
+            await asyncio.sleep(self.cfg.lease_s / 3 if renewed else 0.05)
+            try:
+                reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id), per_member)
+                if reply is None or reply.TTL <= 0:
+                    log.error("leader_lease_gone", node_id=self.node_id, epoch=self.epoch)
+                    return
+                last_ok, renewed = time.monotonic(), True
+            except Unavailable as e:
+                renewed = False
+                log.warning("leader_lease_renewal_failed", node_id=self.node_id,
+                            error=e.message)
+                if time.monotonic() - last_ok >= self.cfg.lease_s:
+                    return
+
+    async def resign(self) -> None:
+        """Give leadership up at once (a clean stop): the standby need not wait the lease."""
+        if self._lease is not None:
+            with contextlib.suppress(Unavailable):
+                await self.etcd.call(lambda c: c.revoke_lease(self._lease.id))
+            self._lease = None
+        await self.etcd.close()
+
+
+class LeaderResolver:
+    """``await resolver()`` → the current leader's (host, port), read from etcd."""
+
+    def __init__(self, cfg: EtcdConfig) -> None:
+        self.etcd = EtcdEndpoints(cfg.endpoints, cfg.dial_timeout_s)
+        self.key = leader_key(cfg)
+
+    async def __call__(self) -> tuple[str, int]:
+        got = await self.etcd.call(lambda c: c.get(self.key))
+        if got is None:
+            raise Unavailable(f"no scheduler leader in etcd ({self.key.decode()}): an "
+                              f"election is under way, or no replica runs")
+        info = json.loads(got.value)
+        return str(info["host"]), int(info["port"])
+
+    async def close(self) -> None:
+        await self.etcd.close()

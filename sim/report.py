@@ -65,6 +65,9 @@ def results(cl: Cluster) -> dict:
                 "flows": cl.net.started, "resolves": cl.net.resolves, "widened": cl.net.widened,
                 "peak_rss_mb": peak_rss_mb(), "compiled": accel.active(), "build": accel.status()},
     }
+    stats = getattr(cl.workload, "stats", None)
+    if stats is not None:            # trace sessions: context policy counts (sim.traces)
+        out["trace"] = stats()
     if cl.online:
         ttft_ss, tpot_ss = cl.ttft_ss.summary(), cl.tpot_ss.summary()
         quarters = [q[0] / q[1] if q[1] else None for q in cl.quarters]

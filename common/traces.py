@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -38,10 +39,25 @@ MOONCAKE_BLOCK_TOKENS = 512        # traces/README.md: one hash id per 512-token
 FORMATS = ("agentic", "mooncake")
 
 
+SHARED_ENV = "DUALPATH_SHARED_DIR"
+
+
+def shared_dir() -> Path:
+    """The shared data folder: ``$DUALPATH_SHARED_DIR``, else ``../shared`` beside the repo root
+    (where CI puts it, read-only)."""
+    env = os.environ.get(SHARED_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def shared_agentic_dir() -> Path:
+    """The 71 real agentic conversations (``shared/traces/agentic``); may not exist."""
+    return shared_dir() / "traces" / "agentic"
+
+
 class TraceError(InvalidArgument):
     """A trace that cannot be used as it is: names the file and, where known, the request."""
 
-    def __init__(self, path: str | Path, message: str, index: int | None = None) -> None:
+    def __init__(self, path: str | Path, message: str, index: int | str | None = None) -> None:
         where = f"{path}: request {index}: " if index is not None else f"{path}: "
         super().__init__(where + message)
         self.path = str(path)
@@ -51,7 +67,7 @@ class TraceError(InvalidArgument):
 class Turn(msgspec.Struct, frozen=True):
     """One request of a session: its arrival offset, pause, sizes and prefix hashes."""
 
-    index: int                      # position in the source (request index, for errors/records)
+    index: int                      # position in its requests list (a sub-agent's: in its own)
     t_s: float                      # offset from the session's start in the trace (seconds)
     think_s: float                  # the client's pause before this request (seconds)
     prompt_tokens: int
@@ -174,25 +190,25 @@ def load_conversation(path: Path) -> Session:
                                f"{AGENTIC_BLOCK_TOKENS}-token block)")
     sid = str(doc.get("id") or path.stem)
     checker = PrefixChecker(path)
-    return _session(path, sid, sid, doc["requests"], checker, [0])
+    return _session(path, sid, sid, doc["requests"], checker, "")
 
 
 def _session(path: Path, sid: str, scope: str, reqs: list, checker: PrefixChecker,
-             counter: list[int]) -> Session:
+             where: str) -> Session:
+    """``where``: the parent's request index path (``"4 > "`` inside the sub-agent at 4)."""
     turns: list[Turn] = []
     subs: list[Subagent] = []
     last_t = 0.0
-    for r in reqs:
-        idx = counter[0]
-        counter[0] += 1
+    for i, r in enumerate(reqs):
+        idx = f"{where}{i}"
         if isinstance(r, dict) and r.get("type") == "subagent":
             inner = r.get("requests")
             if not isinstance(inner, list) or not inner:
                 raise TraceError(path, "sub-agent entry without a 'requests' list", idx)
-            child = _session(path, f"{sid}/sub{len(subs)}", scope, inner, checker, counter)
+            child = _session(path, f"{sid}/sub{len(subs)}", scope, inner, checker, f"{idx} > ")
             subs.append(Subagent(len(turns), child))
             continue
-        turn = agentic_turn(path, idx, r, checker)
+        turn = agentic_turn(path, i, r, checker, idx)
         if turn.t_s < last_t:
             raise TraceError(path, f"time t={turn.t_s} goes back (previous request at t={last_t})", idx)
         last_t = turn.t_s
@@ -200,7 +216,7 @@ def _session(path: Path, sid: str, scope: str, reqs: list, checker: PrefixChecke
     return Session(sid, scope, str(path), 0.0, tuple(turns), tuple(subs))
 
 
-def agentic_turn(path: Path, idx: int, r: Any, checker: PrefixChecker) -> Turn:
+def agentic_turn(path: Path, i: int, r: Any, checker: PrefixChecker, idx: str) -> Turn:
     if not isinstance(r, dict):
         raise TraceError(path, "a request must be a JSON object", idx)
     prompt = _count(path, idx, r, "in")
@@ -208,7 +224,7 @@ def agentic_turn(path: Path, idx: int, r: Any, checker: PrefixChecker) -> Turn:
     t = _time(path, idx, r, "t", required=True)
     think = _time(path, idx, r, "think_time", required=False)
     ids = checker.check(idx, r.get("hash_ids"), prompt, AGENTIC_BLOCK_TOKENS)
-    return Turn(idx, t, think, prompt, gen, ids)
+    return Turn(i, t, think, prompt, gen, ids)
 
 
 def load_mooncake(path: Path) -> Workload:
@@ -243,14 +259,14 @@ def load_mooncake(path: Path) -> Workload:
     return Workload(path.name, "mooncake", MOONCAKE_BLOCK_TOKENS, tuple(sessions))
 
 
-def _count(path: Path, idx: int, r: dict, key: str) -> int:
+def _count(path: Path, idx: int | str, r: dict, key: str) -> int:
     v = r.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise TraceError(path, f"{key!r} must be a non-negative integer, got {v!r}", idx)
     return v
 
 
-def _time(path: Path, idx: int, r: dict, key: str, *, required: bool) -> float:
+def _time(path: Path, idx: int | str, r: dict, key: str, *, required: bool) -> float:
     v = r.get(key)
     if v is None and not required:
         return 0.0
@@ -267,7 +283,7 @@ class PrefixChecker:
         self.path = path
         self.seen: dict[int, tuple[int, int]] = {}
 
-    def check(self, idx: int, ids: Any, prompt: int, block: int) -> tuple[int, ...]:
+    def check(self, idx: int | str, ids: Any, prompt: int, block: int) -> tuple[int, ...]:
         if not isinstance(ids, list):
             raise TraceError(self.path, "missing 'hash_ids' (a list of block hashes)", idx)
         lo, hi = prompt // block, -(-prompt // block)

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "sim": "bench.sim_bench",
     "chaos": "bench.chaos_bench",
     "overload": "bench.overload_bench",
+    "plan": "bench.plan_bench",
 }
 
 COMMANDS: dict[str, str] = {
@@ -31,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "sim.cli",
     "check-config": "sim.check",
     "sim-accel": "sim.accel",
+    "plan": "sim.plan_cli",
 }
 
 SERVE_ALIASES = ("scheduler", "gateway", "pe_receiver", "de_loader")  # dualpath serve <alias>

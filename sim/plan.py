@@ -106,22 +106,32 @@ def evaluate(base: SimConfig, P: int, D: int, mode: str, wl: PlanWorkload, slo: 
     else:
         r = simulate(cfg, mode, wl.dataset, wl.agents, online=online, aps=wl.aps,
                      turns_scale=wl.turns_scale, cluster_out=clusters)
-    att = slo.attained(clusters[0])
+    cl = clusters[0]
+    att = slo.attained(cl)
     ratio = slo.worst_ratio(att)
     g = base.hardware.gpus_per_node
     return {"mode": mode, "P": P, "D": D, "shape": f"{P}P{D}D", "gpus": (P + D) * g, "met": ratio <= 1.0,
             "worst_ratio": ratio, "attained": att, "jct_s": r["jct_s"], "requests": r["requests"],
             "ttft_mean_s": r["latency"]["ttft"]["mean"], "tpot_mean_s": r["latency"]["tpot"]["mean"],
-            "binding": binding(r), "sim_wall_s": r["sim"]["wall_s"], "trace": r.get("trace")}
+            "binding": binding(r, cl, P if mode == "basic" else P + D), "sim_wall_s": r["sim"]["wall_s"],
+            "trace": r.get("trace")}
 
 
-def binding(r: dict) -> dict[str, Any]:
-    """The busiest resource of a run: the link class with the highest per-link mean utilisation
-    (storage NIC read, CNIC, DRAM) or the PE compute share (Σ step time ÷ units × time)."""
-    loads = {name: v["max_util"] for name, v in r["links"].items()}
-    loads["pe_compute"] = r.get("pe_compute_util", 0.0)
-    name = max(loads, key=lambda k: loads[k])
-    return {"resource": name, "util": loads[name], "all": loads}
+# what each part of the TTFT breakdown waits on (sim.cluster's request flow)
+_WAITS = {"de_wait": "DE admission (HBM, decode batch)", "pe_wait": "PE admission (prefill queue)",
+          "read": "storage read (SNIC, read queue)", "prefill": "prefill compute"}
+
+
+def binding(r: dict, cl: Any, read_nodes: int) -> dict[str, Any]:
+    """What binds a shape: the largest part of its mean TTFT, with the storage links' load
+    (p95 over time windows of the mean utilisation of the nodes the mode reads on — basic: the
+    PE nodes only) and the PE compute share (Σ step time ÷ units × run time) beside it."""
+    parts = r["ttft_breakdown_mean_s"]
+    worst = max(parts, key=lambda k: parts[k])
+    per_window = sorted(sum(w[:read_nodes]) / read_nodes for w in cl.windows.utilisation())
+    snic_p95 = per_window[int(0.95 * (len(per_window) - 1))] if per_window else 0.0
+    return {"resource": _WAITS[worst], "ttft_part_s": parts[worst], "ttft_parts_s": parts,
+            "snic_read_p95_util": snic_p95, "pe_compute_util": r.get("pe_compute_util", 0.0)}
 
 
 def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] = ("basic", "dualpath"),

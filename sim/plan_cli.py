@@ -156,19 +156,20 @@ def _attained(row: dict, slo: dict) -> str:
 def render(p: dict, file=None) -> None:
     f = file or sys.stdout
     print(f"\nSLO: {p['slo']['text']}   workload: {p['workload']}", file=f)
-    print(f"{'mode':9s} {'shape':>8s} {'GPUs':>5s} {'SLO':>7s} {'attained':>28s} {'binding resource':>24s} "
-          f"{'eq. (9)':>8s} {'tried':>5s}", file=f)
+    print(f"{'mode':9s} {'shape':>8s} {'GPUs':>5s} {'SLO':>7s} {'attained':>28s} "
+          f"{'binding resource (mean TTFT part)':>44s} {'eq. (9)':>8s} {'tried':>5s}", file=f)
     for mode, m in p["modes"].items():
         c = m["chosen"]
         b = c["binding"]
-        bind = f"{b['resource']} {b['util']:.0%}"
+        bind = f"{b['resource']} ({b['ttft_part_s']:.2f} s)"
         print(f"{mode:9s} {c['shape']:>8s} {c['gpus']:5d} {'met' if m['met'] else 'MISSED':>7s} "
-              f"{_attained(c, p['slo']):>28s} {bind:>24s} "
+              f"{_attained(c, p['slo']):>28s} {bind:>44s} "
               f"{'inside' if m['eq9']['inside'] else 'outside':>8s} {len(m['evaluated']):5d}", file=f)
         if not m["met"]:
             print(f"  {mode}: no shape up to {max(x['gpus'] for x in m['evaluated'])} GPUs meets the SLO; "
                   f"closest is {c['shape']} (worst metric at {c['worst_ratio']:.2f}x its target)", file=f)
-        print(f"  eq. (9) at {c['shape']}: {m['eq9']['summary']}", file=f)
+        print(f"  storage read links p95 {b['snic_read_p95_util']:.0%} busy, PE compute "
+              f"{b['pe_compute_util']:.0%}; eq. (9) at {c['shape']}: {m['eq9']['summary']}", file=f)
     s = p["saving"]
     if s["ratio"] is not None:
         print(f"GPU saving (basic ÷ dualpath): {'≥ ' if s['lower_bound'] else ''}{s['ratio']:.2f}x   "

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_trace_stats(t: dict, file=None) -> None:
-    print(f"  trace: {t['sessions']} sessions x{t['repeat']} ({t['agents_with_subagents']} with sub-agents), "
+    print(f"  trace: {t['sessions']} sessions x{t['repeat']} "
+          f"({t['agents_with_subagents']} agents with sub-agents), "
           f"{t['turns_per_copy']} turns per copy; context > {t['max_context']}: {t['compacted_turns']} "
           f"compacted, {t['dropped_turns']} dropped ({t['policy']}); hit share {t['hit_share']:.1%}; "
           f"think x{t['think_scale']:g}", file=file or sys.stdout)

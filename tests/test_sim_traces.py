@@ -103,3 +103,27 @@ def test_turns_above_the_maximum_context_follow_the_policy(tmp_path, policy):
     r = Cluster(_cfg(), "dualpath", sw).run()
     assert r["requests"] == 3 * (st["turns_per_copy"] - st["dropped_turns"])
     assert r["trace"] == st
+
+
+def test_simulate_command_on_a_trace_and_on_a_bad_one(tmp_path, capsys):
+    from sim.cli import main
+    d = write_agentic(tmp_path / "c", n_files=2)
+    out = tmp_path / "r.json"
+    assert main(["--trace", str(d), "--mode", "basic,dualpath", "--repeat", "2", "--no-png",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "trace: 2 sessions x2 (8 agents with sub-agents), 12 turns per copy" in text and "speedup" in text
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1}\n')
+    assert main(["--trace", str(bad), "--no-png"]) == 2
+    assert "bad.jsonl: request 0: missing 'hash_ids'" in capsys.readouterr().err
+
+
+def test_the_shared_agentic_traces_simulate():
+    from common.traces import shared_agentic_dir
+    from tests.trace_files import need_shared
+    need_shared(shared_agentic_dir())
+    w = load_workload(shared_agentic_dir()).subset(6)
+    r = simulate_trace(None, "dualpath", w)
+    assert r["requests"] == sum(len(s.turns) for s in w.sessions) and r["agents_done"] == 6
+    assert r["trace"]["hit_share"] > 0.85 and r["read_bytes"]["de_path"] > 0

@@ -10,7 +10,7 @@ import pytest
 from common.traces import (TraceError, Workload, block_keys, cluster_hit, dump_conversation,
                            dump_mooncake, load_workload, prefix_hit_blocks, scope_hits,
                            shared_agentic_dir)
-from tests.trace_files import conversation, write_agentic, write_mooncake
+from tests.trace_files import conversation, need_shared, write_agentic, write_mooncake
 
 SHARED = shared_agentic_dir()
 
@@ -132,8 +132,8 @@ def test_bad_input_names_the_file_and_the_request(tmp_path):
         load_workload(tmp_path / "empty")
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared agentic traces not present at {SHARED}")
 def test_the_shared_agentic_traces_load_with_their_published_numbers():
+    need_shared(SHARED)
     w = load_workload(SHARED)
     assert isinstance(w, Workload) and len(w.sessions) == 71 and w.requests() == 3878
     hit = tot = 0

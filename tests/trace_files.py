@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import pytest
+
+
+def need_shared(path: Path) -> None:
+    """Skip (loudly) when the shared data is absent; under CI=true, where ../shared is always
+    mounted beside the clone, fail instead: a green CI means the real traces were read."""
+    if path.exists():
+        return
+    reason = f"shared trace data not present at {path} (set DUALPATH_SHARED_DIR)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason + " — required under CI=true")
+    pytest.skip(reason)
 
 
 def conversation(n_turns: int = 4, *, first: int = 300, append: int = 130, gen: int = 20,

@@ -103,19 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.online and not args.aps:
             raise ValueError("--online needs --aps")
         trace = load_trace(args) if args.trace else None
-    except InvalidArgument as e:
-        print(f"simulate: {e.message}", file=sys.stderr)
-        return 2
-    except (ConfigError, ValueError) as e:
-        print(f"simulate: {e}", file=sys.stderr)
-        return 2
+    except (InvalidArgument, ConfigError, ValueError) as e:
+        return input_error("simulate", e)
     runs, clusters = {}, []
     for m in modes:
         try:
             runs[m] = run_one(cfg, m, args, trace, clusters)
         except InvalidArgument as e:
-            print(f"simulate: {e.message}", file=sys.stderr)
-            return 2
+            return input_error("simulate", e)
         if not args.quiet:
             print_summary(runs[m])
             if "trace" in runs[m]:
@@ -134,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         msg = plot_runs(clusters, runs, args.png or out.with_suffix(".png"))
         print(msg)
     return 0
+
+
+def input_error(prog: str, e: Exception) -> int:
+    """Print a bad-input error (a typed error's message, which names the file) and return 2."""
+    print(f"{prog}: {getattr(e, 'message', None) or e}", file=sys.stderr)
+    return 2
 
 
 def print_trace_stats(t: dict, file=None) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common.errors import ConfigError, InvalidArgument
 
-from .cli import add_trace_args, load_trace
+from .cli import add_trace_args, input_error, load_trace
 from .config import load, replace
 from .plan import QUICK_RATIOS, RATIOS, SLO, PlanWorkload, plan
 
@@ -100,12 +100,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         with _progress(not args.no_progress) as step:
             result = plan(cfg, wl, slo, modes=modes, ratios=ratios, max_gpus=args.max_gpus, on_step=step)
-    except InvalidArgument as e:
-        print(f"plan: {e.message}", file=sys.stderr)
-        return 2
-    except (ConfigError, ValueError) as e:
-        print(f"plan: {e}", file=sys.stderr)
-        return 2
+    except (InvalidArgument, ConfigError, ValueError) as e:
+        return input_error("plan", e)
     render(result)
     out = args.out or Path("results/plan") / f"{Path(args.config).stem}-{'online' if slo.online else 'offline'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

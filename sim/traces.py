@@ -74,17 +74,19 @@ class SessionWorkload:
         self.plans: list[Plan] = []
         self.roots: list[int] = []
         self._pos: dict[tuple[str, int], int] = {}   # (sid, trace turn) -> position in its plan
+        # one pass over every session in file order: a scope may span sessions (Mooncake's
+        # one-request sessions share the file's scope)
+        hits = scope_hits(w.all_sessions(), w.block_tokens)
         for top in w.sessions:
-            self.roots.append(self._plan_tree(top, w.block_tokens))
+            self.roots.append(self._plan_tree(top, hits))
         self.per_copy = len(self.plans)
         self.n_roots = len(self.roots) * repeat
         self.n_agents = self.per_copy * repeat
         self._next_aid = self.n_roots
 
     # ------------------------------------------------------------------ building plans
-    def _plan_tree(self, top: Session, trace_block: int) -> int:
+    def _plan_tree(self, top: Session, hits: dict[tuple[str, int], int]) -> int:
         sessions = list(top.walk())
-        hits = scope_hits(sessions, trace_block)
         index = {}
         for s in sessions:
             index[s.sid] = len(self.plans)

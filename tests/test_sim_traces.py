@@ -127,3 +127,14 @@ def test_the_shared_agentic_traces_simulate():
     r = simulate_trace(None, "dualpath", w)
     assert r["requests"] == sum(len(s.turns) for s in w.sessions) and r["agents_done"] == 6
     assert r["trace"]["hit_share"] > 0.85 and r["read_bytes"]["de_path"] > 0
+
+
+def test_mooncake_requests_hit_what_earlier_requests_sent(tmp_path):
+    from tests.trace_files import write_mooncake
+    w = load_workload(write_mooncake(tmp_path / "m.jsonl"))
+    sw = SessionWorkload(w, 64, 1 << 20, repeat=2)
+    shapes = [sw.next_turn(sw.make_agent(i)) for i in range(3)]
+    assert [s[0] for s in shapes] == [0, 1024, 0]     # request 1 re-sends request 0's 2 blocks
+    assert sw.n_roots == 6 and sw.make_agent(4).session == "req1#1"
+    r = simulate_trace(_cfg(), "dualpath", w, online=True, aps=2.0)
+    assert r["requests"] == 3 and r["read_bytes"]["pe_path"] + r["read_bytes"]["de_path"] > 0

@@ -61,12 +61,21 @@ def _met(w: Workload, cfg: str, mode: str, aps: float, log) -> bool:
 
 
 def capacity(w: Workload, cfg: str, mode: str, lo: float, iters: int, log) -> float:
-    """Largest sessions/s meeting the SLO: double from ``lo`` until it fails, then bisect."""
-    if not _met(w, cfg, mode, lo, log):
-        return 0.0
-    hi = lo * 2
-    while _met(w, cfg, mode, hi, log):
-        lo, hi = hi, hi * 2
+    """Largest sessions/s meeting the SLO: halve ``lo`` until it holds (at most 4 times) or
+    double it until it fails, then bisect."""
+    if _met(w, cfg, mode, lo, log):
+        hi = lo * 2
+        while _met(w, cfg, mode, hi, log):
+            lo, hi = hi, hi * 2
+    else:
+        hi = lo
+        for _ in range(4):
+            lo = round(hi / 2, 4)
+            if _met(w, cfg, mode, lo, log):
+                break
+            hi = lo
+        else:
+            return 0.0
     for _ in range(iters):
         mid = round((lo + hi) / 2, 4)
         lo, hi = (mid, hi) if _met(w, cfg, mode, mid, log) else (lo, mid)
@@ -136,13 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3, help="bisection steps per capacity")
     ap.add_argument("--out", type=Path, default=Path("docs/reproduction.md"))
     ap.add_argument("--json", type=Path, default=Path("results/trace_repro.json"))
+    ap.add_argument("--reuse-offline", type=Path, default=None,
+                    help="take the offline rows from an earlier --json file (skip those runs)")
     args = ap.parse_args(argv)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     w = load_workload(args.trace or shared_agentic_dir())
     t0 = time.perf_counter()
     off_keys = [k for k in args.offline_shapes.split(",") if k]
     on_keys = [k for k in args.online_shapes.split(",") if k]
-    off = [offline(w, k, args.repeat, log) for k in off_keys]
+    if args.reuse_offline is not None:
+        off = json.loads(args.reuse_offline.read_text())["offline"]
+        off_keys = [k for k in SHAPES if SHAPES[k][0] in {row[0] for row in off}]
+    else:
+        off = [offline(w, k, args.repeat, log) for k in off_keys]
     on = [online(w, k, args.iters, log) for k in on_keys]
     missing = [f"offline {SHAPES[k][0]}" for k in SHAPES if k not in off_keys]
     missing += [f"online {SHAPES[k][0]}" for k in SHAPES if k not in on_keys]

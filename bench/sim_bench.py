@@ -76,7 +76,7 @@ def _interpreted(config: str, agents: int, turns_scale: float) -> dict:
     return json.loads(lines[-1])
 
 
-def _rerun(argv: list[str], want_compiled: bool) -> int | None:
+def _rerun(argv: list[str], want_compiled: bool, module: str = "bench.sim_bench") -> int | None:
     """Run this benchmark in a fresh process if this one has the wrong build loaded.
 
     ``sim`` was imported (and ``sim.accel`` decided) before the flags were read; a process
@@ -98,7 +98,7 @@ def _rerun(argv: list[str], want_compiled: bool) -> int | None:
             print(f"simulator: running interpreted, the compiled build is unavailable: {e}", flush=True)
             return None
     env = dict(os.environ, **{accel.ENV_MODE: "1" if want_compiled else "0"})
-    code = "import sys; from bench.sim_bench import main; sys.exit(main(sys.argv[1:]))"
+    code = f"import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"
     # deadline: generous for a full-length interpreted run on a loaded host (~20 min)
     return subprocess.run([sys.executable, "-c", code, *argv], env=env, timeout=4 * 3600).returncode
 

@@ -6,6 +6,11 @@
 ``--mode`` takes one mode, a comma-separated list, or ``all`` (basic, +layer, +dpl, dualpath,
 oracle); with several modes the same workload runs under each and a comparison table (JCT,
 speedup over the first mode, SNIC max/avg, share of reads on the DE path) is printed.
+``--trace PATH`` (a file or a directory; format detected or ``--format``) simulates a recorded
+workload instead (docs/workloads.md): offline every session at t = 0 without think times, or
+``--online --aps X`` with think times × ``--think-scale``; ``--repeat N`` copies, each its own key
+space; prompts above the model's maximum context are compacted or dropped (``--context-policy``),
+and the counts are printed.
 Results go to ``--out`` (default ``results/sim/<config>-<dataset>-<agents>[-online<aps>].json``)
 and a PNG beside it when matplotlib is installed.
 """
@@ -17,13 +22,13 @@ import json
 import sys
 from pathlib import Path
 
-from common.errors import ConfigError
+from common.errors import ConfigError, InvalidArgument
 from services.scheduler.modes import ABLATION_MODES
 
 from .config import MODES, load
 from .plots import plot_runs
 from .report import print_summary
-from .run import simulate
+from .run import simulate, simulate_trace
 
 ALL = ABLATION_MODES              # what --mode all runs: the ablation sweep
 
@@ -53,7 +58,41 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--png", type=Path, default=None, help="plot file (default: beside the JSON)")
     ap.add_argument("--no-png", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="only the comparison table / headline")
+    add_trace_args(ap)
     return ap
+
+
+def add_trace_args(ap: argparse.ArgumentParser) -> None:
+    """The recorded-workload options (shared with ``dualpath plan``)."""
+    t = ap.add_argument_group("recorded traces (docs/workloads.md)")
+    t.add_argument("--trace", default=None, help="trace file or directory (instead of --dataset)")
+    t.add_argument("--format", default=None, choices=("agentic", "mooncake"), help="default: detected")
+    t.add_argument("--repeat", type=int, default=1, help="copies of every session, own key spaces")
+    t.add_argument("--conversations", type=int, default=None, help="only the first N sessions")
+    t.add_argument("--think-scale", type=float, default=None,
+                   help="× every think time (default: 1 online, 0 offline)")
+    t.add_argument("--context-policy", default="compact", choices=("compact", "drop"),
+                   help="turns above the model's maximum context")
+    t.add_argument("--max-context", type=int, default=None,
+                   help="override [model] max_context_tokens")
+
+
+def load_trace(args: argparse.Namespace):
+    """The workload ``--trace`` names (``common.traces.TraceError`` on bad input)."""
+    from common.traces import load_workload
+    return load_workload(args.trace, args.format).subset(args.conversations)
+
+
+def run_one(cfg, mode: str, args: argparse.Namespace, trace, clusters: list) -> dict:
+    if trace is not None:
+        return simulate_trace(cfg, mode, trace, online=args.online, aps=args.aps, repeat=args.repeat,
+                              think_scale=args.think_scale, policy=args.context_policy,
+                              max_context=args.max_context, seed=args.seed,
+                              exact=True if args.exact else None, cluster_out=clusters)
+    return simulate(cfg, mode, args.dataset, args.agents, online=args.online, aps=args.aps,
+                    seed=args.seed, append_scale=args.append_scale, gen_scale=args.gen_scale,
+                    turns_scale=args.turns_scale, exact=True if args.exact else None,
+                    cluster_out=clusters)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,21 +102,25 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(args.config)
         if args.online and not args.aps:
             raise ValueError("--online needs --aps")
-    except (ConfigError, ValueError) as e:
-        print(f"simulate: {e}", file=sys.stderr)
-        return 2
+        trace = load_trace(args) if args.trace else None
+    except (InvalidArgument, ConfigError, ValueError) as e:
+        return input_error("simulate", e)
     runs, clusters = {}, []
     for m in modes:
-        runs[m] = simulate(cfg, m, args.dataset, args.agents, online=args.online, aps=args.aps,
-                           seed=args.seed, append_scale=args.append_scale, gen_scale=args.gen_scale,
-                           turns_scale=args.turns_scale, exact=True if args.exact else None,
-                           cluster_out=clusters)
+        try:
+            runs[m] = run_one(cfg, m, args, trace, clusters)
+        except InvalidArgument as e:
+            return input_error("simulate", e)
         if not args.quiet:
             print_summary(runs[m])
+            if "trace" in runs[m]:
+                print_trace_stats(runs[m]["trace"])
             print()
     if len(modes) > 1:
         print_comparison(runs)
-    out = args.out or Path("results/sim") / (f"{cfg.name}-{args.dataset}-{args.agents}"
+    what = (f"{Path(args.trace).stem}-x{args.repeat}" if trace is not None
+            else f"{args.dataset}-{args.agents}")
+    out = args.out or Path("results/sim") / (f"{cfg.name}-{what}"
                                              + (f"-online{args.aps:g}" if args.online else "") + ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs}, indent=2, default=str))
@@ -86,6 +129,20 @@ def main(argv: list[str] | None = None) -> int:
         msg = plot_runs(clusters, runs, args.png or out.with_suffix(".png"))
         print(msg)
     return 0
+
+
+def input_error(prog: str, e: Exception) -> int:
+    """Print a bad-input error (a typed error's message, which names the file) and return 2."""
+    print(f"{prog}: {getattr(e, 'message', None) or e}", file=sys.stderr)
+    return 2
+
+
+def print_trace_stats(t: dict, file=None) -> None:
+    print(f"  trace: {t['sessions']} sessions x{t['repeat']} "
+          f"({t['agents_with_subagents']} agents with sub-agents), "
+          f"{t['turns_per_copy']} turns per copy; context > {t['max_context']}: {t['compacted_turns']} "
+          f"compacted, {t['dropped_turns']} dropped ({t['policy']}); hit share {t['hit_share']:.1%}; "
+          f"think x{t['think_scale']:g}", file=file or sys.stdout)
 
 
 def print_comparison(runs: dict[str, dict], file=None) -> None:

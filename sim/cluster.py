@@ -100,6 +100,10 @@ class Cluster:
         self.net = FlowNet(self.loop)
         self.reqs: dict[str, Req] = {}
         self.n_agents = workload.n_agents
+        # trace workloads (sim.traces): top-level sessions arrive, sub-agents are spawned by
+        # their parent and count towards n_agents; think times delay a session's next turn
+        self.n_roots = int(getattr(workload, "n_roots", self.n_agents))
+        self.nested = bool(getattr(workload, "nested", False))
         self._build()
         self.prefill = Prefill(self)
         self.interval = cfg.engine.fetch_interval_s
@@ -187,6 +191,14 @@ class Cluster:
         self._next_turn(agent)
 
     def _next_turn(self, agent) -> None:
+        if self.nested:
+            kids = self.workload.spawn(agent)
+            if kids:                       # the parent waits until its sub-agents are done
+                agent.waiting = len(kids)
+                for kid in kids:
+                    kid.parent = agent
+                    self._start_agent(kid)
+                return
         t = self.workload.next_turn(agent)
         if t is None:
             now = self.loop.now
@@ -195,6 +207,11 @@ class Cluster:
             self.agent_jct.add(now - agent.start)
             if self.agents_done == self.n_agents:
                 self.loop.stop()
+            parent = agent.parent
+            if parent is not None:
+                parent.waiting -= 1
+                if parent.waiting == 0:
+                    self._next_turn(parent)
             return
         hit, new, gen = t
         now = self.loop.now
@@ -211,7 +228,7 @@ class Cluster:
 
     def _arrivals(self, k: int) -> None:
         self._start_agent(self.workload.make_agent(k))
-        if k + 1 < self.n_agents:
+        if k + 1 < self.n_roots:
             self.loop.after(self.workload.arrival_gap(k + 1, self.aps), self._arrivals, k + 1)
 
     # ------------------------------------------------------------------ scheduling
@@ -328,7 +345,11 @@ class Cluster:
                 self.ttft_ss.add(ttft)
                 if rec.gen > 1:
                     self.tpot_ss.add(tpot)
-        self._next_turn(rec.agent)
+        agent = rec.agent
+        if agent.delay > 0.0:              # the client's think time before its next request
+            self.loop.after(agent.delay, self._next_turn, agent)
+        else:
+            self._next_turn(agent)
 
     def note_attn(self, ratio: float) -> None:
         w = self.attn_windows.get(k := int(self.loop.now / self.cfg.sim.window_s))
@@ -345,7 +366,6 @@ class Cluster:
 
     def start(self) -> None:
         """Put the agents (offline: all at t = 0; online: the first arrival) on the event loop."""
-        n = self.n_agents
         loop = self.loop
         loop.at(self.cfg.sim.window_s, self._window)
         if self.online:
@@ -353,10 +373,10 @@ class Cluster:
             # (paper §7.2 stops at a steady TTFT; here the span is fixed, so a system that cannot
             # keep up shows a TTFT that still grows from quarter to quarter).
             loop.at(0.0, self._arrivals, 0)
-            self.span = span = n / self.aps
+            self.span = span = self.n_roots / self.aps
             self.ss_window = (0.75 * span, span)
         else:
-            for aid in range(n):
+            for aid in range(self.n_roots):
                 self._start_agent(self.workload.make_agent(aid))
 
     def run(self, until: float = math.inf) -> dict:

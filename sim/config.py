@@ -50,6 +50,9 @@ class ModelSection(Section):
     preset: str = "deepseek-v3.2"
     ep_sync: bool = True                   # DP attention + EP MoE: a node's PEs run forward passes together
     batch_eff_tokens: NonNegFloat = 755.0  # linear-layer efficiency 1 − exp(−tokens/k); 0 disables
+    # the longest prompt + generation the model serves (DeepSeek V3.2: 128K); trace turns above it
+    # follow the workload's context policy (sim.traces: compact or drop, docs/workloads.md)
+    max_context_tokens: PositiveInt = 131072
 
     def __post_init__(self) -> None:
         if self.preset not in KV_PRESETS:

@@ -124,6 +124,7 @@ class Prefill:
         self.prefetch = cfg.engine.prefetch_layers
         self.ep_steps = 0
         self.attn_ratio_sum = 0.0
+        self.busy_s = 0.0                  # Σ step compute time over units (PE compute share)
 
     # ------------------------------------------------------------------ one step
     def start(self, unit: PEUnit) -> None:
@@ -185,6 +186,7 @@ class Prefill:
         if self.eff_k > 0.0:
             lin /= -math.expm1(-per_gpu / self.eff_k)
         C = (attn_max + lin) * self.ts
+        self.busy_s += C
         load_links, lb = normalized(lw) if lb else ((), 0.0)
         out_links, ob = normalized(ow) if ob else ((), 0.0)
         st = Step(unit, items, self.loop.now, C, lb, ob, load_links, out_links)

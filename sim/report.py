@@ -59,12 +59,16 @@ def results(cl: Cluster) -> dict:
         "snic_max_avg": snic_ratio, "snic_windows": snic_windows,
         "attn_max_avg": cl.prefill.attn_ratio_sum / pe_ep if pe_ep else None,
         "attn_max_avg_first5pct": attn_early,
+        "pe_compute_util": cl.prefill.busy_s / (len(cl.units) * now) if now else 0.0,
         "sim": {"events": cl.loop.events, "wall_s": cl.wall_s,
                 "events_per_s": cl.loop.events / cl.wall_s if cl.wall_s else 0.0,
                 "requests_per_s": cl.requests_done / cl.wall_s if cl.wall_s else 0.0,
                 "flows": cl.net.started, "resolves": cl.net.resolves, "widened": cl.net.widened,
                 "peak_rss_mb": peak_rss_mb(), "compiled": accel.active(), "build": accel.status()},
     }
+    stats = getattr(cl.workload, "stats", None)
+    if stats is not None:            # trace sessions: context policy counts (sim.traces)
+        out["trace"] = stats()
     if cl.online:
         ttft_ss, tpot_ss = cl.ttft_ss.summary(), cl.tpot_ss.summary()
         quarters = [q[0] / q[1] if q[1] else None for q in cl.quarters]

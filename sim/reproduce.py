@@ -393,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(scaleout(r, lv, args.scaleout_json, args.run_scaleout))
     wall = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(sections, level, wall))
+    from .trace_repro import keep_section      # the agentic-traces section has its own generator
+    args.out.write_text(keep_section(args.out, render(sections, level, wall)))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"level": level, "sections": sections,
                                      "runs": {repr(k): v for k, v in r.cache.items()}}, indent=2, default=str))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.scheduler.modes import ABLATION_MODES
 
 from .cluster import Cluster
 from .config import SimConfig, load
 from .workload import TraceWorkload
+
+if TYPE_CHECKING:
+    from common.traces import Workload
 
 
 def simulate(cfg: SimConfig | str | Path | None, mode: str = "dualpath", dataset: str = "64k",
@@ -21,6 +25,31 @@ def simulate(cfg: SimConfig | str | Path | None, mode: str = "dualpath", dataset
         cfg = load(cfg)
     w = TraceWorkload(dataset, agents, cfg.sim.seed if seed is None else seed, cfg.kv.block_tokens,
                       append_scale=append_scale, gen_scale=gen_scale, turns_scale=turns_scale)
+    cl = Cluster(cfg, mode, w, online=online, aps=aps, exact=exact)
+    if cluster_out is not None:
+        cluster_out.append(cl)
+    return cl.run(until)
+
+
+def simulate_trace(cfg: SimConfig | str | Path | None, mode: str, workload: Workload, *,
+                   online: bool = False, aps: float | None = None, repeat: int = 1,
+                   think_scale: float | None = None, policy: str = "compact",
+                   max_context: int | None = None, seed: int | None = None,
+                   exact: bool | None = None, until: float = float("inf"),
+                   cluster_out: list | None = None) -> dict:
+    """Simulate the sessions of a loaded trace (``common.traces``) on ``cfg`` in ``mode``.
+
+    Offline (the paper's RL-rollout setting): every session at t = 0 and no think times, unless
+    ``think_scale`` says otherwise; online: sessions arrive at ``aps`` and think times are kept
+    (× ``think_scale``, default 1).
+    """
+    from .traces import SessionWorkload
+    if not isinstance(cfg, SimConfig):
+        cfg = load(cfg)
+    ts = (1.0 if online else 0.0) if think_scale is None else think_scale
+    w = SessionWorkload(workload, cfg.kv.block_tokens, max_context or cfg.model.max_context_tokens,
+                        policy=policy, think_scale=ts, repeat=repeat,
+                        seed=cfg.sim.seed if seed is None else seed)
     cl = Cluster(cfg, mode, w, online=online, aps=aps, exact=exact)
     if cluster_out is not None:
         cluster_out.append(cl)

@@ -68,7 +68,7 @@ class Agent:
     """One agent's replay position: all it needs to produce its next turn."""
 
     __slots__ = ("aid", "base", "turn", "n_turns", "context", "start", "session", "done_t",
-                 "last_append", "base_ctx")
+                 "last_append", "base_ctx", "delay", "parent", "waiting", "spawned")
 
     def __init__(self, aid: int, base: int, n_turns: int) -> None:
         self.aid = aid
@@ -81,6 +81,12 @@ class Agent:
         self.done_t = 0.0
         self.last_append = 0
         self.base_ctx = 0
+        # trace sessions (sim.traces): think time before the next turn, the parent a sub-agent
+        # unblocks when done, sub-agents still running, the turn whose sub-agents were started
+        self.delay = 0.0
+        self.parent: Agent | None = None
+        self.waiting = 0
+        self.spawned = -1
 
 
 class TraceWorkload:

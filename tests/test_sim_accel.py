@@ -114,6 +114,14 @@ _SCENARIOS = """
                              turns_scale=0.3)
     runs["online"] = simulate("configs/sim-local-1p2d.toml", "dualpath", "32k", 6, online=True,
                               aps=0.5, turns_scale=0.3)
+    # recorded sessions: think times, a sub-agent blocking its parent, repeat copies
+    import pathlib, tempfile
+    from common.traces import load_workload
+    from sim.run import simulate_trace
+    from tests.trace_files import write_agentic
+    trace = load_workload(write_agentic(pathlib.Path(tempfile.mkdtemp()) / "c", n_files=2))
+    runs["trace"] = simulate_trace("configs/sim-2p4d-ds660b.toml", "dualpath", trace, online=True,
+                                   aps=0.5, repeat=3)
     for r in runs.values():
         for k in ("wall_s", "events_per_s", "requests_per_s", "peak_rss_mb", "compiled", "build"):
             r["sim"].pop(k)
@@ -142,6 +150,7 @@ def test_compiled_simulator_is_bit_identical_to_interpreted(tmp_path):
     assert all(str(built) in m and not m.endswith(".py") for m in c["modules"]), c["modules"]
     assert all(m.endswith(".py") for m in i["modules"])
     assert c["runs"]["dualpath"]["requests"] > 0 and c["runs"]["online"]["requests"] > 0
+    assert c["runs"]["trace"]["requests"] == 3 * 2 * 6
     for name in i["runs"]:
         assert c["runs"][name] == i["runs"][name], f"{name}: compiled and interpreted runs differ"
 

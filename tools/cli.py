@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "overload": "bench.overload_bench",
     "engine_ipc": "bench.engine_ipc_bench",
     "failover": "bench.failover_bench",
+    "plan": "bench.plan_bench",
 }
 
 COMMANDS: dict[str, str] = {
@@ -33,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "sim.cli",
     "check-config": "sim.check",
     "sim-accel": "sim.accel",
+    "plan": "sim.plan_cli",
 }
 
 SERVE_ALIASES = ("scheduler", "gateway", "pe_receiver", "de_loader")  # dualpath serve <alias>

@@ -4,6 +4,8 @@
     dualpath replay -c configs/local-1p2d.toml --agents 16 --max-turns 6     # offline → JCT
     dualpath replay -c configs/local-1p2d.toml --online --aps 4 --agents 32  # TTFT/TPOT, SLO
     dualpath replay -c configs/local-1p2d.toml --trace ../shared/traces/conversation_trace.jsonl
+    dualpath replay -c configs/local-1p2d.toml --start --trace ../shared/traces/agentic \
+                    --conversations 2 --max-turns 6 --check                # recorded sessions
     dualpath replay -c configs/local-1p2d.toml --start --mode basic          # own cluster
 
 Target: the cluster ``dualpath cluster up -c CONFIG`` started (its state file), ``--start``
@@ -43,12 +45,28 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--limit", type=int, default=200, help="first N requests of the trace")
     t.add_argument("--speed", type=float, default=10.0, help="trace seconds per replay second")
     t.add_argument("--trace-scale", type=float, default=0.125,
-                   help="a 512-token trace block becomes 512·scale tokens")
+                   help="× every token count (a 512-token Mooncake block becomes 512·scale tokens)")
+    s = p.add_argument_group("recorded sessions (--trace DIR or FILE.json, docs/workloads.md)")
+    s.add_argument("--format", default=None, choices=("agentic", "mooncake"), help="default: detected")
+    s.add_argument("--conversations", type=int, default=4, help="first N sessions (0: all)")
+    s.add_argument("--repeat", type=int, default=1, help="copies of every session, own key spaces")
+    s.add_argument("--think-scale", type=float, default=0.0, help="× every think time")
+    s.add_argument("--max-prompt", type=int, default=65_536,
+                   help="scaled prompt + generation above it: the turn is dropped (counted)")
 
 
 def workload_from_args(a: argparse.Namespace):
     from .workloads import AgenticSpec, TraceSpec
     if a.trace:
+        from pathlib import Path
+
+        from common.traces import detect_format
+
+        from .sessions import SessionTraceSpec
+        fmt = a.format or detect_format(Path(a.trace))
+        if fmt == "agentic":
+            return SessionTraceSpec(a.trace, fmt, a.conversations or None, a.max_turns or None,
+                                    a.repeat, a.trace_scale, a.think_scale, a.max_prompt, a.seed)
         return TraceSpec(a.trace, a.limit, speed=a.speed, scale=a.trace_scale)
     return AgenticSpec(a.dataset, a.agents, a.seed, a.scale, a.max_turns or None,
                        a.append_scale, a.gen_scale)

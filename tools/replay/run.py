@@ -20,6 +20,7 @@ from common.kv import spec_from_config
 from .driver import ClientPool, Progress, run_agentic, run_trace
 from .results import summarize
 from .telemetry import Sampler, Target
+from .sessions import SessionTrace, SessionTraceSpec, run_sessions
 from .workloads import AgenticSpec, AgenticWorkload, TraceSpec, load_mooncake
 
 
@@ -81,7 +82,7 @@ class ClusterTarget:
                                c.node_endpoints())
 
 
-async def replay(target: ClusterTarget, workload: AgenticSpec | TraceSpec, *,
+async def replay(target: ClusterTarget, workload: AgenticSpec | TraceSpec | SessionTraceSpec, *,
                  aps: float | None = None, deadline_s: float = 300.0, retries: int = 3,
                  progress: bool | None = None, window_s: float = 0.5,
                  sample_s: float = 0.25, stop_after_s: float | None = None) -> dict[str, Any]:
@@ -89,6 +90,9 @@ async def replay(target: ClusterTarget, workload: AgenticSpec | TraceSpec, *,
     if isinstance(workload, TraceSpec):
         reqs = load_mooncake(workload, target.block_tokens)
         total, label, streams = len(reqs), "mooncake trace", max(len(reqs), 1)
+    elif isinstance(workload, SessionTraceSpec):
+        sessions = SessionTrace(workload, target.block_tokens)
+        total, label, streams = sessions.requests(), sessions.label, max(len(sessions.plans), 1)
     else:
         w = AgenticWorkload(workload)
         trajs_requests = sum(t.requests for t in w.trajectories())
@@ -103,6 +107,9 @@ async def replay(target: ClusterTarget, workload: AgenticSpec | TraceSpec, *,
                 if isinstance(workload, TraceSpec):
                     r = await run_trace(pool, reqs, deadline_s=deadline_s, retries=retries,
                                         progress=bar)
+                elif isinstance(workload, SessionTraceSpec):
+                    r = await run_sessions(pool, sessions, aps=aps, deadline_s=deadline_s,
+                                           retries=retries, progress=bar, stop_after_s=stop_after_s)
                 else:
                     r = await run_agentic(pool, w, block_tokens=target.block_tokens, aps=aps,
                                           deadline_s=deadline_s, retries=retries,
@@ -117,16 +124,21 @@ async def replay(target: ClusterTarget, workload: AgenticSpec | TraceSpec, *,
                         block_tokens=target.block_tokens, slo_scale=target.slo_scale,
                         window_s=window_s)
     return {"cluster": target.name, "mode": target.mode, "started_at": wall0,
-            "workload": {"kind": "trace" if isinstance(workload, TraceSpec) else "agentic",
+            "workload": {"kind": _kind(workload),
                          "online": aps is not None, "aps": aps, "label": label,
                          **msgspec.to_builtins(workload)},
             "summary": summary, "telemetry_offset_s": offset,
+            **({"dropped_turns": sessions.dropped} if isinstance(workload, SessionTraceSpec) else {}),
             "records": [msgspec.to_builtins(x) for x in sorted(r.records,
                                                                 key=lambda x: x.submit_s)],
             "samples": sampler.samples if sampler is not None else []}
 
 
-async def replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec, *, mode: str | None,
+def _kind(workload: Any) -> str:
+    return {TraceSpec: "trace", SessionTraceSpec: "sessions"}.get(type(workload), "agentic")
+
+
+async def replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec | SessionTraceSpec, *, mode: str | None,
                        storage_root: str, inprocess: bool = False, echo: Any = None,
                        remove_storage: bool = False, **kw: Any) -> dict[str, Any]:
     """Start ``cluster`` in ``mode`` on empty storage, replay ``workload``, stop it
@@ -140,7 +152,7 @@ async def replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec, *, mode:
             shutil.rmtree(storage_root, ignore_errors=True)
 
 
-async def _replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec, *, mode: str | None,
+async def _replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec | SessionTraceSpec, *, mode: str | None,
                         storage_root: str, inprocess: bool, echo: Any,
                         **kw: Any) -> dict[str, Any]:
     import asyncio

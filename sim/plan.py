@@ -1,0 +1,176 @@
+"""Capacity planner: the cheapest P/D cluster that meets an SLO, in basic and in dualpath mode.
+
+The search (docs/workloads.md "Planner"): candidate shapes are ``k × (p : d)`` for each P:D
+ratio and ``k`` on a fixed grid, ordered by GPU count ``(P + D) × g``; for each mode they are
+simulated in that order and the first that meets the SLO is the answer. The grid and the order
+do not depend on the SLO and every simulation is deterministic, so the shapes that meet a looser
+SLO are a superset of those that meet a tighter one: a looser SLO never needs more GPUs.
+
+SLO: online, the ``percentile`` of TTFT and of TPOT over every request of the run must be at
+most ``ttft_s`` / ``tpot_s``; offline, the JCT (last session done) at most ``jct_s``. When no
+shape meets it, the closest one (smallest worst ratio attained ÷ target) is reported instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from common.errors import InvalidArgument
+
+from .bandwidth import check
+from .config import SimConfig, replace
+from .run import simulate, simulate_trace
+
+K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
+QUICK_RATIOS = ((1, 2), (1, 1))
+RATIOS = ((1, 2), (1, 1), (1, 3), (2, 1))
+
+
+class SLO(msgspec.Struct, frozen=True):
+    """Online: TTFT and TPOT percentiles; offline: JCT."""
+
+    online: bool
+    percentile: float = 90.0
+    ttft_s: float = 4.0
+    tpot_s: float = 0.050
+    jct_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not 0 < self.percentile <= 100:
+            raise InvalidArgument(f"percentile must be in (0, 100], got {self.percentile}")
+        if self.online and not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise InvalidArgument("an online SLO needs ttft_s > 0 and tpot_s > 0")
+        if not self.online and not self.jct_s > 0:
+            raise InvalidArgument("an offline SLO needs jct_s > 0")
+
+    def describe(self) -> str:
+        if self.online:
+            return (f"TTFT p{self.percentile:g} ≤ {self.ttft_s:g} s and TPOT p{self.percentile:g} "
+                    f"≤ {self.tpot_s * 1e3:g} ms")
+        return f"JCT ≤ {self.jct_s:g} s"
+
+    def attained(self, cl: Any) -> dict[str, float]:
+        """The SLO's metrics of a finished simulated cluster."""
+        if self.online:
+            q = self.percentile / 100.0
+            return {"ttft_s": cl.ttft.quantile(q), "tpot_s": cl.tpot.quantile(q)}
+        return {"jct_s": cl.loop.now}
+
+    def worst_ratio(self, att: dict[str, float]) -> float:
+        """max attained ÷ target over the SLO's metrics (≤ 1: met)."""
+        if self.online:
+            return max(att["ttft_s"] / self.ttft_s, att["tpot_s"] / self.tpot_s)
+        return att["jct_s"] / self.jct_s
+
+
+class PlanWorkload(msgspec.Struct, frozen=True):
+    """What every candidate simulates: a loaded trace, or a Table 2 dataset."""
+
+    trace: Any = None                 # common.traces.Workload
+    dataset: str = "64k"
+    agents: int = 512
+    turns_scale: float = 1.0
+    repeat: int = 1
+    aps: float | None = None
+    think_scale: float | None = None
+    policy: str = "compact"
+    max_context: int | None = None
+
+    def describe(self) -> str:
+        base = (f"trace {self.trace.name} x{self.repeat}" if self.trace is not None
+                else f"Table 2 {self.dataset}, {self.agents} agents, turns x{self.turns_scale:g}")
+        return base + (f", online {self.aps:g} sessions/s" if self.aps else ", offline")
+
+
+def shapes(ratios: tuple[tuple[int, int], ...], gpus_per_node: int, max_gpus: int) -> list[tuple[int, int]]:
+    """Candidate (P, D) in ascending GPU order (ties: fewer prefill nodes first)."""
+    out = {(k * p, k * d) for p, d in ratios for k in K_GRID if (k * p + k * d) * gpus_per_node <= max_gpus}
+    return sorted(out, key=lambda s: (s[0] + s[1], s[0]))
+
+
+def evaluate(base: SimConfig, P: int, D: int, mode: str, wl: PlanWorkload, slo: SLO) -> dict:
+    """Simulate one candidate; the row the planner keeps."""
+    cfg = replace(base, hardware={"prefill_nodes": P, "decode_nodes": D})
+    cfg = msgspec.structs.replace(cfg, name=f"{P}p{D}d")
+    clusters: list = []
+    online = wl.aps is not None
+    if wl.trace is not None:
+        r = simulate_trace(cfg, mode, wl.trace, online=online, aps=wl.aps, repeat=wl.repeat,
+                           think_scale=wl.think_scale, policy=wl.policy, max_context=wl.max_context,
+                           cluster_out=clusters)
+    else:
+        r = simulate(cfg, mode, wl.dataset, wl.agents, online=online, aps=wl.aps,
+                     turns_scale=wl.turns_scale, cluster_out=clusters)
+    cl = clusters[0]
+    att = slo.attained(cl)
+    ratio = slo.worst_ratio(att)
+    g = base.hardware.gpus_per_node
+    return {"mode": mode, "P": P, "D": D, "shape": f"{P}P{D}D", "gpus": (P + D) * g, "met": ratio <= 1.0,
+            "worst_ratio": ratio, "attained": att, "jct_s": r["jct_s"], "requests": r["requests"],
+            "ttft_mean_s": r["latency"]["ttft"]["mean"], "tpot_mean_s": r["latency"]["tpot"]["mean"],
+            "binding": binding(r, cl, P if mode == "basic" else P + D), "sim_wall_s": r["sim"]["wall_s"],
+            "trace": r.get("trace")}
+
+
+# what each part of the TTFT breakdown waits on (sim.cluster's request flow)
+_WAITS = {"de_wait": "DE admission (HBM, decode batch)", "pe_wait": "PE admission (prefill queue)",
+          "read": "storage read (SNIC, read queue)", "prefill": "prefill compute"}
+
+
+def binding(r: dict, cl: Any, read_nodes: int) -> dict[str, Any]:
+    """What binds a shape: the largest part of its mean TTFT, with the storage links' load
+    (p95 over time windows of the mean utilisation of the nodes the mode reads on — basic: the
+    PE nodes only) and the PE compute share (Σ step time ÷ units × run time) beside it."""
+    parts = r["ttft_breakdown_mean_s"]
+    worst = max(parts, key=lambda k: parts[k])
+    per_window = sorted(sum(w[:read_nodes]) / read_nodes for w in cl.windows.utilisation())
+    snic_p95 = per_window[int(0.95 * (len(per_window) - 1))] if per_window else 0.0
+    return {"resource": _WAITS[worst], "ttft_part_s": parts[worst], "ttft_parts_s": parts,
+            "snic_read_p95_util": snic_p95, "pe_compute_util": r.get("pe_compute_util", 0.0)}
+
+
+def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] = ("basic", "dualpath"),
+         ratios: tuple[tuple[int, int], ...] = RATIOS, max_gpus: int = 1152,
+         on_step: Callable[[str, int, int], None] | None = None) -> dict:
+    """Search every mode (see the module docstring); returns the JSON-able plan."""
+    h = base.hardware
+    cands = shapes(ratios, h.gpus_per_node, max_gpus)
+    if not cands:
+        raise InvalidArgument(f"no P/D shape fits in {max_gpus} GPUs at {h.gpus_per_node} GPUs per node")
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"workload": wl.describe(), "slo": msgspec.to_builtins(slo) | {"text": slo.describe()},
+                           "candidates": [f"{p}P{d}D" for p, d in cands], "modes": {}}
+    for mode in modes:
+        rows, chosen = [], None
+        for i, (P, D) in enumerate(cands):
+            row = evaluate(base, P, D, mode, wl, slo)
+            rows.append(row)
+            if on_step:
+                on_step(mode, i + 1, len(cands))
+            if row["met"]:
+                chosen = row
+                break
+        closest = chosen or min(rows, key=lambda x: x["worst_ratio"])
+        eq9 = check(closest["P"], closest["D"], h.gpus_per_node, h.snic_bytes_per_s, h.cnic_bytes_per_s,
+                    h.dram_bytes_per_s)
+        out["modes"][mode] = {"met": chosen is not None, "chosen": closest, "evaluated": rows,
+                              "eq9": {"inside": eq9.inside, "summary": eq9.summary(),
+                                      "binding": eq9.binding, "violated": eq9.violated}}
+    out["wall_s"] = time.perf_counter() - t0
+    out["saving"] = gpu_saving(out)
+    return out
+
+
+def gpu_saving(p: dict) -> dict[str, Any]:
+    """basic GPUs ÷ dualpath GPUs (``lower_bound``: basic met nothing, its largest shape counts)."""
+    m = p["modes"]
+    if "basic" not in m or "dualpath" not in m or not m["dualpath"]["met"]:
+        return {"ratio": None, "lower_bound": False}
+    b = m["basic"]
+    gb = b["chosen"]["gpus"] if b["met"] else max(x["gpus"] for x in b["evaluated"])
+    return {"ratio": gb / m["dualpath"]["chosen"]["gpus"], "lower_bound": not b["met"]}

@@ -1,0 +1,73 @@
+"""The capacity planner (sim/plan.py, dualpath plan): monotone in the SLO, honest when nothing
+meets it, clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.traces import load_workload
+from sim.config import load
+from sim.plan import SLO, PlanWorkload, plan, shapes
+from sim.plan_cli import main as plan_main
+from tests.trace_files import write_agentic
+
+RATIOS = ((1, 2), (1, 1))
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    d = write_agentic(tmp_path_factory.mktemp("plan") / "c", n_files=3, n_turns=6, first=24_000,
+                      append=3_000, gen=40)
+    return PlanWorkload(trace=load_workload(d), repeat=30, aps=4.0, think_scale=0.0)
+
+
+def test_candidates_are_ordered_by_gpus():
+    c = shapes(RATIOS, 8, 96)
+    gpus = [(p + d) * 8 for p, d in c]
+    assert gpus == sorted(gpus) and (1, 1) in c and (1, 2) in c and max(gpus) <= 96
+
+
+def test_a_looser_slo_never_needs_more_gpus(workload):
+    cfg = load(None)
+    needed = {"basic": [], "dualpath": []}
+    for ttft in (2.0, 3.0, 5.0, 8.0, 60.0):
+        p = plan(cfg, workload, SLO(online=True, ttft_s=ttft, tpot_s=0.2), ratios=RATIOS, max_gpus=192)
+        for mode, m in p["modes"].items():
+            needed[mode].append(m["chosen"]["gpus"] if m["met"] else float("inf"))
+    for mode, g in needed.items():
+        assert g == sorted(g, reverse=True), (mode, g)
+        assert g[-1] < g[0] or g[0] == g[-1] == 16           # the search saw a difference
+    assert any(x < float("inf") for x in needed["dualpath"])
+
+
+def test_no_shape_meets_the_slo_says_so_and_shows_the_closest(workload, tmp_path, capsys):
+    p = plan(load(None), workload, SLO(online=True, ttft_s=1e-4, tpot_s=1e-4), ratios=((1, 2),), max_gpus=48)
+    m = p["modes"]["dualpath"]
+    assert not m["met"] and m["chosen"]["worst_ratio"] == min(r["worst_ratio"] for r in m["evaluated"])
+    assert len(m["evaluated"]) == 2 and p["saving"]["ratio"] is None
+    d = write_agentic(tmp_path / "c", n_files=1)
+    rc = plan_main(["--trace", str(d), "--online", "--aps", "1", "--ttft", "0.0001", "--ratios", "1:2",
+                    "--max-gpus", "24", "--no-png", "--no-progress", "--out", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert rc == 1 and "no shape up to 24 GPUs meets the SLO; closest is 1P2D" in out
+    assert json.loads((tmp_path / "p.json").read_text())["modes"]["dualpath"]["met"] is False
+
+
+def test_offline_plan_meets_a_jct_target(workload):
+    off = PlanWorkload(trace=workload.trace, repeat=10)
+    p = plan(load(None), off, SLO(online=False, jct_s=1e9), ratios=((1, 2),), max_gpus=48)
+    for m in p["modes"].values():
+        assert m["met"] and m["chosen"]["shape"] == "1P2D" and m["eq9"]["inside"]
+    assert p["saving"] == {"ratio": 1.0, "lower_bound": False}
+
+
+def test_bad_input_exits_2_naming_the_file(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"requests": [{"t": 0, "in": 100, "out": 1}]}')
+    assert plan_main(["--trace", str(bad), "--jct", "100", "--no-png"]) == 2
+    err = capsys.readouterr().err
+    assert "x.json: request 0: missing 'hash_ids'" in err
+    assert plan_main(["--trace", str(bad), "--no-png"]) == 2       # offline needs --jct
+    assert "needs --jct" in capsys.readouterr().err

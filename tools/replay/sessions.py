@@ -1,0 +1,160 @@
+"""Live replay of recorded sessions (``common.traces``: the agentic conversation format).
+
+Each session submits its turns one after another with the trace's block keys (no token ids):
+``common.traces.block_keys`` maps the 64-token prefix hashes onto the cluster's blocks in a key
+space of the session's scope (its file and ``--repeat`` copy), so turns of one conversation hit
+what its earlier turns stored and nothing else. Think times (× ``think_scale``) pause a session
+before a turn; sub-agents run concurrently where the file puts them and block their parent.
+
+``scale`` multiplies every token count so long agentic contexts fit a local emulation (its
+buffers and its slowed links): a 64-token trace block becomes ``64·scale`` tokens and
+``block/(64·scale)`` trace blocks make one cluster block (scale 1/8: 8 per 64-token block).
+
+The client predicts each turn's hit — the longest prefix of its keys that earlier turns of the
+scope sent, clamped as the scheduler clamps it (whole blocks, at least one token computed) —
+and the results compare it with the hit the cluster reports (``hit_mismatches``). Turns whose
+scaled prompt + generation passes ``max_prompt`` are not sent and are counted (``dropped``):
+trace keys cannot be compacted, so dropping is the replay's context policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+import msgspec
+
+from common.errors import InvalidArgument
+from common.traces import Session, Workload, block_keys, block_mapping, load_workload
+
+from .driver import ClientPool, Progress, Replayer, RequestRecord
+
+
+class SessionTraceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A recorded-session replay (recorded in the results JSON)."""
+
+    path: str
+    fmt: str | None = None
+    conversations: int | None = 4       # first N sessions (None: all)
+    max_turns: int | None = 8           # per session (None: all)
+    repeat: int = 1
+    scale: float = 0.125                # × every token count
+    think_scale: float = 0.0            # × every think time (0: back to back)
+    max_prompt: int = 65_536            # scaled prompt + generation above it: turn dropped
+    seed: int = 1                       # salts the key space (a rerun on old storage: new seed)
+
+    def __post_init__(self) -> None:
+        if not self.scale > 0 or self.repeat < 1 or self.think_scale < 0 or self.max_prompt < 2:
+            raise InvalidArgument("need scale > 0, repeat >= 1, think_scale >= 0, max_prompt >= 2")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise InvalidArgument(f"max_turns must be >= 1, got {self.max_turns}")
+
+
+@dataclass
+class SessionPlan:
+    """What the driver sends: per turn (think s, prompt, gen, keys), sub-agents by turn."""
+
+    sid: str
+    scope: str
+    turns: list[tuple[float, int, int, list[str]]] = field(default_factory=list)
+    subs: dict[int, list[SessionPlan]] = field(default_factory=dict)
+
+
+class SessionTrace:
+    """A loaded trace turned into session plans for a cluster's block size."""
+
+    def __init__(self, spec: SessionTraceSpec, block_tokens: int) -> None:
+        self.spec = spec
+        w: Workload = load_workload(spec.path, spec.fmt).subset(spec.conversations)
+        if w.fmt != "agentic":
+            raise InvalidArgument(f"{spec.path}: session replay takes the agentic format; replay "
+                                  "a Mooncake file with --trace FILE.jsonl (per-request mode)")
+        w = w.repeated(spec.repeat)
+        self.label = f"{w.name}: {len(w.sessions)} sessions"
+        self.trace_block = w.block_tokens * spec.scale
+        if self.trace_block != int(self.trace_block):
+            raise InvalidArgument(f"--trace-scale {spec.scale} must make the {w.block_tokens}-token "
+                                  "trace block a whole number of tokens")
+        block_mapping(int(self.trace_block), block_tokens)        # raises if they cannot map
+        self.bt = block_tokens
+        self.dropped = 0
+        self.plans = [self._plan(s) for s in w.sessions]
+
+    def _plan(self, s: Session) -> SessionPlan:
+        sp = self.spec
+        plan = SessionPlan(s.sid, s.scope)
+        n = len(s.turns) if sp.max_turns is None else min(len(s.turns), sp.max_turns)
+        for k, t in enumerate(s.turns[:n]):
+            for sub in s.subagents:           # they run before the next turn that is sent
+                if sub.before == k:
+                    plan.subs.setdefault(len(plan.turns), []).append(self._plan(sub.session))
+            prompt = max(1, math.ceil(t.prompt_tokens * sp.scale))
+            gen = max(1, round(t.gen_tokens * sp.scale))
+            if prompt + gen > sp.max_prompt:
+                self.dropped += 1
+                continue
+            keys = block_keys(t.hash_ids, prompt, int(self.trace_block), self.bt, f"{sp.seed}:{s.scope}")
+            plan.turns.append((t.think_s * sp.think_scale, prompt, gen, keys))
+        for sub in s.subagents:
+            if sub.before >= n:
+                plan.subs.setdefault(len(plan.turns), []).append(self._plan(sub.session))
+        return plan
+
+    def requests(self) -> int:
+        def count(p: SessionPlan) -> int:
+            return len(p.turns) + sum(count(c) for cs in p.subs.values() for c in cs)
+        return sum(count(p) for p in self.plans)
+
+
+def expected_hit(keys: list[str], sent: set[str], prompt: int, block_tokens: int) -> int:
+    """The hit the scheduler should report: leading keys an earlier turn sent, clamped."""
+    n = 0
+    for k in keys:
+        if k not in sent:
+            break
+        n += 1
+    return max(0, min(n, (prompt - 1) // block_tokens)) * block_tokens
+
+
+async def run_sessions(pool: ClientPool, trace: SessionTrace, *, aps: float | None = None,
+                       deadline_s: float = 300.0, retries: int = 3, progress: Progress | None = None,
+                       stop_after_s: float | None = None) -> Replayer:
+    """Every session (offline: all at t = 0; online: Poisson arrivals at ``aps``)."""
+    r = Replayer(pool, deadline_s=deadline_s, retries=retries, on_done=progress.done if progress else None)
+    sent: dict[str, set[str]] = {}
+    starts = _arrivals(len(trace.plans), aps, trace.spec.seed)
+
+    async def session(p: SessionPlan, key: int) -> None:
+        scope = sent.setdefault(p.scope, set())
+        for k, (think, prompt, gen, keys) in enumerate(p.turns):
+            if k and think > 0:
+                await asyncio.sleep(think)
+            if k in p.subs:
+                await asyncio.gather(*(session(c, key) for c in p.subs[k]))
+            rec = RequestRecord(request_id=f"{p.sid}-t{k}", session_id=p.sid, turn=k, prompt_tokens=prompt,
+                                gen_tokens=gen, expected_hit=expected_hit(keys, scope, prompt, trace.bt))
+            final = await r.request(rec, key, block_keys=keys)
+            if final is None:
+                return                        # a session cannot go on past a failed turn
+            scope.update(keys)
+        if len(p.turns) in p.subs:
+            await asyncio.gather(*(session(c, key) for c in p.subs[len(p.turns)]))
+
+    async def top(i: int) -> None:
+        await asyncio.sleep(max(starts[i] - r.now(), 0.0))
+        if stop_after_s is not None and r.now() > stop_after_s:
+            return
+        await session(trace.plans[i], i)
+
+    await asyncio.gather(*(top(i) for i in range(len(trace.plans))))
+    return r
+
+
+def _arrivals(n: int, aps: float | None, seed: int) -> list[float]:
+    if not aps:
+        return [0.0] * n
+    import numpy as np
+    gaps = np.random.default_rng([seed, 0x5E55]).exponential(1.0 / aps, n)
+    gaps[0] = 0.0
+    return list(np.cumsum(gaps))

@@ -131,6 +131,7 @@ _SCENARIOS = """
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)   # a mypyc build of the simulator (~1-2 min alone, far more under load)
 def test_compiled_simulator_is_bit_identical_to_interpreted(tmp_path):
     try:
         import mypyc  # noqa: F401

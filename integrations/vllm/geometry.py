@@ -81,16 +81,33 @@ def token_slots(block_ids: Sequence[int], block_size: int, start: int, stop: int
 
 def gather_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots) -> torch.Tensor:
     """One layer's KV of ``slots`` as ``uint8 [tokens, B]`` in dualpath's layout (a new tensor)."""
+    out = torch.empty((slots.tokens, geom.token_bytes), dtype=torch.uint8)
+    gather_layer_into(geom, cache, slots, out)
+    return out
+
+
+def gather_layer_into(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
+                      dst: torch.Tensor) -> None:
+    """Copy one layer's KV of ``slots`` into ``dst`` (``uint8 [tokens, B]``, e.g. an arena view)."""
+    _check_bytes(geom, slots, dst)
     picked = geom.paged_view(cache)[slots.block_index, :, :, slots.offset]  # [n, heads, 2, head]
-    kv = picked.permute(0, 2, 1, 3).contiguous()                          # [n, 2, heads, head]
-    return kv.view(slots.tokens, -1).view(torch.uint8)
+    _typed(geom, slots, dst).copy_(picked.permute(0, 2, 1, 3))             # [n, 2, heads, head]
 
 
 def scatter_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
                   src: torch.Tensor) -> None:
     """Write ``src`` (``uint8 [tokens, B]``, dualpath layout) into the cache at ``slots``."""
-    if src.dtype != torch.uint8 or tuple(src.shape) != (slots.tokens, geom.token_bytes):
-        raise ValueError(f"source must be uint8 [{slots.tokens}, {geom.token_bytes}], got "
-                         f"{src.dtype} {tuple(src.shape)}")
-    kv = src.contiguous().view(geom.dtype).view(slots.tokens, 2, geom.num_kv_heads, geom.head_size)
+    _check_bytes(geom, slots, src)
+    kv = _typed(geom, slots, src.contiguous())
     geom.paged_view(cache)[slots.block_index, :, :, slots.offset] = kv.permute(0, 2, 1, 3)
+
+
+def _check_bytes(geom: CacheGeometry, slots: TokenSlots, buf: torch.Tensor) -> None:
+    if buf.dtype != torch.uint8 or tuple(buf.shape) != (slots.tokens, geom.token_bytes):
+        raise ValueError(f"KV bytes must be uint8 [{slots.tokens}, {geom.token_bytes}], got "
+                         f"{buf.dtype} {tuple(buf.shape)}")
+
+
+def _typed(geom: CacheGeometry, slots: TokenSlots, buf: torch.Tensor) -> torch.Tensor:
+    """``uint8 [n, B]`` reinterpreted as ``[n, 2, heads, head]`` of the cache dtype (a view)."""
+    return buf.view(geom.dtype).view(slots.tokens, 2, geom.num_kv_heads, geom.head_size)

@@ -1,0 +1,49 @@
+"""Finding the vLLM venv and the converted model for the real-engine tests.
+
+The main venv has neither torch nor vLLM: the tests start ``.venv-vllm/bin/python`` processes
+(``make vllm-env vllm-model``). Without them a test SKIPS with the command that installs them —
+and FAILS under ``CI=true``, so a green CI run means the real engine really ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} — required under CI=true (`make vllm-env vllm-model`)")
+    pytest.skip(f"REAL ENGINE NOT TESTED: {reason} (run `make vllm-env vllm-model`)")
+
+
+def require_vllm() -> tuple[Path, Path]:
+    """``(python of .venv-vllm, converted model dir)``, or skip/fail with the reason."""
+    if not VLLM_PYTHON.exists():
+        skip_or_fail(f"{VLLM_PYTHON} missing")
+    out = subprocess.run([str(VLLM_PYTHON), "-m", "integrations.vllm.model_prep", "--print-dir"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    model = Path(out.stdout.strip()) if out.returncode == 0 else None
+    if model is None or not (model / ".dualpath-converted").exists():
+        skip_or_fail(f"converted model missing ({out.stdout.strip() or out.stderr[-300:]})")
+    assert model is not None
+    return VLLM_PYTHON, model
+
+
+def run_check(python: Path, *args: str, timeout: float = 600) -> dict:
+    """Run ``tests/vllm_checks/geometry_check.py`` in the vLLM venv; its RESULT line as a dict."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([str(python), str(REPO / "tests" / "vllm_checks" / "geometry_check.py"),
+                           *args], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"check {args[0]} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))

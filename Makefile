@@ -43,6 +43,7 @@ sim-accel: $(STAMP)
 	$(VENV)/bin/dualpath sim-accel build
 
 BENCHES := transport gateway datapath scheduler sim e2e chaos overload
+BENCHES += engine_ipc
 
 bench: $(STAMP)
 	mkdir -p results

@@ -59,17 +59,28 @@ def faults(quick: bool) -> list:
     return full + again
 
 
+def engine_faults() -> list:
+    """With ``--remote-engines``: the engine processes are victims too (SIGKILL from outside
+    mid-request, then restarted; the node service keeps running)."""
+    from tools.cluster.chaos import Fault as F
+    return [F("pe-engine-sigkill", "engine_sim:p0", "kill", None, after_s=0.7),
+            F("de-engine-sigkill", "engine_sim:d1", "kill", None, after_s=0.7)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("chaos", __doc__.splitlines()[0])
     p.add_argument("-c", "--config", default=None, help="cluster TOML (default: embedded 1P2D)")
+    p.add_argument("--remote-engines", action="store_true",
+                   help="engines in their own processes over the nodes' engine sockets; adds "
+                        "engine-process kills to the faults")
     args = p.parse_args(argv)
     from common.logging import configure_logging
     from tools.cluster.chaos import CHAOS_SETTINGS, MODE, ChaosHarness
     configure_logging("error", None)
-    plan = faults(args.quick)
+    plan = faults(args.quick) + (engine_faults() if args.remote_engines else [])
     t0 = time.monotonic()
     results = []
-    with ChaosHarness(args.config, echo=print) as h:
+    with ChaosHarness(args.config, echo=print, remote_engines=args.remote_engines) as h:
         print(f"chaos: {h.cluster.spec.shape} cluster up in {time.monotonic() - t0:.1f} s, "
               f"mode {MODE}, {len(plan)} faults")
         for f in plan:
@@ -102,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
           f" wall {summary['wall_s']:.0f} s")
     write_results(args.out, "chaos", headline("requests_lost", lost, 0, higher_is_better=False),
                   {"quick": args.quick, "summary": summary, "mode": MODE,
+                   "remote_engines": args.remote_engines,
                    "settings": CHAOS_SETTINGS,
                    "faults": [{**row, "outcome": r.outcome} for row, r in zip(rows, results)],
                    "fault_details": [r.as_dict() for r in results],

@@ -86,16 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=None)
     p.add_argument("--inprocess", action="store_true", help="services in this process")
     p.add_argument("--plots", type=Path, default=None, help="write the PNGs here")
+    p.add_argument("--remote-engines", action="store_true",
+                   help="emulated engines in their own processes, attached over each node's "
+                        "engine socket (docs/engine-api.md \"Cross-process\")")
     args = p.parse_args(argv)
     from common.logging import configure_logging
     from tools.cluster.config import load_cluster
     configure_logging("warning", None)
     cluster = load_cluster(args.config)
     cluster = cluster.with_overrides(cluster={"name": f"{cluster.spec.name}-bench"})
+    if args.remote_engines:
+        cluster = cluster.with_overrides(cluster={"remote_engines": True})
     modes = tuple(m for m in args.modes.split(",") if m)
     spec = workload(args.quick, args.agents, args.turns)
     print(f"e2e ablation on {cluster.source} ({cluster.spec.shape}, "
-          f"{'in-process' if args.inprocess else 'subprocesses'}): {spec}")
+          f"{'in-process' if args.inprocess else 'subprocesses'}"
+          f"{', engines over their sockets' if args.remote_engines else ''}): {spec}")
     results = asyncio.run(run_modes(cluster, spec, modes, args.inprocess, progress=False))
     pred = predicted(cluster, spec, modes)
     base = results.get("basic", {}).get("summary", {}).get("jct_s")
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               "snic_dualpath_below_dpl": _snic_below(rows)}
     write_results(args.out, "e2e", headline("dualpath_speedup_vs_basic", value, GOAL),
                   {"config": cluster.source, "cluster": cluster.spec.shape,
+                   "remote_engines": cluster.spec.remote_engines,
                    "workload": _builtins(spec), "rows": rows, "checks": checks,
                    "predicted": pred,
                    "summaries": {m: r["summary"] for m, r in results.items()}})

@@ -230,9 +230,10 @@ class RpcClient:
 
     def __init__(self, cfg: RpcConfig, host: str, port: int, *, role: str, node_id: str,
                  reply_type: Any, kv_fingerprint: str = "", auth_secret: bytes | None = None,
-                 event_type: Any = None) -> None:
+                 event_type: Any = None, unix_path: str | None = None) -> None:
         self._cfg = cfg
         self._host, self._port = host, port
+        self._unix_path = unix_path          # set: a local Unix socket instead of TCP
         self._role, self._node_id = role, node_id
         self._kv_fingerprint = kv_fingerprint
         # No explicit secret: the one ``cfg`` names (rpc.auth_secret_file / _env), so every
@@ -246,6 +247,8 @@ class RpcClient:
 
     @property
     def address(self) -> str:
+        if self._unix_path is not None:
+            return f"unix:{self._unix_path}"
         return f"{self._host}:{self._port}"
 
     @property
@@ -373,7 +376,10 @@ class RpcClient:
         cfg = self._cfg
         try:
             async with asyncio.timeout(cfg.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(self._host, self._port)
+                if self._unix_path is not None:
+                    reader, writer = await asyncio.open_unix_connection(self._unix_path)
+                else:
+                    reader, writer = await asyncio.open_connection(self._host, self._port)
         except (OSError, TimeoutError) as e:
             raise Unavailable(f"cannot reach {self.address}: {e!r}") from None
         try:

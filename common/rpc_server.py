@@ -11,6 +11,7 @@ task behind a bounded frame queue (``common.framing.FrameSender``). A handler is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import math
@@ -147,6 +148,7 @@ class RpcServer:
         self._lock = asyncio.Lock()
         self._server: asyncio.Server | None = None
         self._port = 0
+        self._unix_path: str | None = None
         self._draining = False
         self._conn_ids = itertools.count(1)
         self._conns: dict[int, ServerConnection] = {}
@@ -182,6 +184,22 @@ class RpcServer:
             log.info("rpc_server_started", service=self._service, node_id=self._node_id,
                      host=host or self._cfg.host, port=self._port)
 
+    async def start_unix(self, path: str) -> None:
+        """Listen on the Unix socket ``path`` (a local channel: engines of a node).
+
+        A socket file left there by a dead server (nobody accepts on it) is replaced; one a
+        live server listens on is refused, so two nodes never share a path.
+        """
+        async with self._lock:
+            if self._server is not None:
+                return
+            _replace_stale_socket(path)
+            self._draining = False
+            self._server = await asyncio.start_unix_server(self._on_accept, path)
+            self._port, self._unix_path = 0, path
+            log.info("rpc_server_started", service=self._service, node_id=self._node_id,
+                     unix=path)
+
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting, let calls finish for ``grace_s``, cancel the rest, close all."""
         async with self._lock:
@@ -200,6 +218,9 @@ class RpcServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await server.wait_closed()
+            if self._unix_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._unix_path)
             log.info("rpc_server_stopped", service=self._service, port=self._port,
                      cancelled_connections=len(tasks))
 
@@ -530,3 +551,30 @@ def _hello_fields(hello: Hello | ErrorReply) -> dict[str, Any]:
     if isinstance(hello, Hello):
         return {"role": hello.role, "node_id": hello.node_id, "version": hello.version}
     return {}
+
+
+def _replace_stale_socket(path: str) -> None:
+    """Unlink a Unix socket file nobody listens on; InvalidArgument when one is live or the
+    path is not a socket."""
+    import socket
+    import stat as stat_mod
+
+    from common.errors import InvalidArgument
+
+    if len(os.fsencode(path)) >= 104:        # sun_path is 108 bytes on Linux, 104 elsewhere
+        raise InvalidArgument(f"Unix socket path too long ({len(path)} chars): {path}")
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat_mod.S_ISSOCK(st.st_mode):
+        raise InvalidArgument(f"{path} exists and is not a socket; choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise InvalidArgument(f"a live server already listens on {path}")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from common import protocol
 from common.framing import FrameCodec
+from common.kv import KVSpec
 from common.protocol import (
     AdminRequest, Call, Envelope, ErrorReply, GetStats, HandshakeMsg, Message, Ping, Reply,
     union_members,
@@ -61,6 +62,9 @@ def _strategy(t: mi.Type) -> st.SearchStrategy:
             return st.sampled_from(t.values)
         case mi.EnumType():
             return st.sampled_from(list(t.cls))
+        case mi.StructType() if t.cls is KVSpec:      # validated on construction: sizes > 0
+            return st.builds(KVSpec, st.text(max_size=16), st.integers(1, 1024),
+                             st.integers(1, 1 << 20), st.integers(1, 1024), st.text(max_size=8))
         case mi.StructType():
             return st.builds(t.cls, **{f.name: _strategy(f.type) for f in t.fields})
     raise NotImplementedError(f"no strategy for {t!r}; extend tests/test_protocol.py")
@@ -127,6 +131,8 @@ def _empty(t: mi.Type) -> typing.Any:
             return []
         case mi.DictType():
             return {}
+        case mi.StructType() if t.cls is KVSpec:
+            return KVSpec("", 1, 1)
         case mi.StructType():
             return _minimal(t.cls)
         case mi.UnionType():

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "sim": "bench.sim_bench",
     "chaos": "bench.chaos_bench",
     "overload": "bench.overload_bench",
+    "engine_ipc": "bench.engine_ipc_bench",
 }
 
 COMMANDS: dict[str, str] = {

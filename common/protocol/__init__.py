@@ -17,7 +17,8 @@ Handshake on every connection:
 Layout: the schema is one namespace, ``common.protocol``, written in one module per channel —
 ``base`` (:class:`Message`, :class:`ErrorReply`, the version), ``connection`` (handshake, RPC
 envelope, admin calls), ``gateway``, ``frontend`` and ``node`` (the scheduler's two channels)
-and ``datapath`` (PE receiver ↔ DE loader). Import messages from here, never from the modules.
+and ``datapath`` (PE receiver ↔ DE loader), ``engine`` (an engine process ↔ its node).
+Import messages from here, never from the modules.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ from common.protocol.datapath import (
     LayerSlots, PrepareDecode, PrepareDecodeReply, PullLayers, PullLayersReply, PrefillDone,
     PrefillDoneReply, AbortDecode, AbortDecodeReply, DataPathRequest, DataPathReply,
 )
+from common.protocol.engine import (
+    ENGINE_API_VERSION, ArenaSlot, EnginePrompt, AttachEngine, EngineAttached, NextRequest,
+    ClaimRequest, PrefillAssigned, DecodeAssigned, Assigned, WaitLayer, LayerReady, PutLayer,
+    FinishPrefill, TookKV, SecondToken, NewBlock, BlockOpened, PutBlock, FinishDecode,
+    FailRequest, EngineOk, EngineRequest, EngineReply, ReportCounters,
+)
 
 __all__ = [
     "PROTOCOL_VERSION", "Message", "ErrorReply", "union_members", "ServerHello", "Hello",
@@ -67,4 +74,9 @@ __all__ = [
     "ReportProgressReply", "NodeRequest", "NodeReply", "SchedulerRequest", "LayerSlots",
     "PrepareDecode", "PrepareDecodeReply", "PullLayers", "PullLayersReply", "PrefillDone",
     "PrefillDoneReply", "AbortDecode", "AbortDecodeReply", "DataPathRequest", "DataPathReply",
+    "ENGINE_API_VERSION", "ArenaSlot", "EnginePrompt", "AttachEngine", "EngineAttached",
+    "NextRequest", "ClaimRequest", "PrefillAssigned", "DecodeAssigned", "Assigned", "WaitLayer",
+    "LayerReady", "PutLayer", "FinishPrefill", "TookKV", "SecondToken", "NewBlock",
+    "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "EngineOk", "EngineRequest",
+    "EngineReply", "ReportCounters",
 ]

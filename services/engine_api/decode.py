@@ -31,6 +31,7 @@ import numpy as np
 
 from common.errors import Cancelled
 
+from .claims import ClaimableQueue
 from .prompt import PromptInfo
 
 
@@ -87,7 +88,7 @@ class DecodeBackend(Protocol):
     async def fail(self, req: DecodeRequest, error: BaseException | None) -> None: ...
 
 
-class DecodePort:
+class DecodePort(ClaimableQueue):
     """One decode engine's queue of requests whose prompt KV is assembled."""
 
     def __init__(self, engine_id: str) -> None:
@@ -95,13 +96,18 @@ class DecodePort:
         self._queue: deque[DecodeRequest] = deque()
         self._ready = asyncio.Event()
         self.closed = False
+        super().__init__()
 
     def __len__(self) -> int:
         return len(self._queue)
 
+    def _live(self, req) -> bool:
+        return not req.cancelled
+
     def put(self, req: DecodeRequest) -> None:
         self._queue.append(req)
         self._ready.set()
+        self._note_arrival()
 
     def discard(self, req: DecodeRequest) -> bool:
         """Take a request back before the engine got it (True: the engine never saw it)."""
@@ -132,6 +138,7 @@ class DecodePort:
     def close(self) -> None:
         self.closed = True
         self._ready.set()
+        self._note_arrival()
 
     async def took_kv(self, req: DecodeRequest) -> None:
         """The engine copied the prompt KV (H2D): the host pages may be freed."""

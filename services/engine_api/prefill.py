@@ -32,6 +32,7 @@ import numpy as np
 
 from common.errors import Cancelled
 
+from .claims import ClaimableQueue
 from .prompt import PromptInfo
 
 
@@ -111,7 +112,7 @@ class PrefillHandle:
         await self._b.fail(error)
 
 
-class PrefillPort:
+class PrefillPort(ClaimableQueue):
     """One prefill engine's queue of requests, filled by the PE receiver."""
 
     def __init__(self, engine_id: str) -> None:
@@ -119,14 +120,19 @@ class PrefillPort:
         self._queue: deque[PrefillHandle] = deque()
         self._ready = asyncio.Event()
         self.closed = False
+        super().__init__()
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def _live(self, h) -> bool:
+        return not h.dropped
 
     def put(self, handle: PrefillHandle) -> None:
         """Receiver side: a request whose hit length is known is ready for this engine."""
         self._queue.append(handle)
         self._ready.set()
+        self._note_arrival()
 
     def try_next(self) -> PrefillHandle | None:
         """The next live request without waiting (dropped ones are released on the way)."""
@@ -165,6 +171,7 @@ class PrefillPort:
             h.ended = True
             _release_soon(h)
         self._ready.set()
+        self._note_arrival()
 
 
 def _release_soon(h: PrefillHandle) -> None:

@@ -26,6 +26,7 @@ from common.service import Service
 from common.transport import PageTransport
 from services.node.arbiter import EgressArbiter
 from services.engine_api.kv_region import RegionPool
+from services.engine_api.server import EngineApiServer
 from services.scheduler.node_client import NodeSession
 from storage_gateway.client import GatewayClient
 
@@ -45,6 +46,8 @@ class NodeBase(Service):
     name = "node"
     role = ""
     request_union: Any = None
+    ports: dict[str, Any]                            # engine id → PrefillPort / DecodePort
+    attempts: dict[tuple[str, int], Any]             # (request id, attempt) → live attempt
 
     def __init__(self, cfg: ServicesConfig, node_id: str, settings: NodeServiceConfig, *,
                  spec: KVSpec | None = None, engines: int | None = None,
@@ -56,8 +59,9 @@ class NodeBase(Service):
         if n <= 0:
             raise InvalidArgument(f"a node needs at least one engine, got {n}")
         self.engine_ids = [f"{node_id}.e{i}" for i in range(n)]
+        shm = (cfg.gateway.shm and bool(settings.gateway_port)) or bool(settings.engine_socket)
         self.pool = PagePool(settings.page_bytes, settings.num_pages, settings.device, pool_name,
-                             shm=cfg.gateway.shm and bool(settings.gateway_port))  # same-host reads
+                             shm=shm)      # same-host reads, engines in other processes
         self.regions = RegionPool(self.pool)
         self.arbiter = EgressArbiter(cfg.arbiter)
         self.transport: PageTransport | None = None
@@ -69,6 +73,7 @@ class NodeBase(Service):
         self._gateways: dict[tuple[str, int], GatewayClient] = {}
         self._closing = False
         self.extra_stats = None           # () -> dict: e.g. the attached engines' counters
+        self.engine_api: EngineApiServer | None = None    # engines in other processes
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -80,6 +85,8 @@ class NodeBase(Service):
                              kv_fingerprint=self.spec.fingerprint(),
                              auth_secret=load_secret(self.cfg.rpc))
         await self.rpc.start(s.host, s.rpc_port)
+        if s.engine_socket:
+            await self._serve_engines(s.engine_socket)
         if s.scheduler_port:
             infos = [EngineInfo(e, self.role, self.engine_hbm()) for e in self.engine_ids]
             self.session = NodeSession(
@@ -93,6 +100,22 @@ class NodeBase(Service):
                       ucx_port=self.transport.address[1], engines=len(self.engine_ids),
                       buffer_bytes=self.pool.arena.nbytes, kv=self.spec.describe(),
                       scheduler=bool(self.session))
+
+    async def _serve_engines(self, path: str) -> None:
+        """Serve this node's engine ports on a Unix socket (docs/engine-api.md)."""
+        shm = self.pool.shm
+        self.engine_api = EngineApiServer(
+            self.cfg.rpc, node_id=self.node_id, role=self.role, spec=self.spec,
+            ports=self.ports, arena=self.pool.arena, arena_name=shm.name if shm else None,
+            owner_of=self._engine_of)
+        await self.engine_api.start(path)
+
+    def _engine_of(self, request_id: str) -> str | None:
+        """The engine a live attempt of ``request_id`` is assigned to (None: none here)."""
+        for (rid, _), att in self.attempts.items():
+            if rid == request_id and not getattr(att, "done", False):
+                return att.engine_id
+        return None
 
     def loops(self):
         out = []
@@ -109,6 +132,8 @@ class NodeBase(Service):
         await super().stop()
 
     async def on_stop(self) -> None:
+        if self.engine_api is not None:
+            await self.engine_api.stop()
         if self.session is not None:
             await self.session.close()
         if self.rpc is not None:
@@ -234,6 +259,9 @@ class NodeBase(Service):
         out.update(self.arbiter.stats())
         out.update({k: float(v) for k, v in self.counters.items()})
         out.update(self.node_counters())
+        if self.engine_api is not None:
+            out.update({f"engine_api_{k}": v for k, v in self.engine_api.stats().items()})
+            out.update({f"engine_{k}": v for k, v in self.engine_api.engine_counters().items()})
         if self.extra_stats is not None:
             out.update({f"engine_{k}": float(v) for k, v in self.extra_stats().items()})
         out.update(rpc_port=float(self.rpc.port), ucx_port=float(self.transport.address[1]),

@@ -32,6 +32,8 @@ class NodeServiceConfig(Section):
     telemetry_interval_s: PositiveFloat = 0.2       # gateway read-queue watch
     engine_release_timeout_s: PositiveFloat = 30.0  # pages of a dropped request an engine still holds
     control_timeout_s: PositiveFloat = 10.0         # one data-path / report RPC
+    engine_socket: str = ""                         # Unix socket engines in other processes
+                                                    # attach to (docs/engine-api.md); "": none
 
     @property
     def num_pages(self) -> int:

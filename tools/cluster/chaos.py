@@ -218,13 +218,16 @@ class ChaosLauncher(Launcher):
         os.kill(self.state.proc(name).pid, signal.SIGUSR1)
 
 
-def chaos_cluster(config: str | None = None, root: Path | None = None) -> Cluster:
+def chaos_cluster(config: str | None = None, root: Path | None = None,
+                  remote_engines: bool = False) -> Cluster:
     cluster = load_cluster(config)
     overrides = {k: dict(v) for k, v in CHAOS_SETTINGS.items()}
     if root is not None:
         overrides["cluster"] = {"name": f"{cluster.spec.name}-chaos",
                                 "data_dir": str(root / "cluster"),
                                 "storage_root": str(root / "storage")}
+    if remote_engines:        # engines in their own processes: victims of their own
+        overrides.setdefault("cluster", {})["remote_engines"] = True
     return cluster.with_overrides(**overrides).with_mode(MODE)
 
 
@@ -280,9 +283,10 @@ async def drive(scheduler: tuple[str, int], seed: int, agents: int, turns: int,
 class ChaosHarness:
     """One chaos cluster; :meth:`run_case` injects one :class:`Fault` and judges it."""
 
-    def __init__(self, config: str | None = None, echo: Any = None) -> None:
+    def __init__(self, config: str | None = None, echo: Any = None,
+                 remote_engines: bool = False) -> None:
         self._tmp = Path(tempfile.mkdtemp(prefix="dualpath-chaos-"))
-        self.cluster = chaos_cluster(config, self._tmp)
+        self.cluster = chaos_cluster(config, self._tmp, remote_engines)
         self.launcher = ChaosLauncher(self.cluster)
         self.echo = echo or (lambda msg: None)
         self._seed = 1000
@@ -319,8 +323,17 @@ class ChaosHarness:
         return self.cluster.cfg.rpc
 
     # ------------------------------------------------------------------ probes
-    async def stats(self, name: str, timeout: float = 5.0) -> dict[str, float] | None:
+    def node_of(self, name: str) -> str:
+        """The node service an engine process (``engine_sim:p0``) attaches to; else ``name``."""
         p = self.launcher.state.proc(name)
+        if p.service != "engine_sim":
+            return name
+        return next(q.name for q in self.launcher.state.procs
+                    if q.node == p.node and q.service in RECOVERY_COUNTERS and
+                    q.service != "gateway")
+
+    async def stats(self, name: str, timeout: float = 5.0) -> dict[str, float] | None:
+        p = self.launcher.state.proc(self.node_of(name))
         client = RpcClient(self.rpc, p.host, int(p.rpc_port), role="monitor", node_id="chaos",
                            reply_type=_StatsReply)
         try:
@@ -339,7 +352,7 @@ class ChaosHarness:
 
     async def epoch(self, name: str) -> int | None:
         p = self.launcher.state.proc(name)
-        if p.service == "gateway":
+        if p.service in ("gateway", "engine_sim"):
             return None
         for n in (await self.status()).nodes:
             if n.node_id == p.node and n.service == p.service and n.engines:
@@ -457,9 +470,11 @@ class ChaosHarness:
     async def _recovery(self, fault: Fault, t_back: float) -> float | None:
         """Seconds from ``t_back`` until a transfer went through the victim again (after it
         rejoined: a paused process's counters keep what it did before)."""
-        name = fault.target
+        name = self.node_of(fault.target)     # an engine process: its node's transfers
         keys = RECOVERY_COUNTERS[self.launcher.state.proc(name).service]
-        base = 0.0 if fault.action == "kill" else None     # a restarted process counts from 0
+        # a restarted process counts from 0; a paused one, or the node of a restarted engine,
+        # from what it showed when the victim came back
+        base = 0.0 if fault.action == "kill" and name == fault.target else None
         end = time.monotonic() + DEADLINE_S * 2
         while time.monotonic() < end:
             st = await self.stats(name, timeout=1.0)
@@ -477,7 +492,12 @@ class ChaosHarness:
         p = self.launcher.state.proc(name)
         end = time.monotonic() + 20.0
         while time.monotonic() < end:
-            if p.service == "gateway":
+            if p.service == "engine_sim":        # every engine attached to its node again
+                st = await self.stats(name)
+                if st is not None and st.get("engine_api_engines_attached") == len(p.engines):
+                    res.rejoined = True
+                    return
+            elif p.service == "gateway":
                 if self._state(p) == "running" and await self.stats(name) is not None:
                     res.rejoined = True
                     return
@@ -536,7 +556,8 @@ class ChaosHarness:
     async def _leaks(self) -> tuple[dict[str, int | None], int]:
         """Pages not free per service (every ``*_pages_total`` pool), prompt/hit mismatches."""
         out, mismatches = {}, 0
-        names = [p.name for p in self.launcher.state.procs if p.service != "scheduler"]
+        names = [p.name for p in self.launcher.state.procs
+                 if p.service not in ("scheduler", "engine_sim")]     # engines hold no pool
         got = await asyncio.gather(*(self.stats(n) for n in names))
         # one more try for a survivor that did not answer: on a loaded 2-core host a connect +
         # handshake can miss one deadline; one that misses twice is reported unreachable

@@ -384,7 +384,14 @@ def _node_overrides(cluster: Cluster, node: NodeSpec, service: str,
                         "scheduler_host": sh, "scheduler_port": sp, "gateway_host": host,
                         "gateway_port": node.gateway_port if gateway_port is None
                         else gateway_port}
+        if c.remote_engines:
+            out[service]["engine_socket"] = engine_socket_path(cluster, node.id)
     return out
+
+
+def engine_socket_path(cluster: Cluster, node_id: str) -> str:
+    """Where node ``node_id`` serves its engines when ``[cluster] remote_engines`` is set."""
+    return str((cluster.spec.state_dir() / f"{node_id}.engine.sock").resolve())
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,7 @@ class InProcessCluster:
     gateways: dict[str, GatewayService] = field(default_factory=dict)
     pe: dict[str, PEReceiverService] = field(default_factory=dict)
     de: dict[str, DELoaderService] = field(default_factory=dict)
-    engines: dict[str, EngineHost] = field(default_factory=dict)
+    engines: dict[str, Any] = field(default_factory=dict)      # EngineHost / RemoteEngineHost
     scheduler: Any = None         # SchedulerService (None: started without one)
     hit_lookup: Any = None        # the scheduler's GatewayHitLookup (None: no gateway known)
     stub: Any = None              # StubCluster when started with stub=True
@@ -117,6 +117,18 @@ async def attach_engines(stack: contextlib.AsyncExitStack, svc: Any, engine_cfg:
                          ) -> EngineHost:
     """Start ``svc``'s emulated engines (stopped before it: the stack unwinds in reverse)."""
     host = await stack.enter_async_context(EngineHost(svc, engine_cfg))
+    svc.extra_stats = host.counters
+    return host
+
+
+async def attach_remote_engines(stack: contextlib.AsyncExitStack, svc: Any, cfg: Any) -> Any:
+    """``svc``'s emulated engines attached over its engine socket (``[cluster]
+    remote_engines``): in this loop, but every request crosses the engine channel and every
+    KV byte the node's shared-memory arena, as with an engine process."""
+    from tools.engine_sim.remote_host import RemoteEngineHost
+    host = RemoteEngineHost(svc.settings.engine_socket, svc.engine_ids, svc.role, svc.spec,
+                            cfg.engine_sim)
+    await stack.enter_async_context(host)
     svc.extra_stats = host.counters
     return host
 
@@ -186,7 +198,10 @@ async def _start_all(stack: contextlib.AsyncExitStack, c: InProcessCluster,
                              gateway_port=c.gateways[n.id].rpc_port)
         svc = await stack.enter_async_context(node_service(service, cfg, n.id))
         c.add_node(svc)
-        c.engines[n.id] = await attach_engines(stack, svc, cfg.engine_sim)
+        if cluster.spec.remote_engines:
+            c.engines[n.id] = await attach_remote_engines(stack, svc, cfg)
+        else:
+            c.engines[n.id] = await attach_engines(stack, svc, cfg.engine_sim)
 
 
 # --------------------------------------------------------------------------- ad hoc, small

@@ -7,7 +7,8 @@ in three waves, each waited for before the next (a ready file per service, proce
 1. one storage gateway per node (they share ``storage_root``);
 2. the scheduler, its hit lookup given every gateway (asked in turn, the next on a failure);
 3. per node the PE receiver / DE loader with its emulated engines, given the scheduler's and
-   its gateway's ports;
+   its gateway's ports (with ``[cluster] remote_engines`` the engines run in a fourth wave,
+   one ``dualpath serve engine_sim`` process per node attached over the node's engine socket);
 
 and finally polls the scheduler until every node service holds a lease. The state file
 (``state.json``: pids with their kernel start times, ports, log paths) is rewritten after each
@@ -192,6 +193,8 @@ class Launcher:
                                     "--gateway-port",
                                     str(self.state.proc(f"gateway:{n.id}").rpc_port)])
                         for n in c.nodes])
+            if c.remote_engines:          # each node's emulated engines in their own process
+                self._wave([self._argv("engine_sim", n.id) for n in c.nodes])
             self._wait_registered()
         except BaseException:
             self.down()
@@ -326,7 +329,8 @@ class Launcher:
         return stopped
 
 
-_STOP_ORDER = {"pe_receiver": 0, "de_loader": 0, "scheduler": 1, "gateway": 2}
+_STOP_ORDER = {"engine_sim": -1, "pe_receiver": 0, "de_loader": 0, "scheduler": 1,
+               "gateway": 2}
 
 
 def stop_procs(procs: list[Proc], grace_s: float) -> list[str]:

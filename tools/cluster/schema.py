@@ -43,6 +43,8 @@ class ClusterSection(Section):
     data_dir: str = "data/cluster"               # <data_dir>/<name>/: state file, logs
     storage_root: str = ""                       # "": data/storage/<name> (shared by all gateways)
     engines_per_node: PositiveInt = 2
+    remote_engines: bool = False                 # engines in their own processes, attached over
+                                                 # <state_dir>/<node>.engine.sock (engine-api.md)
     time_scale: PositiveFloat = 1.0              # engine emulators: × every cost-model second
     slo_scale: PositiveFloat | None = None       # SLO thresholds × this (None: time_scale)
     storage_link_bytes_per_s: NonNegFloat = 0.0  # emulated SNIC per node; 0 = unlimited

@@ -7,6 +7,8 @@ What the launcher, the systemd units, docker-compose, tests and scripts all run:
     dualpath serve pe_receiver -c configs/local-1p2d.toml --node p0 [--scheduler HOST:PORT]
     dualpath serve de_loader   -c configs/local-1p2d.toml --node d0 [--gateway-port P]
     dualpath serve node        -c ... --node d0      # the node's role service (PE / DE)
+    dualpath serve engine_sim  -c ... --node p0      # its emulated engines, in this process,
+                                                     # attached over the node's engine socket
     dualpath serve gateway     -c configs/default.toml --node n0 --port 0   # a plain host file
 
 ``-c`` takes a cluster file (one with a ``[cluster]`` section: the service's config is rendered
@@ -52,7 +54,7 @@ from tools.config import DualpathConfig
 
 from .config import ROLE_SERVICE, Cluster, apply_mode, load_cluster, load_data, service_config
 
-SERVICE_CHOICES = ("scheduler", "gateway", "pe_receiver", "de_loader", "node")
+SERVICE_CHOICES = ("scheduler", "gateway", "pe_receiver", "de_loader", "node", "engine_sim")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="node services: emulated engines (default: from the config)")
     p.add_argument("--no-engines", action="store_true",
                    help="attach no emulated engines (a real engine embeds the API instead)")
+    p.add_argument("--engine-socket", default=None,
+                   help="node services: serve the engine ports on this Unix socket (engines "
+                        "in other processes attach; no emulated engines here); engine_sim: "
+                        "the node socket to attach to (default: the node's engine_socket)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics here (0: any free port)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the ready JSON here")
@@ -118,7 +124,7 @@ class Target:
 
     def service(self, service: str, node: str | None) -> str:
         """``service`` with ``node`` resolved to the node's role service."""
-        if service != "node":
+        if service not in ("node", "engine_sim"):
             return service
         if self.cluster is None:
             raise ConfigError("serve node: a plain host config (no [cluster]) has no node "
@@ -186,6 +192,8 @@ class _Roles:
     async def start(self, stack: contextlib.AsyncExitStack) -> tuple[Any, dict[str, Any]]:
         start = {"scheduler": self._scheduler, "gateway": self._gateway}.get(self.service,
                                                                              self._node)
+        if self.args.service == "engine_sim":
+            start = self._engine_sim
         svc = await start(stack)
         await self._metrics(stack)
         return svc, self.info
@@ -234,14 +242,39 @@ class _Roles:
                                  gateway_port=a.gateway_port)
         if a.port is not None:
             cfg = _with_section(cfg, service, rpc_port=a.port)
+        if a.engine_socket is not None:
+            cfg = _with_section(cfg, service, engine_socket=a.engine_socket)
         svc = await stack.enter_async_context(
             node_service(service, cfg, node, engines=a.engines))
-        if not a.no_engines:
+        if not a.no_engines and not getattr(cfg, service).engine_socket:
             await attach_engines(stack, svc, cfg.engine_sim)
         self.info.update(host=getattr(cfg, service).host, rpc_port=svc.rpc_port,
                          ucx_port=svc.ucx_address[1], engines=list(svc.engine_ids))
         self._source(stack, service, node, svc.stats)
         return svc
+
+    async def _engine_sim(self, stack: contextlib.AsyncExitStack) -> Any:
+        """The node's emulated engines in this process, attached over its engine socket."""
+        from common.kv import spec_from_config
+        from tools.engine_sim.remote_host import RemoteEngineHost
+        a, service = self.args, self.service
+        node = _need(a.node, "engine_sim")
+        cfg = self.target.config(service, node)
+        settings = getattr(cfg, service)
+        path = a.engine_socket or settings.engine_socket
+        if not path:
+            raise ConfigError(f"serve engine_sim: node {node} has no engine_socket; set "
+                              f"[{service}] engine_socket (or [cluster] remote_engines) or "
+                              f"pass --engine-socket")
+        n = a.engines if a.engines is not None else settings.engines
+        host = RemoteEngineHost(path, [f"{node}.e{i}" for i in range(n)],
+                                "prefill" if service == "pe_receiver" else "decode",
+                                spec_from_config(cfg.kv), cfg.engine_sim)
+        await stack.enter_async_context(host)
+        self.info.update(service="engine_sim", host=settings.host, rpc_port=None,
+                         engines=host.engine_ids, engine_socket=path)
+        self._source(stack, "engine_sim", node, host.counters)
+        return host
 
     def _source(self, stack: contextlib.AsyncExitStack, service: str, node: str, fn: Any
                 ) -> None:

@@ -1,0 +1,412 @@
+"""The node side of the cross-process engine API: engines in other processes drive the node's
+in-process ports over a Unix socket (docs/engine-api.md "Cross-process").
+
+One :class:`EngineApiServer` per node service. Each connection attaches as one engine of the
+node and then acts, through this server, exactly like an in-process engine on that engine's
+:class:`~services.engine_api.prefill.PrefillPort` / :class:`~services.engine_api.decode.DecodePort`
+— every rule of the in-process API (layer order, finish once, what is freed when) is enforced by
+the same objects. What this module adds is the mapping between handles and wire messages:
+views become :class:`~common.protocol.ArenaSlot` s of the node's ``/dev/shm`` arena (the engine
+maps it once), handles are held per session, and a session that ends — engine exit, kill -9,
+a replacing attach — fails every request it held as retryable (``PeerFailed``), which frees
+their pages and lets the scheduler re-plan them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from common.config import RpcConfig
+from common.errors import (AlreadyExists, DeadlineExceeded, DualpathError, InternalError,
+                           InvalidArgument, KVSpecMismatch, NotFound, PeerFailed, Unavailable,
+                           VersionMismatch)
+from common.kv import KVSpec
+from common.protocol import (ENGINE_API_VERSION, ArenaSlot, Assigned, AttachEngine,
+                             BlockOpened, ClaimRequest, DecodeAssigned, EngineAttached,
+                             EngineOk, EnginePrompt, EngineRequest, FailRequest, FinishDecode,
+                             FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
+                             PutBlock, PutLayer, ReportCounters, SecondToken, TookKV,
+                             WaitLayer)
+from common.rpc import CallContext, RpcServer, ServerConnection
+
+from .decode import DecodePort, DecodeRequest, GeneratedBlock
+from .prefill import PrefillHandle
+from .prompt import PromptInfo
+
+log = structlog.get_logger(__name__)
+
+MAX_WAIT_S = 60.0          # longest one NextRequest / ClaimRequest / WaitLayer blocks
+MAX_ITEMS = 64             # most requests one NextRequest hands out
+CLAIM_RECHECK_S = 0.25     # a waiting claim re-checks whether another engine got the id
+
+
+@dataclass(eq=False)
+class EngineSession:
+    """One attached engine: the requests and generated-block pages it holds."""
+
+    conn: ServerConnection
+    engine_id: str
+    role: str
+    prefill: dict[str, PrefillHandle] = field(default_factory=dict)
+    decode: dict[str, DecodeRequest] = field(default_factory=dict)
+    blocks: dict[tuple[str, int], GeneratedBlock] = field(default_factory=dict)
+    closed: bool = False
+
+    @property
+    def held(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+
+class EngineApiServer:
+    """Serves ``ports`` (engine id → port) of node ``node_id`` on a Unix socket."""
+
+    def __init__(self, rpc_cfg: RpcConfig, *, node_id: str, role: str, spec: KVSpec,
+                 ports: dict[str, Any], arena: Any, arena_name: str | None,
+                 owner_of: Callable[[str], str | None]) -> None:
+        self.node_id, self.role, self.spec = node_id, role, spec
+        self.ports = ports
+        self.arena = arena
+        self.arena_name = arena_name
+        self._arena_base = arena.ctypes.data if isinstance(arena, np.ndarray) else 0
+        self.owner_of = owner_of
+        self.sessions: dict[str, EngineSession] = {}        # engine id → session
+        self._by_conn: dict[int, EngineSession] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.reported: dict[str, dict[str, float]] = {}    # engine id → its latest counters
+        self.rpc = RpcServer(rpc_cfg, service=f"engine_api:{node_id}", node_id=node_id,
+                             handlers=self.handlers(), request_type=EngineRequest,
+                             on_disconnect=self._on_disconnect)
+        self.path: str | None = None
+
+    def handlers(self) -> dict[type, Any]:
+        return {AttachEngine: self._attach, NextRequest: self._next, ClaimRequest: self._claim,
+                WaitLayer: self._wait_layer, PutLayer: self._put_layer,
+                FinishPrefill: self._finish_prefill, TookKV: self._took_kv,
+                SecondToken: self._second_token, NewBlock: self._new_block,
+                PutBlock: self._put_block, FinishDecode: self._finish_decode,
+                FailRequest: self._fail, ReportCounters: self._report_counters}
+
+    async def start(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        await self.rpc.start_unix(path)
+        os.chmod(path, 0o600)        # the trust boundary is the uid, as for the arena (common.shm)
+        self.path = path
+        log.info("engine_api_listening", node=self.node_id, path=path, engines=len(self.ports))
+
+    async def stop(self) -> None:
+        await self.rpc.stop(grace_s=0.5)
+        for sess in list(self.sessions.values()):
+            await self._detach(sess, "node service stopping")
+
+    def attached(self) -> list[str]:
+        return sorted(self.sessions)
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.counters.items()}
+        out["engines_attached"] = float(len(self.sessions))
+        out["requests_held"] = float(sum(s.held for s in self.sessions.values()))
+        return out
+
+    def engine_counters(self) -> dict[str, float]:
+        """The counters the engines reported, summed over engines (kept after a detach)."""
+        total: collections.Counter[str] = collections.Counter()
+        for counters in self.reported.values():
+            total.update(counters)
+        return dict(total)
+
+    async def _report_counters(self, msg: ReportCounters, ctx: CallContext) -> EngineOk:
+        sess = self._session(ctx)
+        if len(msg.counters) > 256:
+            raise InvalidArgument(f"{len(msg.counters)} counters reported, at most 256")
+        self.reported[sess.engine_id] = {k[:64]: float(v) for k, v in msg.counters.items()}
+        return EngineOk()
+
+    # ------------------------------------------------------------------ attach / detach
+    async def _attach(self, msg: AttachEngine, ctx: CallContext) -> EngineAttached:
+        try:
+            self._check_attach(msg, ctx)
+        except DualpathError as e:
+            self.counters["attach_refused"] += 1
+            log.warning("engine_attach_refused", node=self.node_id, engine=msg.engine_id,
+                        code=e.code.value, error=e.message)
+            raise
+        old = self.sessions.get(msg.engine_id)
+        if old is not None:
+            await self._detach(old, f"replaced by a new attach of {msg.engine_id}")
+            old.conn.sender.abort(f"engine {msg.engine_id} was attached again (replace)")
+        sess = EngineSession(ctx.conn, msg.engine_id, msg.role)
+        self.sessions[msg.engine_id] = sess
+        self._by_conn[ctx.conn_id] = sess
+        self.counters["attaches"] += 1
+        log.info("engine_attached", node=self.node_id, engine=msg.engine_id,
+                 replaced=old is not None)
+        return EngineAttached(self.node_id, msg.engine_id, self.spec, self.arena_name or "",
+                              int(self.arena.nbytes), MAX_WAIT_S)
+
+    def _check_attach(self, msg: AttachEngine, ctx: CallContext) -> None:
+        if ctx.conn_id in self._by_conn:
+            raise InvalidArgument(f"this connection is already attached as "
+                                  f"{self._by_conn[ctx.conn_id].engine_id}")
+        if msg.api_version != ENGINE_API_VERSION:
+            raise VersionMismatch(f"engine speaks engine API v{msg.api_version}, node "
+                                  f"{self.node_id} speaks v{ENGINE_API_VERSION}; deploy "
+                                  f"matching dualpath versions")
+        if msg.engine_id not in self.ports:
+            raise NotFound(f"node {self.node_id} has no engine {msg.engine_id!r}; its engines "
+                           f"are {sorted(self.ports)}")
+        if msg.role != self.role:
+            raise InvalidArgument(f"engine {msg.engine_id} attaches as {msg.role}, node "
+                                  f"{self.node_id} serves {self.role} engines")
+        if msg.kv_spec.fingerprint() != self.spec.fingerprint():
+            raise KVSpecMismatch(f"KV spec mismatch: engine {msg.engine_id} has "
+                                 f"{_describe(msg.kv_spec)}, node {self.node_id} has "
+                                 f"{_describe(self.spec)} — check the model / [kv] config")
+        if not self.arena_name:
+            raise Unavailable(f"node {self.node_id}'s buffer is not in shared memory (/dev/shm "
+                              f"full or a device buffer): engines cannot attach from another "
+                              f"process")
+        if msg.engine_id in self.sessions and not msg.replace:
+            raise AlreadyExists(f"engine {msg.engine_id} is already attached on "
+                                f"{self.node_id}; attach with replace=True to take it over")
+
+    async def _on_disconnect(self, conn: ServerConnection) -> None:
+        sess = self._by_conn.get(conn.conn_id)
+        if sess is not None:
+            await self._detach(sess, "engine disconnected")
+
+    async def _detach(self, sess: EngineSession, reason: str) -> None:
+        """Fail every request ``sess`` holds (retryable: the scheduler re-plans them)."""
+        if sess.closed:
+            return
+        sess.closed = True
+        self._by_conn.pop(sess.conn.conn_id, None)
+        if self.sessions.get(sess.engine_id) is sess:
+            del self.sessions[sess.engine_id]
+        err = f"engine {sess.engine_id} on {self.node_id}: {reason}"
+        held = sess.held
+        for h in list(sess.prefill.values()):
+            await h.fail(PeerFailed(err))
+        port = self.ports[sess.engine_id]
+        for req in list(sess.decode.values()):
+            await port.fail(req, PeerFailed(err))
+        sess.prefill.clear()
+        sess.decode.clear()
+        sess.blocks.clear()
+        self.counters["detaches"] += 1
+        self.counters["requests_failed_on_detach"] += held
+        log.info("engine_detached", node=self.node_id, engine=sess.engine_id, reason=reason,
+                 requests_failed=held)
+
+    def _session(self, ctx: CallContext) -> EngineSession:
+        sess = self._by_conn.get(ctx.conn_id)
+        if sess is None or sess.closed:
+            raise InvalidArgument("attach first (AttachEngine) — this connection is no engine")
+        return sess
+
+    def _open_port(self, sess: EngineSession) -> Any:
+        port = self.ports[sess.engine_id]
+        if port.closed:
+            raise Unavailable(f"node {self.node_id} is stopping; attach again once it is back",
+                              retry_after_s=0.5)
+        return port
+
+    # ------------------------------------------------------------------ getting requests
+    async def _next(self, msg: NextRequest, ctx: CallContext) -> Assigned:
+        sess = self._session(ctx)
+        timeout = _timeout(msg.timeout_s)
+        if not 1 <= msg.max_items <= MAX_ITEMS:
+            raise InvalidArgument(f"max_items must be in [1, {MAX_ITEMS}], got {msg.max_items}")
+        port = self._open_port(sess)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        got: list[Any] = []
+        while not got and not sess.closed:
+            if (item := port.try_next()) is not None:
+                got.append(item)
+                break
+            left = end - loop.time()
+            if left <= 0:
+                break
+            await port.wait_arrival(left)
+            self._open_port(sess)
+        while got and len(got) < msg.max_items and (item := port.try_next()) is not None:
+            got.append(item)
+        return self._assign(sess, got)
+
+    async def _claim(self, msg: ClaimRequest, ctx: CallContext) -> Assigned:
+        sess = self._session(ctx)
+        timeout = _timeout(msg.timeout_s)
+        rid = msg.request_id
+        if rid in sess.prefill or rid in sess.decode:
+            raise InvalidArgument(f"request {rid!r} is already claimed by {sess.engine_id}")
+        port = self._open_port(sess)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while not sess.closed:
+            if (item := port.take(rid)) is not None:
+                return self._assign(sess, [item])
+            owner = self.owner_of(rid)
+            if owner is not None and owner != sess.engine_id:
+                raise InvalidArgument(f"request {rid!r} is assigned to engine {owner}, not "
+                                      f"{sess.engine_id}")
+            left = end - loop.time()
+            if left <= 0:
+                break
+            await port.wait_arrival(min(left, CLAIM_RECHECK_S))
+            self._open_port(sess)
+        self.counters["claims_not_found"] += 1
+        raise NotFound(f"request {rid!r} was not assigned to {sess.engine_id} on "
+                       f"{self.node_id} within {timeout:.3g}s")
+
+    def _assign(self, sess: EngineSession, items: list[Any]) -> Assigned:
+        """Register ``items`` with the session (before any await: a disconnect fails them)."""
+        out = Assigned()
+        for item in items:
+            self.counters["requests_handed"] += 1
+            if isinstance(item, PrefillHandle):
+                sess.prefill[item.request_id] = item
+                out.prefill.append(PrefillAssigned(_prompt(item.info), item.hit_tokens))
+            else:
+                sess.decode[item.request_id] = item
+                layers = [self._slot(item.layer(layer)) for layer in range(self.spec.num_layers)]
+                out.decode.append(DecodeAssigned(_prompt(item.info), item.hit_tokens,
+                                                 item.first_token_id, layers))
+        return out
+
+    # ------------------------------------------------------------------ prefill calls
+    async def _wait_layer(self, msg: WaitLayer, ctx: CallContext) -> LayerReady:
+        h = self._held_prefill(ctx, msg.request_id, msg.attempt)
+        timeout = _timeout(msg.timeout_s)
+        try:
+            async with asyncio.timeout(timeout):
+                hit = await h.layer(msg.layer)
+        except TimeoutError:
+            raise DeadlineExceeded(f"layer {msg.layer} of {msg.request_id!r} not loaded within "
+                                   f"{timeout:.3g}s (ask again)") from None
+        return LayerReady(msg.request_id, msg.layer, self._slot(hit),
+                          self._slot(h.output(msg.layer)), self._slot(h.prompt_layer(msg.layer)))
+
+    async def _put_layer(self, msg: PutLayer, ctx: CallContext) -> EngineOk:
+        h = self._held_prefill(ctx, msg.request_id, msg.attempt)
+        if not 0 <= msg.layer < self.spec.num_layers:
+            raise InvalidArgument(f"layer {msg.layer} out of range [0, {self.spec.num_layers})")
+        await h.put_layer(msg.layer)
+        return EngineOk(msg.request_id)
+
+    async def _finish_prefill(self, msg: FinishPrefill, ctx: CallContext) -> EngineOk:
+        h = self._held_prefill(ctx, msg.request_id, msg.attempt)
+        self._session(ctx).prefill.pop(msg.request_id, None)
+        await h.finish(msg.first_token_id)
+        self.counters["prefills_finished"] += 1
+        return EngineOk(msg.request_id)
+
+    def _held_prefill(self, ctx: CallContext, rid: str, attempt: int) -> PrefillHandle:
+        h: PrefillHandle = self._held(ctx, rid, attempt, "prefill")
+        return h
+
+    def _held(self, ctx: CallContext, rid: str, attempt: int, role: str) -> Any:
+        """The request ``rid`` (attempt ``attempt``) this connection's engine holds."""
+        sess = self._session(ctx)
+        if sess.role != role:
+            raise InvalidArgument(f"{sess.engine_id} is a {sess.role} engine: {role} calls "
+                                  f"refused")
+        item = (sess.prefill if role == "prefill" else sess.decode).get(rid)
+        if item is None or item.info.attempt != attempt:
+            raise NotFound(f"engine {sess.engine_id} holds no attempt {attempt} of {rid!r} "
+                           f"(not handed to it, another engine's, already finished or failed)")
+        return item
+
+    # ------------------------------------------------------------------ decode calls
+    async def _took_kv(self, msg: TookKV, ctx: CallContext) -> EngineOk:
+        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        await port.took_kv(req)
+        return EngineOk(msg.request_id)
+
+    async def _second_token(self, msg: SecondToken, ctx: CallContext) -> EngineOk:
+        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        await port.second_token(req)
+        return EngineOk(msg.request_id)
+
+    async def _new_block(self, msg: NewBlock, ctx: CallContext) -> BlockOpened:
+        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        blk = await port.new_block(req, msg.token_ids)
+        self._session(ctx).blocks[(msg.request_id, blk.index)] = blk
+        return BlockOpened(msg.request_id, blk.index, blk.key, self._slot(blk.view))
+
+    async def _put_block(self, msg: PutBlock, ctx: CallContext) -> EngineOk:
+        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        blk = self._session(ctx).blocks.pop((msg.request_id, msg.index), None)
+        if blk is None:
+            raise NotFound(f"{msg.request_id!r} has no open generated block {msg.index} "
+                           f"(never opened by NewBlock, or already put)")
+        await port.put_block(req, blk)
+        return EngineOk(msg.request_id)
+
+    async def _finish_decode(self, msg: FinishDecode, ctx: CallContext) -> EngineOk:
+        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        self._forget_decode(self._session(ctx), msg.request_id)
+        await port.finish(req, msg.output_token_ids)
+        self.counters["decodes_finished"] += 1
+        return EngineOk(msg.request_id)
+
+    def _held_decode(self, ctx: CallContext, rid: str, attempt: int
+                     ) -> tuple[DecodePort, DecodeRequest]:
+        req: DecodeRequest = self._held(ctx, rid, attempt, "decode")
+        return self.ports[self._session(ctx).engine_id], req
+
+    def _forget_decode(self, sess: EngineSession, rid: str) -> None:
+        sess.decode.pop(rid, None)
+        for key in [k for k in sess.blocks if k[0] == rid]:
+            del sess.blocks[key]
+
+    # ------------------------------------------------------------------ both
+    async def _fail(self, msg: FailRequest, ctx: CallContext) -> EngineOk:
+        sess = self._session(ctx)
+        err = PeerFailed(f"engine {sess.engine_id} gave {msg.request_id!r} up: "
+                         f"{msg.reason[:300] or 'no reason given'}")
+        if sess.role == "prefill":
+            h = self._held_prefill(ctx, msg.request_id, msg.attempt)
+            sess.prefill.pop(msg.request_id, None)
+            await h.fail(err)
+        else:
+            port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+            self._forget_decode(sess, msg.request_id)
+            await port.fail(req, err)
+        self.counters["requests_failed_by_engine"] += 1
+        return EngineOk(msg.request_id)
+
+    def _slot(self, view: Any) -> ArenaSlot:
+        """The arena slot of a view into the arena (a layer, a block page)."""
+        if not isinstance(view, np.ndarray) or not view.flags.c_contiguous:
+            raise InternalError("engine API: a view that is not a contiguous host array")
+        off = view.__array_interface__["data"][0] - self._arena_base
+        if not 0 <= off <= off + view.nbytes <= self.arena.nbytes:
+            raise InternalError(f"engine API: view at {off} is outside the arena")
+        return ArenaSlot(int(off), int(view.nbytes))
+
+
+def _timeout(value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgument(f"timeout_s must be finite and >= 0, got {value}")
+    return min(value, MAX_WAIT_S)
+
+
+def _describe(spec: KVSpec) -> str:
+    return f"{spec.describe()}, dtype {spec.dtype} (fingerprint {spec.fingerprint()})"
+
+
+def _prompt(info: PromptInfo) -> EnginePrompt:
+    return EnginePrompt(info.request_id, info.attempt, info.session_id, info.prompt_tokens,
+                        info.hit_tokens, info.gen_tokens, list(info.keys),
+                        None if info.tail_token_ids is None else list(info.tail_token_ids),
+                        info.block_tokens, info.read_side, list(info.block_keys), info.tail_key)
+

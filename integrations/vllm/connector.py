@@ -89,7 +89,7 @@ class ReqStep:
 @dataclass
 class DualPathMetadata(KVConnectorMetadata):
     steps: list[ReqStep] = field(default_factory=list)
-    finishes: dict[str, int | None] = field(default_factory=dict)   # req -> first token id
+    finishes: dict[str, list[int] | None] = field(default_factory=dict)  # req -> output ids
 
 
 @dataclass
@@ -111,7 +111,14 @@ def _make_source(extra: dict[str, Any], vllm_config: VllmConfig) -> KVSource:
     kind = extra.get("source", "local")
     if kind == "local":
         return LocalKVStore(extra["store_dir"], model_spec)
-    raise ValueError(f"DualPathConnector: unknown source {kind!r} (known: local)")
+    if kind == "engine":
+        from integrations.vllm.engine_source import EngineSource
+
+        role = "decode" if vllm_config.kv_transfer_config.kv_role == "kv_consumer" else "prefill"
+        spec = PRESETS[preset] if preset is not None else model_spec
+        return EngineSource(extra["engine_socket"], extra["engine_id"], role, spec,
+                            float(extra.get("connect_timeout_s", 10.0)))
+    raise ValueError(f"DualPathConnector: unknown source {kind!r} (known: local, engine)")
 
 
 class DualPathConnector(KVConnectorBase_V1):
@@ -128,9 +135,12 @@ class DualPathConnector(KVConnectorBase_V1):
         self._source = _make_source(extra, vllm_config)
         self._timeout_s = float(extra.get("layer_timeout_s", 10.0))
         self._block_size = vllm_config.cache_config.block_size
+        self._decode = ktc.kv_role == "kv_consumer"
+        if self._decode and extra.get("source") != "engine":
+            raise ValueError("DualPathConnector: kv_consumer (decode) needs source='engine'")
         # scheduler side
         self._reqs: dict[str, _SchedReq] = {}
-        self._finishes: dict[str, int | None] = {}
+        self._finishes: dict[str, list[int] | None] = {}
         # worker side
         self._caches: dict[int, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
@@ -138,6 +148,7 @@ class DualPathConnector(KVConnectorBase_V1):
         self._prepared: DualPathMetadata | None = None
         self._sessions: dict[str, PrefillSession] = {}
         self._load_errors: set[int] = set()
+        self._block_tables: dict[str, list[int]] = {}
         self._finishing: dict[str, Future[None]] = {}
         self._done_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -191,12 +202,11 @@ class DualPathConnector(KVConnectorBase_V1):
         req = self._reqs.pop(request.request_id, None)
         if req is None:
             return False, None
-        out = list(request.output_token_ids)
-        first = int(out[0]) if out else None
+        out = [int(t) for t in request.output_token_ids]
         # the worker finishes the session in a later step and reports it in get_finished
-        self._finishes[request.request_id] = first if req.opened else None
+        self._finishes[request.request_id] = out if (req.opened and out) else None
         return True, {PARAMS_KEY: {"planned_hit_tokens": req.planned_hit,
-                                   "first_token_id": first}}
+                                   "first_token_id": out[0] if out else None}}
 
     # ------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -214,6 +224,9 @@ class DualPathConnector(KVConnectorBase_V1):
                              f"{self._geom.token_bytes} B/token; the KV source expects "
                              f"{spec.describe()}")
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dualpath-finish")
+        connect = getattr(self._source, "client", None)
+        if connect is not None:
+            connect()        # attach to the node now: it places requests on attached engines
         log.info("dualpath_kv_caches_registered", layers=len(self._caches),
                  geometry=str(self._geom), shape=tuple(first.shape))
 
@@ -228,18 +241,27 @@ class DualPathConnector(KVConnectorBase_V1):
         assert isinstance(meta, DualPathMetadata)
         if self._prepared is not meta:
             self._prepared = meta
-            for rid, first_token in meta.finishes.items():
-                self._start_finish(rid, first_token)
+            for rid, output_ids in meta.finishes.items():
+                self._start_finish(rid, output_ids)
             for step in meta.steps:
+                self._block_tables[step.req_id] = step.block_ids
                 if step.open is not None:
                     self._open(step)
         return meta.steps
 
     def _open(self, step: ReqStep) -> None:
         assert step.open is not None
+        op = step.open
         try:
-            session = self._source.open_prefill(step.open.dualpath_id, step.open.token_ids,
-                                                step.open.planned_hit, self._timeout_s)
+            session: Any
+            if self._decode:
+                from integrations.vllm.decode_session import DecodeSession
+
+                session = DecodeSession(self._source.open_decode(  # type: ignore[attr-defined]
+                    op.dualpath_id, op.token_ids, self._timeout_s), op.token_ids)
+            else:
+                session = self._source.open_prefill(op.dualpath_id, op.token_ids,
+                                                    op.planned_hit, self._timeout_s)
         except Exception as e:  # noqa: BLE001 -- an unusable hit is recomputed, never fatal
             self._fail_load(step, None, e)
             return
@@ -279,6 +301,8 @@ class DualPathConnector(KVConnectorBase_V1):
         layer = self._layer_of.get(layer_name)
         if layer is None or self._geom is None:
             return
+        if self._decode:
+            return
         for step in self._prepare():
             session = self._sessions.get(step.req_id)
             if session is None:
@@ -294,29 +318,48 @@ class DualPathConnector(KVConnectorBase_V1):
                 session.put_layer(layer)
 
     def wait_for_save(self) -> None:
+        if self._decode and self._prepared is not None:
+            for step in self._prepared.steps:
+                if (session := self._sessions.get(step.req_id)) is not None:
+                    try:
+                        session.after_step()
+                    except Exception as e:  # noqa: BLE001 -- the KV is in vLLM already
+                        log.warning("dualpath_decode_report_failed", request_id=step.req_id,
+                                    error=str(e))
         self._prepared = None
 
-    def _start_finish(self, rid: str, first_token: int | None) -> None:
+    def _start_finish(self, rid: str, output_ids: list[int] | None) -> None:
         session = self._sessions.pop(rid, None)
+        blocks = self._block_tables.pop(rid, [])
         done: Future[None] = Future()
         if session is None:
             done.set_result(None)
         else:
             assert self._pool is not None
-            done = self._pool.submit(self._finish, rid, session, first_token)
+            done = self._pool.submit(self._finish, rid, session, output_ids, blocks)
         with self._done_lock:
             self._finishing[rid] = done
 
-    @staticmethod
-    def _finish(rid: str, session: PrefillSession, first_token: int | None) -> None:
+    def _finish(self, rid: str, session: Any, output_ids: list[int] | None,
+                blocks: list[int]) -> None:
+        """Off the forward path; vLLM keeps the request's blocks until get_finished says so."""
         try:
-            if first_token is None:
+            if not output_ids:
                 session.fail("request ended before its first token")
+            elif self._decode:
+                session.finish(output_ids, lambda start, page: self._fill(blocks, start, page))
             else:
-                session.finish(first_token)
+                session.finish(output_ids[0])
         except Exception:  # noqa: BLE001 -- logged; the request's blocks are freed regardless
             log.exception("dualpath_finish_failed", request_id=rid)
             session.fail("finish failed")
+
+    def _fill(self, blocks: list[int], start: int, page: Any) -> None:
+        """Copy tokens ``[start, start + T)`` of every layer into a ``[L, T, B]`` page."""
+        assert self._geom is not None
+        slots = token_slots(blocks, self._block_size, start, start + page.shape[1])
+        for layer, cache in self._caches.items():
+            gather_layer_into(self._geom, cache, slots, torch.from_numpy(page[layer]))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._done_lock:

@@ -33,6 +33,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 MiB = 1 << 20
 TURNS = 6
 GEN = 16
+# an agent's turns: a long context, short appends (tool results); from turn 2 the hit is every
+# full block of the previous prompt + output, >= 90 % of the prompt once appends stay < ~60
+# tokens; turn 6 reaches 1,250 + 5 x (16 + 40) + 16 = 1,546 tokens of context
+FIRST = 1250
+APPEND = 40
 
 
 def free_port() -> int:
@@ -161,13 +166,15 @@ async def check_bad_requests(front: str) -> None:
 
 async def conversation(front: str, plain_url: str, model: str) -> None:
     text = " ".join(f"Observation {i}: ls src/{i} shows {i * 3} files; grep finds TODO in "
-                    f"item_{i}.py line {i * 11}." for i in range(120))
-    status, raw = await ahttp("POST", f"{front}/v1/completions",
-                              {"model": "smollm2", "prompt": text, "max_tokens": 1})
-    assert status == 200, raw                       # a text prompt, tokenized by the front
+                    f"item_{i}.py line {i * 11}." for i in range(160))
     ids = await tokenize(plain_url, model, text)
-    assert json.loads(raw)["usage"]["prompt_tokens"] == len(ids) > 1500
-    prompt, cursor = ids[:400], 400
+    assert len(ids) > FIRST + TURNS * APPEND
+    head = text[:400]                               # a text prompt, tokenized by the front
+    status, raw = await ahttp("POST", f"{front}/v1/completions",
+                              {"model": "smollm2", "prompt": head, "max_tokens": 4})
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["prompt_tokens"] == len(await tokenize(plain_url, model, head))
+    prompt, cursor = ids[:FIRST], FIRST
     for turn in range(TURNS):
         status, raw = await ahttp("POST", f"{front}/v1/completions",
                                   {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
@@ -183,8 +190,8 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
         if turn > 0:
             assert dp["hit_tokens"] >= 0.9 * len(prompt), f"turn {turn}: {dp}"
             assert dp["read_side"] in ("pe", "de")
-        prompt = prompt + dp["token_ids"] + ids[cursor:cursor + 230]
-        cursor += 230
+        prompt = prompt + dp["token_ids"] + ids[cursor:cursor + APPEND]
+        cursor += APPEND
 
 
 async def tokenize(url: str, model: str, text: str) -> list[int]:

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+from bench.vllm_engines import REPO, VLLM_PYTHON, model_dir
 
 
 def skip_or_fail(reason: str) -> None:
@@ -28,11 +27,9 @@ def require_vllm() -> tuple[Path, Path]:
     """``(python of .venv-vllm, converted model dir)``, or skip/fail with the reason."""
     if not VLLM_PYTHON.exists():
         skip_or_fail(f"{VLLM_PYTHON} missing")
-    out = subprocess.run([str(VLLM_PYTHON), "-m", "integrations.vllm.model_prep", "--print-dir"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
-    model = Path(out.stdout.strip()) if out.returncode == 0 else None
-    if model is None or not (model / ".dualpath-converted").exists():
-        skip_or_fail(f"converted model missing ({out.stdout.strip() or out.stderr[-300:]})")
+    model = model_dir()
+    if model is None:
+        skip_or_fail("the converted model is missing")
     assert model is not None
     return VLLM_PYTHON, model
 

@@ -2,7 +2,8 @@
 
 ``--role plain``: no connector, prefix caching off (the reference). ``--role prefill`` /
 ``decode``: the DualPathConnector attached to a node's engine socket (kv_producer /
-kv_consumer). Prints ``READY`` once loaded, then answers one JSON line per request line on
+kv_consumer). ``--role example``: vLLM's bundled ExampleConnector over ``--store`` (the peer
+row of ``dualpath bench engine``). Prints ``READY`` once loaded, then answers one JSON line per request line on
 stdin — ``{"prompt": [ids], "max_tokens": n, "dualpath": {...} | null}`` →
 ``{"tokens": [...], "dualpath": {...}, "ttft_s": s}`` — and exits at EOF.
 """
@@ -19,10 +20,14 @@ import time
 def build(a: argparse.Namespace):
     from vllm import LLM
 
-    kw: dict = dict(model=a.model, max_model_len=2048, enforce_eager=True, dtype="bfloat16",
-                    enable_prefix_caching=False, max_num_batched_tokens=2048,
-                    gpu_memory_utilization=0.2)
-    if a.role != "plain":
+    kw: dict = dict(model=a.model, max_model_len=a.max_model_len, enforce_eager=True,
+                    dtype="bfloat16", enable_prefix_caching=False,
+                    max_num_batched_tokens=a.max_model_len, gpu_memory_utilization=0.2)
+    if a.role == "example":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": a.store}}
+    elif a.role != "plain":
         kw["kv_transfer_config"] = {
             "kv_connector": "DualPathConnector",
             "kv_connector_module_path": "integrations.vllm.connector",
@@ -53,7 +58,9 @@ def serve(llm, lines) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=["plain", "prefill", "decode"], required=True)
+    ap.add_argument("--role", choices=["plain", "prefill", "decode", "example"], required=True)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--store", default="")
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket", default="")
     ap.add_argument("--engine-id", default="")

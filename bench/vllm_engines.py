@@ -8,8 +8,10 @@ is shown when an instance dies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -42,7 +44,7 @@ class Engine:
             proc = await asyncio.create_subprocess_exec(
                 str(VLLM_PYTHON), str(WORKER), "--role", role, "--model", str(model), *args,
                 cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                limit=1 << 24)
+                limit=1 << 24, start_new_session=True)
         engine = cls(proc, role, log_path)
         try:
             await engine._expect_ready()
@@ -94,14 +96,23 @@ class Engine:
         return sum(_hwm_kb(pid) for pid in _tree(self.proc.pid)) / 1024
 
     async def stop(self) -> None:
+        """EOF on stdin ends the instance; then its whole process group goes (vLLM's engine
+        core and worker outlive a killed parent otherwise)."""
         if self.proc.returncode is None:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
             try:
                 await asyncio.wait_for(self.proc.wait(), 60)
             except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+                pass
+        kill_group(self.proc.pid)
+        await self.proc.wait()
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process left in a group started with ``start_new_session``."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _tree(root: int) -> list[int]:

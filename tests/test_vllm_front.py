@@ -14,6 +14,7 @@ keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ import pytest
 
 from tests.helpers import until
 from tests.test_engine_ipc import sockets
+from bench.vllm_engines import kill_group
 from tests.vllm_env import REPO, require_vllm
 from tools.cluster.inprocess import local_datapath
 
@@ -61,13 +63,17 @@ async def ahttp(method: str, url: str, body=None, timeout: float = 300):
     return await asyncio.to_thread(http, method, url, body, timeout)
 
 
-async def start(args: list[str], env: dict) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(*args, cwd=REPO, env=env,
-                                                stdout=subprocess.PIPE,
-                                                stderr=subprocess.DEVNULL, limit=1 << 20)
+async def start(args: list[str], env: dict, log_path, pipe_stdout: bool = False
+                ) -> asyncio.subprocess.Process:
+    """A process in its own group; its output goes to ``log_path`` (stdout piped for the
+    front's READY line only: an unread pipe would block a chatty vLLM server)."""
+    with open(log_path, "wb") as log:
+        return await asyncio.create_subprocess_exec(
+            *args, cwd=REPO, env=env, stdout=subprocess.PIPE if pipe_stdout else log,
+            stderr=log, limit=1 << 20, start_new_session=True)
 
 
-async def vllm_server(python, model, role: str, sock: str, engine_id: str, port: int):
+async def vllm_server(python, model, role: str, sock: str, engine_id: str, port: int, log_dir):
     ktc = {"kv_connector": "DualPathConnector",
            "kv_connector_module_path": "integrations.vllm.connector",
            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
@@ -81,17 +87,17 @@ async def vllm_server(python, model, role: str, sock: str, engine_id: str, port:
                         "--max-model-len", "2048", "--enforce-eager", "--dtype", "bfloat16",
                         "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
                         "--gpu-memory-utilization", "0.2",
-                        "--kv-transfer-config", json.dumps(ktc)], env)
+                        "--kv-transfer-config", json.dumps(ktc)], env,
+                       log_dir / f"vllm-{role}.log")
 
 
 async def stop(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is None:
         proc.terminate()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), 60)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+    kill_group(proc.pid)                  # vLLM's engine processes outlive their parent otherwise
+    await proc.wait()
 
 
 async def ready_line(proc) -> str:
@@ -115,9 +121,9 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
     async with local_datapath(tmp_path, engines=False, overrides=overrides) as c:
         ports = {"p0.e0": free_port(), "d0.e0": free_port()}
         procs = [await vllm_server(python, model, "prefill", str(tmp_path / "p0.sock"), "p0.e0",
-                                   ports["p0.e0"]),
+                                   ports["p0.e0"], tmp_path),
                  await vllm_server(python, model, "decode", str(tmp_path / "d0.sock"), "d0.e0",
-                                   ports["d0.e0"])]
+                                   ports["d0.e0"], tmp_path)]
         try:
             urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}
             for url in urls.values():
@@ -127,7 +133,8 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
             front_proc = await start(
                 [str(python), "-m", "integrations.vllm.front", "--model-name", "smollm2",
                  "--tokenizer", str(model), "--scheduler", f"127.0.0.1:{c.scheduler.port}",
-                 *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")]], env)
+                 *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")]], env,
+                tmp_path / "front.log", pipe_stdout=True)
             procs.append(front_proc)
             front = await ready_line(front_proc)
             await check_plain_endpoints(front)

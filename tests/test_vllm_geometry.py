@@ -15,7 +15,7 @@ import pytest
 
 from tests.vllm_env import require_vllm, run_check
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(5400)]
 
 # bf16 KV vs an fp32 recompute: bf16 keeps 8 mantissa bits (relative rounding 2^-9 ≈ 0.2 % per
 # element) and vLLM's CPU kernels accumulate it over 30 layers; 5 % relative L2 error per Full

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.vllm_engines import REPO, VLLM_PYTHON, model_dir
+from bench.vllm_engines import REPO, VLLM_PYTHON, kill_group, model_dir
 
 
 def skip_or_fail(reason: str) -> None:
@@ -34,13 +34,19 @@ def require_vllm() -> tuple[Path, Path]:
     return VLLM_PYTHON, model
 
 
-def run_check(python: Path, *args: str, timeout: float = 600) -> dict:
+def run_check(python: Path, *args: str, timeout: float = 1500) -> dict:
     """Run ``tests/vllm_checks/geometry_check.py`` in the vLLM venv; its RESULT line as a dict."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([str(python), str(REPO / "tests" / "vllm_checks" / "geometry_check.py"),
-                           *args], capture_output=True, text=True, cwd=REPO, env=env,
-                          timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    proc = subprocess.Popen([str(python), str(REPO / "tests" / "vllm_checks" /
+                                              "geometry_check.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc.pid)           # vLLM's engine processes outlive their parent otherwise
+        proc.wait()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
-        f"check {args[0]} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        f"check {args[0]} failed (rc {proc.returncode}):\n{(stdout + stderr)[-4000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))

@@ -84,22 +84,20 @@ class EngineSource:
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
                      timeout_s: float) -> EnginePrefillSession:
         handle = self.client().claim_prefill(request_id, timeout_s)
-        try:
-            self._check_prompt(handle.info, token_ids)
-        except InvalidArgument as e:
-            handle.fail(str(e))
-            raise
-        return EnginePrefillSession(handle)
+        return EnginePrefillSession(self._checked(handle, token_ids))
 
     def open_decode(self, request_id: str, token_ids: Sequence[int],
                     timeout_s: float) -> SyncDecodeRequest:
-        req = self.client().claim_decode(request_id, timeout_s)
+        return self._checked(self.client().claim_decode(request_id, timeout_s), token_ids)
+
+    def _checked(self, claimed: Any, token_ids: Sequence[int]) -> Any:
+        """The claimed request, or fail it (InvalidArgument) when it is for other tokens."""
         try:
-            self._check_prompt(req.info, token_ids)
+            self._check_prompt(claimed.info, token_ids)
         except InvalidArgument as e:
-            req.fail(str(e))
+            claimed.fail(str(e))
             raise
-        return req
+        return claimed
 
     def _check_prompt(self, info: PromptInfo, token_ids: Sequence[int]) -> None:
         """The claimed request is for exactly these token ids (length and chained keys)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -40,7 +41,7 @@ def build(a: argparse.Namespace):
     return LLM(**kw)
 
 
-def serve(llm, lines) -> None:
+def serve(llm, lines, out) -> None:
     from vllm import SamplingParams
 
     for line in lines:
@@ -53,7 +54,7 @@ def serve(llm, lines) -> None:
                  "dualpath": (res.kv_transfer_params or {}).get("dualpath"),
                  "latency_s": time.monotonic() - t0,
                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=out, flush=True)
 
 
 def main() -> int:
@@ -66,9 +67,13 @@ def main() -> int:
     ap.add_argument("--engine-id", default="")
     ap.add_argument("--preset", default="smollm2-135m")
     a = ap.parse_args()
+    # vLLM logs to stdout, in this process and the engine processes it spawns: keep the real
+    # stdout for the protocol and point fd 1 at stderr (the caller's log file)
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     llm = build(a)
-    print("READY", flush=True)
-    serve(llm, sys.stdin)
+    print("READY", file=out, flush=True)
+    serve(llm, sys.stdin, out)
     return 0
 
 

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from common.kv import PRESETS
 from integrations.vllm.geometry import (
+    VERIFIED_ISAS,
     CacheGeometry,
     gather_layer_into,
     scatter_layer,
@@ -144,6 +145,7 @@ class DualPathConnector(KVConnectorBase_V1):
         # worker side
         self._caches: dict[int, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
+        self._name_of: dict[int, str] = {}
         self._geom: CacheGeometry | None = None
         self._prepared: DualPathMetadata | None = None
         self._sessions: dict[str, PrefillSession] = {}
@@ -214,6 +216,7 @@ class DualPathConnector(KVConnectorBase_V1):
             match = _LAYER_RE.search(name)
             layer = int(match.group(1)) if match else order
             self._layer_of[name] = layer
+            self._name_of[layer] = name
             self._caches[layer] = cache
         first = next(iter(kv_caches.values()))
         self._geom = CacheGeometry.of_cache(first)
@@ -227,8 +230,10 @@ class DualPathConnector(KVConnectorBase_V1):
         connect = getattr(self._source, "client", None)
         if connect is not None:
             connect()        # attach to the node now: it places requests on attached engines
+        live = self._live_cache(0) if 0 in self._caches else first
         log.info("dualpath_kv_caches_registered", layers=len(self._caches),
-                 geometry=str(self._geom), shape=tuple(first.shape))
+                 geometry=str(self._geom), shape=tuple(first.shape),
+                 same_as_forward=live.data_ptr() == self._caches[0].data_ptr())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._prepare()
@@ -249,10 +254,20 @@ class DualPathConnector(KVConnectorBase_V1):
                     self._open(step)
         return meta.steps
 
+    def _check_layout(self) -> None:
+        """Refuse (every request recomputes) on a CPU attention ISA whose in-block KV layout
+        was not measured: wrong KV must never reach the cache (geometry.VERIFIED_ISAS)."""
+        ctx = self._vllm_config.compilation_config.static_forward_context.get(self._name_of[0])
+        isa = getattr(ctx, "isa", None)
+        if isa not in VERIFIED_ISAS:
+            raise RuntimeError(f"vLLM CPU attention ISA {isa!r}: its KV cache layout is not "
+                               f"verified for dualpath (verified: {VERIFIED_ISAS})")
+
     def _open(self, step: ReqStep) -> None:
         assert step.open is not None
         op = step.open
         try:
+            self._check_layout()
             session: Any
             if self._decode:
                 from integrations.vllm.decode_session import DecodeSession
@@ -282,7 +297,7 @@ class DualPathConnector(KVConnectorBase_V1):
             try:
                 src = session.layer(layer, self._timeout_s)[start:stop]
                 slots = token_slots(step.block_ids, self._block_size, start, stop)
-                scatter_layer(self._geom, self._caches[layer], slots, torch.from_numpy(src))
+                scatter_layer(self._geom, self._live_cache(layer), slots, torch.from_numpy(src))
             except Exception as e:  # noqa: BLE001 -- any load failure means: recompute
                 self._fail_load(step, layer, e)
 
@@ -299,9 +314,7 @@ class DualPathConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         layer = self._layer_of.get(layer_name)
-        if layer is None or self._geom is None:
-            return
-        if self._decode:
+        if layer is None or self._geom is None or self._decode:
             return
         for step in self._prepare():
             session = self._sessions.get(step.req_id)
@@ -311,11 +324,28 @@ class DualPathConnector(KVConnectorBase_V1):
             start, stop = max(step.computed[0], hit), min(step.computed[1], step.prompt_tokens)
             if stop <= start:
                 continue
-            dst = torch.from_numpy(session.output(layer)[start - hit:stop - hit])
-            slots = token_slots(step.block_ids, self._block_size, start, stop)
-            gather_layer_into(self._geom, kv_layer, slots, dst)
-            if stop == step.prompt_tokens:
-                session.put_layer(layer)
+            try:
+                self._save(session, step, layer, kv_layer, start, stop)
+            except Exception as e:  # noqa: BLE001 -- the dualpath attempt fails, vLLM goes on
+                log.warning("dualpath_save_failed", request_id=step.req_id, layer=layer,
+                            error=str(e))
+                self._sessions.pop(step.req_id, None)
+                session.fail(f"save of layer {layer} failed: {e}")
+
+    def _save(self, session: PrefillSession, step: ReqStep, layer: int, kv_layer: torch.Tensor,
+              start: int, stop: int) -> None:
+        """Gather tokens ``[start, stop)`` of one layer into the session's output slots; put the
+        layer once the prompt is complete. The engine API hands out a layer's output only after
+        its hit was asked for (``layer(l)``), which a request without a hit also does here."""
+        assert self._geom is not None
+        if step.load[1] <= step.load[0] and step.computed[0] <= session.hit_tokens:
+            session.layer(layer, self._timeout_s)
+        hit = session.hit_tokens
+        dst = torch.from_numpy(session.output(layer)[start - hit:stop - hit])
+        slots = token_slots(step.block_ids, self._block_size, start, stop)
+        gather_layer_into(self._geom, kv_layer, slots, dst)
+        if stop == step.prompt_tokens:
+            session.put_layer(layer)
 
     def wait_for_save(self) -> None:
         if self._decode and self._prepared is not None:
@@ -358,8 +388,17 @@ class DualPathConnector(KVConnectorBase_V1):
         """Copy tokens ``[start, start + T)`` of every layer into a ``[L, T, B]`` page."""
         assert self._geom is not None
         slots = token_slots(blocks, self._block_size, start, start + page.shape[1])
-        for layer, cache in self._caches.items():
-            gather_layer_into(self._geom, cache, slots, torch.from_numpy(page[layer]))
+        for layer in self._caches:
+            gather_layer_into(self._geom, self._live_cache(layer), slots,
+                              torch.from_numpy(page[layer]))
+
+    def _live_cache(self, layer: int) -> torch.Tensor:
+        """The cache tensor the attention layer reads (vLLM's static forward context, which its
+        own block zeroing also reads; on the CPU backend it is the registered tensor)."""
+        name = self._name_of[layer]
+        ctx = self._vllm_config.compilation_config.static_forward_context.get(name)
+        cache = getattr(ctx, "kv_cache", None)
+        return cache if isinstance(cache, torch.Tensor) else self._caches[layer]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._done_lock:

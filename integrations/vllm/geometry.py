@@ -1,19 +1,21 @@
 """vLLM's paged KV cache (CPU backend) <-> dualpath's per-layer contiguous ``[tokens, B]`` bytes.
 
-**vLLM side** (vLLM 0.32, ``vllm/v1/attention/backends/cpu_attn.py``, probed in
-REAL-ENGINE-NOTES): one tensor per attention layer, shape
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; the CPU attention views it as
-``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and splits dim 2 in halves, so per
-block and head the memory holds the block's K rows, then its V rows. We therefore view a layer
-as ``[num_blocks, num_kv_heads, 2, block_size, head_size]`` (no copy).
+**vLLM side** (vLLM 0.32, ``vllm/v1/attention/backends/cpu_attn.py``): one tensor per
+attention layer, shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; the CPU
+attention splits each (block, head) region in halves, K then V. *Inside* the halves the C++
+kernel (``cpu_attn_reshape_and_cache``, ISA ``vec``) keeps **K transposed, ``[head_size,
+block_size]``**, and V row-major, ``[block_size, head_size]`` — measured: the stored bytes
+against transformers' K/V of the same prefix, cosine 1.0000 for that layout and < 0.2 for
+row-major K or any ``[head/x, block, x]`` tiling (docs/vllm.md). Other ISAs (``amx``, ``neon``,
+``vec16``) may pack differently and are refused by the connector until measured.
 
 **dualpath side** (the byte layout of B for vLLM models, docs/vllm.md): token-major, and per
 token ``[2 (K then V), num_kv_heads, head_size]`` elements of the model's dtype, little-endian —
 so ``B = 2 · kv_heads · head_size · itemsize`` (768 B for SmolLM2-135M in bf16). A token's KV is
 contiguous, so any token range (a 64-token Full Block's layer, a hit prefix) is one slice.
 
-Both directions are one advanced-indexing op per layer over (block id, offset) index tensors
-built once per request — no per-token Python loop. Token ``t`` of a request lives at offset
+Both directions are two advanced-indexing ops per layer (K, V) over (block id, offset) index
+tensors built once per request — no per-token Python loop. Token ``t`` of a request lives at offset
 ``t % block_size`` of vLLM block ``block_ids[t // block_size]``.
 """
 
@@ -23,6 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+# the CPU attention ISAs whose in-block layout was measured (see the module docstring)
+VERIFIED_ISAS = ("vec",)
 
 
 @dataclass(frozen=True)
@@ -50,9 +56,17 @@ class CacheGeometry:
         _, heads, block_size, two_head = cache.shape
         return cls(int(heads), int(two_head) // 2, int(block_size), cache.dtype)
 
-    def paged_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """``[num_blocks, heads, 2, block_size, head]``: K rows then V rows per block and head."""
-        return cache.view(cache.shape[0], self.num_kv_heads, 2, self.block_size, self.head_size)
+    def k_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """``[num_blocks, heads, head_size, block_size]``: the K half, transposed (a view)."""
+        halves = cache.view(cache.shape[0], self.num_kv_heads, 2, self.block_size * self.head_size)
+        return halves[:, :, 0].view(cache.shape[0], self.num_kv_heads, self.head_size,
+                                    self.block_size)
+
+    def v_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """``[num_blocks, heads, block_size, head_size]``: the V half, row-major (a view)."""
+        halves = cache.view(cache.shape[0], self.num_kv_heads, 2, self.block_size * self.head_size)
+        return halves[:, :, 1].view(cache.shape[0], self.num_kv_heads, self.block_size,
+                                    self.head_size)
 
 
 @dataclass(frozen=True)
@@ -90,8 +104,9 @@ def gather_layer_into(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlot
                       dst: torch.Tensor) -> None:
     """Copy one layer's KV of ``slots`` into ``dst`` (``uint8 [tokens, B]``, e.g. an arena view)."""
     _check_bytes(geom, slots, dst)
-    picked = geom.paged_view(cache)[slots.block_index, :, :, slots.offset]  # [n, heads, 2, head]
-    _typed(geom, slots, dst).copy_(picked.permute(0, 2, 1, 3))             # [n, 2, heads, head]
+    kv = _typed(geom, slots, dst)                                         # [n, 2, heads, head]
+    kv[:, 0] = geom.k_view(cache)[slots.block_index, :, :, slots.offset]  # [n, heads, head]
+    kv[:, 1] = geom.v_view(cache)[slots.block_index, :, slots.offset]
 
 
 def scatter_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
@@ -99,7 +114,8 @@ def scatter_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
     """Write ``src`` (``uint8 [tokens, B]``, dualpath layout) into the cache at ``slots``."""
     _check_bytes(geom, slots, src)
     kv = _typed(geom, slots, src.contiguous())
-    geom.paged_view(cache)[slots.block_index, :, :, slots.offset] = kv.permute(0, 2, 1, 3)
+    geom.k_view(cache)[slots.block_index, :, :, slots.offset] = kv[:, 0]
+    geom.v_view(cache)[slots.block_index, :, slots.offset] = kv[:, 1]
 
 
 def _check_bytes(geom: CacheGeometry, slots: TokenSlots, buf: torch.Tensor) -> None:

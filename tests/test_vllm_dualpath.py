@@ -77,14 +77,14 @@ async def run_conversation(c, prefill, decode, plain, text, side) -> None:
         rid = f"{side}-t{turn}"
         before = bytes_read(c)
         c.pe["p0"].submit_plan(plan(c, rid, prompt, hit_blocks, side if hit_blocks else "none",
-                                    gen=GEN, deadline=120.0))
+                                    gen=GEN, deadline=900.0))
         pre, dec, ref = await asyncio.gather(
             prefill.generate(prompt, 1, {"request_id": rid, "hit_tokens": hit_blocks * BT}),
             decode.generate(prompt, GEN, {"request_id": rid}),
             plain.generate(prompt, GEN))
         assert dec["tokens"] == ref["tokens"], f"turn {turn}: decode output != plain vLLM"
         assert pre["tokens"][0] == ref["tokens"][0], f"turn {turn}: prefill's first token"
-        await until(lambda rid=rid: report(c.de["d0"], rid, "finished") is not None, timeout=60,
+        await until(lambda rid=rid: report(c.de["d0"], rid, "finished") is not None, timeout=300,
                     what=f"{rid} finished on the DE")
         if turn > 0:
             assert hit_blocks * BT >= 0.9 * len(prompt), f"turn {turn}: hit {hit_blocks * BT}"

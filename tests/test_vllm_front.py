@@ -133,6 +133,7 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
             front_proc = await start(
                 [str(python), "-m", "integrations.vllm.front", "--model-name", "smollm2",
                  "--tokenizer", str(model), "--scheduler", f"127.0.0.1:{c.scheduler.port}",
+                 "--request-timeout-s", "900",
                  *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")]], env,
                 tmp_path / "front.log", pipe_stdout=True)
             procs.append(front_proc)

@@ -10,10 +10,11 @@ is refused and vLLM recomputes — a plan for other tokens can never put wrong K
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, NotFound
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
 from services.engine_api.remote import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
@@ -83,12 +84,25 @@ class EngineSource:
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
                      timeout_s: float) -> EnginePrefillSession:
-        handle = self.client().claim_prefill(request_id, timeout_s)
+        handle = self._claim(self.client().claim_prefill, request_id, timeout_s)
         return EnginePrefillSession(self._checked(handle, token_ids))
 
     def open_decode(self, request_id: str, token_ids: Sequence[int],
                     timeout_s: float) -> SyncDecodeRequest:
-        return self._checked(self.client().claim_decode(request_id, timeout_s), token_ids)
+        return self._checked(self._claim(self.client().claim_decode, request_id, timeout_s),
+                             token_ids)
+
+    @staticmethod
+    def _claim(claim: Any, request_id: str, timeout_s: float) -> Any:
+        """Claim, asking again until ``timeout_s``: the node bounds one claim's wait (60 s
+        measured), while a decode claim legitimately waits for a whole prefill."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return claim(request_id, max(0.1, min(deadline - time.monotonic(), 50.0)))
+            except NotFound:
+                if time.monotonic() >= deadline:
+                    raise
 
     def _checked(self, claimed: Any, token_ids: Sequence[int]) -> Any:
         """The claimed request, or fail it (InvalidArgument) when it is for other tokens."""

@@ -337,13 +337,16 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-prompt-tokens", type=int, default=2000)
+    ap.add_argument("--request-timeout-s", type=float, default=300.0,
+                    help="each request's dualpath deadline (and the HTTP calls' to vLLM)")
     a = ap.parse_args(argv)
     host, _, port = a.scheduler.rpartition(":")
     engines = dict(e.split("=", 1) for e in a.engine)
     return msgspec.convert({"model_name": a.model_name, "tokenizer": a.tokenizer,
                             "scheduler_host": host, "scheduler_port": int(port),
                             "engines": engines, "host": a.host, "port": a.port,
-                            "max_prompt_tokens": a.max_prompt_tokens}, FrontConfig)
+                            "max_prompt_tokens": a.max_prompt_tokens,
+                            "request_timeout_s": a.request_timeout_s}, FrontConfig)
 
 
 async def serve(cfg: FrontConfig) -> None:

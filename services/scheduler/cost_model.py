@@ -33,6 +33,9 @@ Where the FLOPs constants come from (checked by ``tests/test_batching.py`` again
 * **ds-27b** (Appendix A.2): hidden 2560, 30 layers, 32 heads, 1 dense layer (12288) and MoE
   layers with 6 routed + 2 shared experts of 1536 → ≈3.8e9 activated params; MLA latent assumed
   equal to V3's (512 + 64), so ``2·32·(576 + 512)`` per pair, top-k 1024; indexer 32 heads × 64.
+* **smollm2-135m** (the real model of docs/vllm.md, vLLM on CPU): hidden 576, 30 layers, 9
+  query heads × 64 dims → ``4 · 9 · 64`` per pair; ≈106e6 non-embedding params. Rates are those
+  of vLLM's CPU backend on one core (REAL-ENGINE-NOTES: 481 prompt tokens in ~1 s).
 * **test-small**: synthetic, sized so a few thousand tokens take tens of milliseconds.
 """
 
@@ -239,6 +242,12 @@ PRESETS: dict[str, ModelCost] = {
         linear_flops_per_s=0.25 * _HOPPER_FP8, attn_flops_per_s=0.4 * _HOPPER_BF16,
         indexer_flops_per_s=0.4 * _HOPPER_FP8,
         decode_base_s=0.008, decode_s_per_seq=2e-5, decode_s_per_ctx_token=30 * 68 / 3.35e12),
+    # vLLM's CPU backend, one thread per engine: ~500 prompt tokens/s measured (1e11 FLOP/s
+    # linear); decode steps of tens of ms. Estimates for placement only, not for TTFT claims.
+    "smollm2-135m": ModelCost(
+        name="smollm2-135m", layers=30, linear_params=106e6, attn_pair_flops=4 * 9 * 64,
+        linear_flops_per_s=1e11, attn_flops_per_s=2e10,
+        decode_base_s=0.02, decode_s_per_seq=2e-3, decode_s_per_ctx_token=1e-6),
     # Synthetic: 2k new tokens over 8k cached ≈ 50 ms of prefill; an empty decode step 5 ms.
     "test-small": ModelCost(
         name="test-small", layers=4, linear_params=1e9, attn_pair_flops=4 * 1024,

@@ -1,0 +1,129 @@
+"""The real data path: sessions claimed from the node's engine socket (``SyncEngineClient``).
+
+A prefill instance attaches to its node's PE receiver, a decode instance to its DE loader
+(``[pe_receiver]/[de_loader] engine_socket``); KV moves through the node's ``/dev/shm`` arena
+by slot (docs/engine-api.md "Cross-process"). The plan comes from the dualpath scheduler: the
+front puts ``{"request_id", "hit_tokens"}`` in ``kv_transfer_params["dualpath"]``; the claimed
+request's keys must be the chained keys of the very token ids vLLM was given, else the session
+is refused and vLLM recomputes — a plan for other tokens can never put wrong KV in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from common.errors import InvalidArgument, NotFound
+from common.kv import KVSpec, block_keys_from_tokens
+from services.engine_api.prompt import PromptInfo
+from services.engine_api.remote import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
+
+
+class EnginePrefillSession:
+    """A claimed ``SyncPrefillHandle`` with the session shape the connector uses."""
+
+    def __init__(self, handle: SyncPrefillHandle) -> None:
+        self._h = handle
+
+    @property
+    def hit_tokens(self) -> int:
+        return self._h.hit_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._h.info.prompt_tokens
+
+    def layer(self, layer: int, timeout_s: float) -> Any:
+        return self._h.layer(layer, timeout_s)
+
+    def output(self, layer: int) -> Any:
+        return self._h.output(layer)
+
+    def put_layer(self, layer: int) -> None:
+        self._h.put_layer(layer)
+
+    def finish(self, first_token_id: int) -> None:
+        self._h.finish(first_token_id)
+
+    def fail(self, reason: str) -> None:
+        self._h.fail(reason)
+
+
+class EngineSource:
+    """One ``SyncEngineClient`` per worker process, connected on first use."""
+
+    def __init__(self, socket_path: str, engine_id: str, role: str, spec: KVSpec,
+                 timeout_s: float) -> None:
+        self._socket, self._engine_id, self._role = socket_path, engine_id, role
+        self._spec, self._timeout_s = spec, timeout_s
+        self._client: SyncEngineClient | None = None
+
+    @property
+    def spec(self) -> KVSpec:
+        return self._spec
+
+    def client(self) -> SyncEngineClient:
+        if self._client is None:
+            self._client = SyncEngineClient.connect(
+                self._socket, engine_id=self._engine_id, role=self._role, kv_spec=self._spec,
+                timeout_s=self._timeout_s)
+        return self._client
+
+    def planned_hit(self, params: dict[str, Any], token_ids: Sequence[int]) -> int:
+        """The plan's hit (whole blocks, below the prompt), or 0 when the params are unusable.
+
+        A decode instance loads the whole prompt but its last token (DecodeSession)."""
+        if self._role == "decode":
+            return max(0, len(token_ids) - 1)
+        hit = params.get("hit_tokens", 0)
+        bt = self._spec.block_tokens
+        if not isinstance(hit, int) or hit < 0 or hit % bt or hit >= len(token_ids):
+            return 0
+        return hit
+
+    def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
+                     timeout_s: float) -> EnginePrefillSession:
+        handle = self._claim(self.client().claim_prefill, request_id, timeout_s)
+        return EnginePrefillSession(self._checked(handle, token_ids))
+
+    def open_decode(self, request_id: str, token_ids: Sequence[int],
+                    timeout_s: float) -> SyncDecodeRequest:
+        return self._checked(self._claim(self.client().claim_decode, request_id, timeout_s),
+                             token_ids)
+
+    @staticmethod
+    def _claim(claim: Any, request_id: str, timeout_s: float) -> Any:
+        """Claim, asking again until ``timeout_s``: the node bounds one claim's wait (60 s
+        measured), while a decode claim legitimately waits for a whole prefill."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return claim(request_id, max(0.1, min(deadline - time.monotonic(), 50.0)))
+            except NotFound:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _checked(self, claimed: Any, token_ids: Sequence[int]) -> Any:
+        """The claimed request, or fail it (InvalidArgument) when it is for other tokens."""
+        try:
+            self._check_prompt(claimed.info, token_ids)
+        except InvalidArgument as e:
+            claimed.fail(str(e))
+            raise
+        return claimed
+
+    def _check_prompt(self, info: PromptInfo, token_ids: Sequence[int]) -> None:
+        """The claimed request is for exactly these token ids (length and chained keys)."""
+        if info.prompt_tokens != len(token_ids):
+            raise InvalidArgument(f"request {info.request_id}: dualpath planned "
+                                  f"{info.prompt_tokens} prompt tokens, vLLM has {len(token_ids)}")
+        keys = block_keys_from_tokens(token_ids, self._spec.block_tokens)
+        if list(info.keys) != keys[:len(info.keys)]:
+            raise InvalidArgument(f"request {info.request_id}: the plan's block keys are not "
+                                  "the keys of vLLM's prompt token ids")
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,81 @@
+"""One long-lived vLLM instance for the real-engine tests (runs in .venv-vllm).
+
+``--role plain``: no connector, prefix caching off (the reference). ``--role prefill`` /
+``decode``: the DualPathConnector attached to a node's engine socket (kv_producer /
+kv_consumer). ``--role example``: vLLM's bundled ExampleConnector over ``--store`` (the peer
+row of ``dualpath bench engine``). Prints ``READY`` once loaded, then answers one JSON line per request line on
+stdin — ``{"prompt": [ids], "max_tokens": n, "dualpath": {...} | null}`` →
+``{"tokens": [...], "dualpath": {...}, "ttft_s": s}`` — and exits at EOF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+
+def build(a: argparse.Namespace):
+    from vllm import LLM
+
+    kw: dict = dict(model=a.model, max_model_len=a.max_model_len, enforce_eager=True,
+                    dtype="bfloat16", enable_prefix_caching=False,
+                    max_num_batched_tokens=a.max_model_len, gpu_memory_utilization=0.2)
+    if a.role == "example":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": a.store}}
+    elif a.role != "plain":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "DualPathConnector",
+            "kv_connector_module_path": "integrations.vllm.connector",
+            "kv_role": "kv_producer" if a.role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"source": "engine", "engine_socket": a.socket,
+                                          "engine_id": a.engine_id, "kv_preset": a.preset,
+                                          "layer_timeout_s": 30.0},
+        }
+    return LLM(**kw)
+
+
+def serve(llm, lines, out) -> None:
+    from vllm import SamplingParams
+
+    for line in lines:
+        req = json.loads(line)
+        extra = {"kv_transfer_params": {"dualpath": req["dualpath"]}} if req.get("dualpath") else None
+        sp = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], extra_args=extra)
+        t0 = time.monotonic()
+        res = llm.generate({"prompt_token_ids": req["prompt"]}, sp, use_tqdm=False)[0]
+        reply = {"tokens": list(res.outputs[0].token_ids),
+                 "dualpath": (res.kv_transfer_params or {}).get("dualpath"),
+                 "latency_s": time.monotonic() - t0,
+                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        print(json.dumps(reply), file=out, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=["plain", "prefill", "decode", "example"], required=True)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--store", default="")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--socket", default="")
+    ap.add_argument("--engine-id", default="")
+    ap.add_argument("--preset", default="smollm2-135m")
+    a = ap.parse_args()
+    # vLLM logs to stdout, in this process and the engine processes it spawns: keep the real
+    # stdout for the protocol and point fd 1 at stderr (the caller's log file)
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    llm = build(a)
+    print("READY", file=out, flush=True)
+    serve(llm, sys.stdin, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

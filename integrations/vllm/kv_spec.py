@@ -1,0 +1,37 @@
+"""The dualpath ``KVSpec`` of the model a vLLM instance serves, and the check at connect."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.errors import KVSpecMismatch
+from common.kv import KVSpec
+
+# bytes per element of the dtypes vLLM's CPU backend keeps its KV cache in
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def spec_from_vllm(vllm_config: Any, block_tokens: int = 64) -> KVSpec:
+    """KVSpec from vLLM's model config: B = 2 (K, V) · kv_heads · head_size · itemsize.
+
+    The byte layout of B is ``integrations.vllm.geometry``'s: ``[K|V][kv_head][head_size]``.
+    """
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    dtype = str(model.dtype).removeprefix("torch.")
+    if dtype not in _ITEMSIZE:
+        raise KVSpecMismatch(f"vLLM model dtype {dtype!r} has no dualpath KV layout "
+                             f"(supported: {sorted(_ITEMSIZE)})")
+    token_bytes = 2 * model.get_num_kv_heads(parallel) * model.get_head_size() * _ITEMSIZE[dtype]
+    return KVSpec(name=f"vllm:{model.model}", num_layers=model.get_num_layers(parallel),
+                  kv_bytes_per_token_per_layer=token_bytes, block_tokens=block_tokens,
+                  dtype=dtype)
+
+
+def check_same_layout(model_spec: KVSpec, cluster_spec: KVSpec, cluster: str) -> None:
+    """Refuse to start when the model's KV layout is not the cluster's; names both specs."""
+    if model_spec.fingerprint() != cluster_spec.fingerprint():
+        raise KVSpecMismatch(
+            f"KV spec mismatch: the vLLM model has {model_spec.describe()}, dtype "
+            f"{model_spec.dtype}; {cluster} has {cluster_spec.describe()}, dtype "
+            f"{cluster_spec.dtype} — serve the model the cluster's [kv] preset describes")

@@ -1,0 +1,52 @@
+"""Finding the vLLM venv and the converted model for the real-engine tests.
+
+The main venv has neither torch nor vLLM: the tests start ``.venv-vllm/bin/python`` processes
+(``make vllm-env vllm-model``). Without them a test SKIPS with the command that installs them —
+and FAILS under ``CI=true``, so a green CI run means the real engine really ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.vllm_engines import REPO, VLLM_PYTHON, kill_group, model_dir
+
+
+def skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} — required under CI=true (`make vllm-env vllm-model`)")
+    pytest.skip(f"REAL ENGINE NOT TESTED: {reason} (run `make vllm-env vllm-model`)")
+
+
+def require_vllm() -> tuple[Path, Path]:
+    """``(python of .venv-vllm, converted model dir)``, or skip/fail with the reason."""
+    if not VLLM_PYTHON.exists():
+        skip_or_fail(f"{VLLM_PYTHON} missing")
+    model = model_dir()
+    if model is None:
+        skip_or_fail("the converted model is missing")
+    assert model is not None
+    return VLLM_PYTHON, model
+
+
+def run_check(python: Path, *args: str, timeout: float = 1500) -> dict:
+    """Run ``tests/vllm_checks/geometry_check.py`` in the vLLM venv; its RESULT line as a dict."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([str(python), str(REPO / "tests" / "vllm_checks" /
+                                              "geometry_check.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc.pid)           # vLLM's engine processes outlive their parent otherwise
+        proc.wait()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"check {args[0]} failed (rc {proc.returncode}):\n{(stdout + stderr)[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))

@@ -11,6 +11,7 @@ is timed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -194,3 +195,38 @@ async def _status(svc):
         return await fe.cluster_status(timeout=10)
     finally:
         await fe.close()
+
+
+@pytest.mark.reliability
+async def test_a_node_puts_its_key_again_after_its_lease_was_lost_and_after_etcd_returns(
+        etcd, reliability):
+    cfg = etcd_cfg(etcd)
+    rec = make_record("d1", "de_loader", "127.0.0.1", 9005, 9505, ["d1.e0"], "f",
+                      PROTOCOL_VERSION)
+    async with registered(cfg, rec) as reg:
+        first_lease = reg._lease.id
+        ep = EtcdEndpoints(etcd.endpoints, 2.0)
+        try:
+            await ep.call(lambda c: c.revoke_lease(first_lease))    # the lease is lost
+        finally:
+            await ep.close()
+        await until(lambda: reg.registrations == 2, what="key put again under a new lease")
+        assert reg._lease is not None and reg._lease.id != first_lease
+        assert json.loads(await etcd_value(etcd, reg.key) or b"{}")["instance"] == rec.instance
+
+        etcd.kill(0)                                  # etcd lost while the node runs
+        await asyncio.sleep(3 * cfg.lease_s)          # the registrar keeps retrying meanwhile
+        await asyncio.to_thread(etcd.restart, 0)
+        # back: the key is there again (its lease renewed, or a fresh one put), and stays
+        await until(lambda: _present(etcd, reg.key), timeout=30, what="key back after etcd")
+        await asyncio.sleep(3 * cfg.lease_s)
+        assert await _present(etcd, reg.key)
+        reliability.record("fault", "etcd lost and back while a node service runs",
+                           f"its key was put again ({reg.registrations} registrations)",
+                           target="etcd", action="kill")
+
+
+async def _present(members: EtcdMembers, key: bytes) -> bool:
+    with contextlib.suppress(Exception):
+        return await etcd_value(members, key) is not None
+    return False

@@ -32,7 +32,7 @@ import structlog
 
 from common.errors import AlreadyExists, Unavailable
 
-from .election import EtcdEndpoints
+from .election import EtcdEndpoints, put_if_absent
 from .service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
@@ -105,23 +105,14 @@ class EtcdRegistrar:
 
     async def _put_if_vacant(self) -> NodeRecord | None:
         """Put the key under a fresh lease if nobody holds it: None; else the holder."""
-        lease = await self.etcd.call(lambda c: c.lease(self.cfg.lease_s))
-        key, value = self.key, self.value
-
-        async def txn(c: Any) -> bool:
-            t = c.transactions
-            ok, _ = await c.transaction(compare=[t.create(key) == 0],
-                                        success=[t.put(key, value, lease)], failure=[])
-            return ok
-        if await self.etcd.call(txn):
+        lease = await put_if_absent(self.etcd, self.key, self.value, self.cfg.lease_s)
+        if lease is not None:
             self._lease = lease
             self.registrations += 1
-            log.info("node_registered_in_etcd", key=key.decode(), lease_s=self.cfg.lease_s,
-                     registrations=self.registrations)
+            log.info("node_registered_in_etcd", key=self.key.decode(),
+                     lease_s=self.cfg.lease_s, registrations=self.registrations)
             return None
-        with contextlib.suppress(Unavailable):
-            await self.etcd.call(lambda c: c.revoke_lease(lease.id))
-        got = await self.etcd.call(lambda c: c.get(key))
+        got = await self.etcd.call(lambda c: c.get(self.key))
         if got is None:
             return await self._put_if_vacant()     # it vanished between the two calls
         holder = msgspec.json.decode(got.value, type=NodeRecord)

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             member = asyncio.run(h.replay("etcd-member-kill", agents // 2, turns // 2,
                                           kills=0, etcd_member_kill=True))
             print(f"  etcd member kill: {member.finished}/{member.planned} finished")
+        quiet_s = asyncio.run(h._quiet(None))    # abandoned attempts' pages: freed by leases
         leaks, mismatches = asyncio.run(h._leaks())
     failover = [k.failover_s for k in hit.kills if k.failover_s is not None]
     election = [k.election_s for k in hit.kills if k.election_s is not None]
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         "election_s": {"p50": _pct(election, 50), "p99": _pct(election, 99)},
         "first_finish_s": {"p50": _pct(first, 50), "p99": _pct(first, 99)},
         "duplicated_completions": hit.duplicate_finals + base.duplicate_finals,
-        "leaked_pages": leaked, "unreachable": [n for n, v in leaks.items() if v is None],
+        "leaked_pages": leaked, "quiet_s": quiet_s,
+        "unreachable": [n for n, v in leaks.items() if v is None],
         "prompt_mismatches": mismatches,
         "jct_ratio_kills_vs_baseline": jct_ratio,
         "resubmits": hit.resubmits, "wall_s": time.monotonic() - t0,

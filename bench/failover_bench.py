@@ -4,7 +4,9 @@ Local 1P2D (subprocesses on loopback, byte-verified agentic replays) with two sc
 replicas elected through a 3-member etcd that the benchmark starts (Debian ``etcd-server``,
 ``make etcd``; ``tools.cluster.failover``). The same workload shape runs twice in one run:
 once without faults (the baseline) and once with the leader SIGKILLed three times
-(``--quick``: a shorter replay, one kill). Frontends and nodes find the leader in etcd; a
+(``--quick``: a shorter replay, one kill), then the chaos case "leader kill during a burst"
+(twice the agents submit their first turns at once; the leader is killed 0.3 s into it).
+Frontends and nodes find the leader in etcd; a
 killed leader's standby takes over when the leader's etcd lease (``etcd.lease_s`` = 2 s)
 runs out, the frontends resubmit their open requests, the nodes re-register.
 
@@ -60,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         hit = asyncio.run(h.replay("leader-kills", agents, turns, kills=kills))
         print(f"  with {len(hit.kills)} kills: {hit.finished}/{hit.planned} finished in "
               f"{hit.wall_s:.1f} s")
+        burst = asyncio.run(h.burst_kill(agents * 2, turns=2))
+        print(f"  leader kill during a burst of {agents * 2} first turns: "
+              f"{burst.finished}/{burst.planned} finished")
         member = None
         if not args.quick:              # a 3-member etcd loses one member: nothing happens
             member = asyncio.run(h.replay("etcd-member-kill", agents // 2, turns // 2,
                                           kills=0, etcd_member_kill=True))
             print(f"  etcd member kill: {member.finished}/{member.planned} finished")
+        quiet_s = asyncio.run(h._quiet(None))    # abandoned attempts' pages: freed by leases
         leaks, mismatches = asyncio.run(h._leaks())
     failover = [k.failover_s for k in hit.kills if k.failover_s is not None]
     election = [k.election_s for k in hit.kills if k.election_s is not None]
@@ -73,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     jct_ratio = (float(np.mean(hit.jct_s)) / float(np.mean(base.jct_s))
                  if hit.jct_s and base.jct_s else None)
     print()
-    rows = [_row(base), _row(hit)] + ([_row(member)] if member else [])
+    rows = [_row(base), _row(hit), _row(burst)] + ([_row(member)] if member else [])
     print_table(rows, ["replay", "planned", "finished", "lost", "kills",
                                          "resubmits", "dup_finals", "jct_mean_s", "jct_p99_s",
                                          "wall_s"])
@@ -86,10 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         "election_s": {"p50": _pct(election, 50), "p99": _pct(election, 99)},
         "first_finish_s": {"p50": _pct(first, 50), "p99": _pct(first, 99)},
         "duplicated_completions": hit.duplicate_finals + base.duplicate_finals,
-        "leaked_pages": leaked, "unreachable": [n for n, v in leaks.items() if v is None],
+        "leaked_pages": leaked, "quiet_s": quiet_s,
+        "unreachable": [n for n, v in leaks.items() if v is None],
         "prompt_mismatches": mismatches,
         "jct_ratio_kills_vs_baseline": jct_ratio,
         "resubmits": hit.resubmits, "wall_s": time.monotonic() - t0,
+        "burst_kill": {"lost": burst.lost, "planned": burst.planned,
+                       "in_flight_at_kill": burst.kills[0].in_flight if burst.kills else None,
+                       "failover_s": burst.kills[0].failover_s if burst.kills else None,
+                       "duplicated_completions": burst.duplicate_finals},
         "etcd_member_kill": None if member is None else {
             "lost": member.lost, "planned": member.planned,
             "leader_epoch_kept": bool(member.kills) and
@@ -106,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                    "lost_detail": hit.lost_detail, "etcd_members": 3,
                    "etcd_lease_s": h.cluster.cfg.etcd.lease_s})
     ok = (hit.lost == 0 and leaked == 0 and summary["duplicated_completions"] == 0
+          and burst.lost == 0 and burst.duplicate_finals == 0
           and (member is None or member.lost == 0))
     return 0 if ok else 1
 

@@ -184,6 +184,7 @@ class ClusterStatus(Message, tag="sched.status", frozen=True):
     queues: dict[str, int]
     requests: dict[str, int]
     counters: dict[str, int]
+    discovery: dict[str, str] = {}      # etcd mode: registered key → "ok …" / "refused: why"
 
 
 FrontendRequest = Union[SubmitRequest, CancelRequest, GetClusterStatus]

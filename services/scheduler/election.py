@@ -113,6 +113,23 @@ class EtcdEndpoints:
         await self.failed()
 
 
+async def put_if_absent(etcd: EtcdEndpoints, key: bytes, value: bytes, ttl_s: int) -> Any:
+    """Put ``key`` under a fresh lease of ``ttl_s`` only while it does not exist (a transaction
+    on ``create_revision == 0``): the lease; None (the lease revoked) when the key exists."""
+    lease = await etcd.call(lambda c: c.lease(ttl_s))
+
+    async def txn(c: Any) -> bool:
+        t = c.transactions
+        ok, _ = await c.transaction(compare=[t.create(key) == 0],
+                                    success=[t.put(key, value, lease)], failure=[])
+        return ok
+    if await etcd.call(txn):
+        return lease
+    with contextlib.suppress(Unavailable):
+        await etcd.call(lambda c: c.revoke_lease(lease.id))
+    return None
+
+
 class SchedulerElection:
     """One replica's campaign: ``await win(address)`` returns the epoch once it leads."""
 
@@ -147,18 +164,10 @@ class SchedulerElection:
             await asyncio.sleep(self.cfg.poll_s)
 
     async def _campaign(self) -> int | None:
-        lease = await self.etcd.call(lambda c: c.lease(self.cfg.lease_s))
-        key, value = self.key, self._value
-
-        async def txn(c: Any) -> bool:
-            t = c.transactions
-            ok, _ = await c.transaction(compare=[t.create(key) == 0],
-                                        success=[t.put(key, value, lease)], failure=[])
-            return ok
-        if not await self.etcd.call(txn):
-            with contextlib.suppress(Unavailable):
-                await self.etcd.call(lambda c: c.revoke_lease(lease.id))
+        lease = await put_if_absent(self.etcd, self.key, self._value, self.cfg.lease_s)
+        if lease is None:
             return None
+        key, value = self.key, self._value
         self._lease = lease
         got = await self.etcd.call(lambda c: c.get(key))
         if got is None or got.value != value:

@@ -51,8 +51,8 @@ class GatewayHitLookup:
     """
 
     def __init__(self, gateways: Mapping[str, PrefixLookupClient], timeout_s: float, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if not gateways:
+                 clock: Callable[[], float] = time.monotonic, allow_empty: bool = False) -> None:
+        if not gateways and not allow_empty:
             raise InvalidArgument("GatewayHitLookup needs at least one gateway")
         if not timeout_s > 0:
             raise InvalidArgument(f"GatewayHitLookup timeout_s={timeout_s} must be > 0")
@@ -68,8 +68,25 @@ class GatewayHitLookup:
     def gateways(self) -> list[str]:
         return [name for name, _ in self._gateways]
 
+    @property
+    def clients(self) -> dict[str, PrefixLookupClient]:
+        return dict(self._gateways)
+
+    def replace(self, gateways: Mapping[str, PrefixLookupClient]
+                ) -> list[PrefixLookupClient]:
+        """Ask these gateways from now on (etcd discovery: the registered ones,
+        ``tools.cluster.discovered``); the clients no longer asked, for the caller to close."""
+        kept = dict(gateways)
+        old = [c for name, c in self._gateways if kept.get(name) is not c]
+        self._gateways = list(kept.items())
+        self._turn = 0
+        return old
+
     async def lookup(self, session_id: str, keys: Sequence[str]) -> int:
         """Hit blocks from the first gateway that answers; Unavailable when none did."""
+        if not self._gateways:
+            self.exhausted += 1
+            raise Unavailable("hit lookup: no gateway registered (etcd discovery) or configured")
         deadline = self._clock() + self._budget_s
         errors: list[str] = []
         for i, (name, client) in enumerate(self._order()):

@@ -71,7 +71,7 @@ COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
             "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
             "attempts_failed", "resubmits", "detached", "results_kept", "results_recovered",
-            "hit_shortfalls", "hit_shortfall_tokens")
+            "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone")
 
 
 class SchedulerService(NodeChannel, Service):
@@ -108,6 +108,7 @@ class SchedulerService(NodeChannel, Service):
         self._limits = Limits(s.max_plans_per_fetch, s.max_bindings_per_fetch,
                               s.max_revocations_per_fetch, s.fetch_reply_budget_bytes)
         self._closing = False
+        self.discovery: Any = None          # etcd mode: the leader's ``ClusterView``
         self._stages = self._stage_handlers()
         self.handlers: dict[type, Any] = {
             SubmitRequest: self._on_submit, CancelRequest: self._on_cancel,
@@ -392,7 +393,27 @@ class SchedulerService(NodeChannel, Service):
                     if self._states[s] and s not in TERMINAL}   # ended ones: counters
         return ClusterStatus(self.core.config.policy, nodes, engines, read_q,
                              self.core.queue_lengths(), by_state,
-                             {**self.counters, "epoch": self.epoch})   # fencing epoch
+                             {**self.counters, "epoch": self.epoch},   # fencing epoch
+                             self._discovery_status())
+
+    def _discovery_status(self) -> dict[str, str]:
+        """etcd mode: every registered key as ``ok`` or ``refused: <reason>``."""
+        view = self.discovery
+        if view is None:
+            return {}
+        return {**{k: f"ok {r.role} {r.host}:{r.rpc_port}" for k, r in view.members.items()},
+                **{k: f"refused: {why}" for k, why in view.refused.items()}}
+
+    def node_gone(self, node_id: str, service: str, rpc_port: int) -> bool:
+        """etcd mode: the node's key vanished (its lease ran out: dead, or cut off from etcd)
+        — drop its RPC registration now instead of after the scheduler's own lease; True when
+        one was dropped. A registration at another port is a newer process: kept."""
+        reg = self.leases.get(node_id, service)
+        if reg is None or reg.msg.control_port != rpc_port:
+            return False
+        self.counters["discovery_gone"] += 1
+        self._drop_registration(reg, f"{node_id}/{service} etcd key gone (lease expired)")
+        return True
 
     async def _on_ping(self, msg: Ping, ctx: CallContext) -> Pong:
         return Pong(msg.payload)

@@ -87,6 +87,8 @@ def _status(launcher: Launcher) -> int:
     print(f"scheduler policy {st.policy}; leases: "
           + ", ".join(f"{n.node_id}/{n.service}" for n in st.nodes)
           + f"; queues {st.queues}; requests {st.requests}")
+    for key, what in sorted(st.discovery.items()):      # etcd mode: registered keys
+        print(f"etcd {key}: {what}")
     return 0
 
 

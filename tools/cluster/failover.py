@@ -67,6 +67,7 @@ class Kill:
     election_s: float | None = None     # kill → standby elected
     failover_s: float | None = None     # kill → nodes re-registered and a plan sent
     first_finish_s: float | None = None  # kill → the new leader finished a request
+    in_flight: int | None = None        # requests the leader held (not ended) just before
 
 
 @dataclass
@@ -152,6 +153,7 @@ class FailoverHarness(ChaosHarness):
         with contextlib.suppress(DualpathError, OSError):
             before = await self.status()
             k.old_epoch, self._nodes_before = before.counters.get("epoch"), len(before.nodes)
+            k.in_flight = sum(before.requests.values())
         t_kill = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.kill(old.pid, signal.SIGKILL)
@@ -222,6 +224,15 @@ class FailoverHarness(ChaosHarness):
                 res.duplicate_finals += c.stream_counts["duplicate_finals"]
         _judge(res, log)
         return res
+
+    async def burst_kill(self, agents: int, turns: int = 2, kill_after_s: float = 0.3
+                         ) -> ReplayResult:
+        """Chaos case "leader kill during a burst" (issue 16): every agent submits its first
+        turn at once and the leader is SIGKILLed ``kill_after_s`` into it, while the burst is
+        queued and in flight (``Kill.in_flight``: how many it held); the standby takes over and
+        every request must still finish once with verified bytes."""
+        return await self.replay("leader-kill-burst", agents, turns, kills=1,
+                                 first_kill_s=kill_after_s)
 
     async def _etcd_member_kill(self, res: ReplayResult, t0: float, at_s: float,
                                 down_s: float) -> None:

@@ -143,15 +143,20 @@ async def lookup_scheduler(stack: contextlib.AsyncExitStack, cfg: Any,
     from services.scheduler.gateway_lookup import GatewayHitLookup
     from services.scheduler.service import SchedulerService
     hit_lookup = None
-    if gateways:
-        spec = spec_from_config(cfg.kv)
-        clients = {name: GatewayClient.connect(cfg.rpc, h, p, None, None, spec,
-                                               node_id="scheduler")
-                   for name, (h, p) in gateways.items()}      # lookups only: no transport
-        hit_lookup = GatewayHitLookup(clients, cfg.scheduler_service.hit_lookup_timeout_s)
+    dynamic = bool(cfg.etcd.endpoints)     # etcd: the registered gateways join later
+    if gateways or dynamic:
+        clients = {name: lookup_client(cfg, h, p) for name, (h, p) in (gateways or {}).items()}
+        hit_lookup = GatewayHitLookup(clients, cfg.scheduler_service.hit_lookup_timeout_s,
+                                      allow_empty=dynamic)
         stack.push_async_callback(hit_lookup.close)
     svc = SchedulerService(cfg, host=host, port=port, hit_lookup=hit_lookup, **service)
     return await stack.enter_async_context(svc), hit_lookup
+
+
+def lookup_client(cfg: Any, host: str, port: int) -> Any:
+    """A gateway client for the scheduler's hit lookups only (no transport)."""
+    return GatewayClient.connect(cfg.rpc, host, port, None, None, spec_from_config(cfg.kv),
+                                 node_id="scheduler")
 
 
 # --------------------------------------------------------------------------- from a cluster file

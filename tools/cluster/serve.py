@@ -225,10 +225,13 @@ class _Roles:
         replica = self.args.node or f"scheduler-{os.getpid()}"
         election = SchedulerElection(cfg.etcd, replica)
         await election.check()          # etcd unreachable at start: exit 1 naming it
-        svc, _ = await lookup_scheduler(stack, cfg, self._lookup_gateways(),
-                                        port=self.args.port, epoch=0, node_id=replica)
+        static = self._lookup_gateways()
+        svc, hit_lookup = await lookup_scheduler(stack, cfg, static, port=self.args.port,
+                                                 epoch=0, node_id=replica)
         stack.push_async_callback(election.resign)     # a clean stop hands over at once
         svc.epoch = await election.win(svc.host, svc.port)
+        from .discovered import watch_cluster
+        await watch_cluster(stack, cfg, svc, hit_lookup, static)   # the leader watches nodes
         keeper = asyncio.create_task(_lead_until_lost(election, svc), name="scheduler-lease")
         stack.callback(keeper.cancel)
         self.info.update(host=svc.host, rpc_port=svc.port, epoch=svc.epoch, replica=replica)
@@ -258,6 +261,7 @@ class _Roles:
         svc = GatewayService(cfg, node, rpc_port=port)
         await stack.enter_async_context(svc)
         self.info.update(host=cfg.rpc.host, rpc_port=svc.rpc_port, ucx_port=svc.ucx_address[1])
+        await self._register(stack, cfg, node, "storage_gateway", [])
         self._source(stack, "storage_gateway", node, gateway_stats(svc))
         return svc
 
@@ -277,8 +281,18 @@ class _Roles:
             await attach_engines(stack, svc, cfg.engine_sim)
         self.info.update(host=getattr(cfg, service).host, rpc_port=svc.rpc_port,
                          ucx_port=svc.ucx_address[1], engines=list(svc.engine_ids))
+        await self._register(stack, cfg, node, service, list(svc.engine_ids))
         self._source(stack, service, node, svc.stats)
         return svc
+
+    async def _register(self, stack: contextlib.AsyncExitStack, cfg: Any, node: str,
+                        service: str, engines: list[str]) -> None:
+        """etcd mode: this process's key under a lease (docs/cluster.md, "etcd")."""
+        if not cfg.etcd.endpoints:
+            return
+        from .discovered import register_node
+        await register_node(stack, cfg, node, service, self.info["host"], self.info["rpc_port"],
+                            self.info.get("ucx_port"), engines)
 
     async def _engine_sim(self, stack: contextlib.AsyncExitStack) -> Any:
         """The node's emulated engines in this process, attached over its engine socket."""

@@ -1,0 +1,232 @@
+"""Node and gateway discovery through etcd (issue 16, item 1), with a REAL etcd member.
+
+A real ``dualpath serve gateway`` process registers its key under a lease; the scheduler
+(in-process, with the leader's watch: ``tools.cluster.discovered``) learns it and its hit
+lookup asks that gateway; kill -9 of the gateway → the key is gone after one lease and the
+lookup has no gateway again. Registrations with another KV spec or protocol version are
+refused with both named; a second process with a taken node id is refused with the reason;
+a node service whose key vanished is dropped by the scheduler. Conditions are polled; nothing
+is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from common.errors import AlreadyExists
+from common.protocol import EngineInfo, RequestQueued
+from common.protocol.base import PROTOCOL_VERSION
+from services.scheduler.client import SchedulerClient
+from services.scheduler.discovery import EtcdRegistrar, make_record, node_key, registered
+from services.scheduler.election import EtcdEndpoints
+from services.scheduler.node_client import NodeSession
+from services.scheduler.service_config import EtcdConfig
+from tests.helpers import reap, require_etcd, until
+from tests.test_scheduler_service import RPC, keys, make_cfg, nxt
+from tools.cluster.discovered import watch_cluster
+from tools.cluster.etcd_members import EtcdMembers
+from tools.cluster.inprocess import lookup_scheduler
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    require_etcd()
+    with EtcdMembers(tmp_path / "etcd", 1) as members:
+        yield members
+
+
+def etcd_cfg(members: EtcdMembers) -> EtcdConfig:
+    return EtcdConfig(endpoints=members.endpoints, lease_s=1, poll_s=0.1, dial_timeout_s=2.0)
+
+
+@contextlib.asynccontextmanager
+async def leader(members: EtcdMembers, **service):
+    """An in-process scheduler (test-small KV spec) running the elected leader's watch."""
+    cfg = msgspec.structs.replace(make_cfg(**service), etcd=etcd_cfg(members))
+    async with contextlib.AsyncExitStack() as stack:
+        svc, hit_lookup = await lookup_scheduler(stack, cfg, {}, port=0, epoch=7)
+        watch = await watch_cluster(stack, cfg, svc, hit_lookup, {})
+        yield svc, hit_lookup, watch
+
+
+def serve_gateway(tmp: Path, members: EtcdMembers, node: str) -> tuple[subprocess.Popen, Path]:
+    ready = tmp / f"ready-{node}"
+    env = {**os.environ, "DUALPATH__ETCD__ENDPOINTS": json.dumps(members.endpoints),
+           "DUALPATH__ETCD__LEASE_S": "1", "DUALPATH__KV__PRESET": "test-small",
+           "DUALPATH__GATEWAY__ROOT": str(tmp / f"store-{node}"),
+           "DUALPATH__LOGGING__LEVEL": "warning"}
+    log = open(tmp / f"{node}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cluster.serve", "gateway", "-c",
+                             "configs/default.toml", "--node", node, "--port", "0",
+                             "--ready-file", str(ready)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log)
+    log.close()
+    return proc, ready
+
+
+async def etcd_value(members: EtcdMembers, key: bytes) -> bytes | None:
+    ep = EtcdEndpoints(members.endpoints, 2.0)
+    try:
+        got = await ep.call(lambda c: c.get(key))
+        return None if got is None else got.value
+    finally:
+        await ep.close()
+
+
+async def queued(fe: SchedulerClient, request_id: str) -> RequestQueued:
+    event = await nxt(fe.submit(request_id, "s", 300, 2, block_keys=keys(4)))
+    assert isinstance(event, RequestQueued)
+    return event
+
+
+@pytest.mark.reliability
+async def test_a_gateway_registers_the_lookup_uses_it_and_kill_9_removes_it(etcd, tmp_path,
+                                                                            reliability):
+    key = node_key(etcd_cfg(etcd), "g0", "storage_gateway")
+    proc = None
+    async with leader(etcd) as (svc, hit_lookup, watch):
+        fe = SchedulerClient("127.0.0.1", svc.port, rpc=RPC)
+        try:
+            assert (await queued(fe, "r0")).hit_lookup_failed    # no gateway known yet
+            proc, ready = serve_gateway(tmp_path, etcd, "g0")
+            await until(lambda: ready.exists() or proc.poll() is not None, timeout=60,
+                        what="gateway ready")
+            assert ready.exists(), (tmp_path / "g0.log").read_text()[-3000:]
+            port = json.loads(ready.read_text())["rpc_port"]
+            rec = json.loads(await etcd_value(etcd, key) or b"{}")
+            assert (rec["node_id"], rec["role"], rec["rpc_port"]) == ("g0", "gateway", port)
+            assert rec["protocol_version"] == PROTOCOL_VERSION
+            assert rec["kv_fingerprint"] == svc.kv.fingerprint()
+            await until(lambda: hit_lookup.gateways == ["g0"], what="watch saw g0")
+            status = await fe.cluster_status(timeout=10)
+            assert status.discovery[key.decode()].startswith("ok gateway")
+            assert not (await queued(fe, "r1")).hit_lookup_failed    # g0 answered the lookup
+
+            proc.kill()                                   # kill -9: no revoke, the lease runs out
+            proc.wait()
+            await until(lambda: hit_lookup.gateways == [], what="g0 gone after its lease")
+            assert await etcd_value(etcd, key) is None
+            assert (await fe.cluster_status(timeout=10)).discovery == {}
+            assert (await queued(fe, "r2")).hit_lookup_failed
+            reliability.record("fault", "kill -9 a gateway registered in etcd",
+                               "its key vanished after one lease; the leader's hit lookup "
+                               "dropped it (lookup failure is loud, not a silent hit)",
+                               target="storage gateway", action="kill")
+        finally:
+            await fe.close()
+            if proc is not None:
+                reap(proc)
+
+
+async def test_another_kv_spec_or_protocol_version_is_refused_with_both_named(etcd):
+    cfg = etcd_cfg(etcd)
+    async with leader(etcd) as (svc, hit_lookup, watch):
+        ours = svc.kv.fingerprint()
+        bad_spec = make_record("p9", "pe_receiver", "127.0.0.1", 9001, 9501, ["p9.e0"],
+                               "deadbeef", PROTOCOL_VERSION)
+        bad_version = make_record("g9", "storage_gateway", "127.0.0.1", 9002, None, [], ours,
+                                  PROTOCOL_VERSION + 1)
+        async with registered(cfg, bad_spec), registered(cfg, bad_version):
+            await until(lambda: len(watch.view.refused) == 2, what="both refused")
+            why = watch.view.refused
+            spec_reason = why[node_key(cfg, "p9", "pe_receiver").decode()]
+            assert "deadbeef" in spec_reason and ours in spec_reason
+            version_reason = why[node_key(cfg, "g9", "storage_gateway").decode()]
+            assert f"v{PROTOCOL_VERSION + 1}" in version_reason
+            assert f"v{PROTOCOL_VERSION}" in version_reason
+            assert hit_lookup.gateways == [] and watch.view.members == {}
+            status = await _status(svc)
+            assert any(v.startswith("refused:") and "deadbeef" in v
+                       for v in status.discovery.values())
+            assert watch.view.counters["refused_kv_spec"] >= 1
+            assert watch.view.counters["refused_version"] >= 1
+
+
+async def test_a_second_process_with_a_taken_node_id_is_refused_with_the_reason(etcd):
+    cfg = etcd_cfg(etcd)
+    first = make_record("d0", "de_loader", "127.0.0.1", 9001, 9501, ["d0.e0"], "f", 2)
+    twin = make_record("d0", "de_loader", "127.0.0.1", 9003, 9503, ["d0.e0"], "f", 2)
+    async with registered(cfg, first):
+        with pytest.raises(AlreadyExists, match=rf"'d0' \(de_loader\).*pid {first.pid}.*:9001"):
+            await EtcdRegistrar(cfg, twin).register()
+    async with registered(cfg, twin) as reg:          # revoked at the first's stop: free now
+        assert reg.registrations == 1
+
+
+async def test_a_node_whose_key_vanished_is_dropped_by_the_leader(etcd):
+    cfg = etcd_cfg(etcd)
+    # the RPC lease (scheduler_service.lease_s) far longer than etcd's: only etcd can drop it
+    async with leader(etcd, lease_s=60.0, heartbeat_s=1.0) as (svc, hit_lookup, watch):
+        session = NodeSession(RPC, "127.0.0.1", svc.port, node_id="p0", service="pe_receiver",
+                              role="prefill", control=("127.0.0.1", 9001),
+                              ucx=("127.0.0.1", 9501),
+                              engines=[EngineInfo("p0.e0", "prefill", 1 << 40)],
+                              kv_fingerprint=svc.kv.fingerprint())
+        try:
+            await session.register()
+            assert svc.leases.get("p0", "pe_receiver") is not None
+            rec = make_record("p0", "pe_receiver", "127.0.0.1", 9001, 9501, ["p0.e0"],
+                              svc.kv.fingerprint(), PROTOCOL_VERSION)
+            reg = EtcdRegistrar(cfg, rec)
+            await reg.register()
+            await until(lambda: len(watch.view.nodes()) == 1, what="p0 discovered")
+            await reg.etcd.close()            # "dies": no more renewals, no revoke
+            await until(lambda: svc.counters["discovery_gone"] == 1,
+                        what="p0 dropped after its etcd lease")
+            assert watch.view.nodes() == [] and watch.view.counters["left"] == 1
+        finally:
+            await session.close()
+
+
+async def _status(svc):
+    fe = SchedulerClient("127.0.0.1", svc.port, rpc=RPC)
+    try:
+        return await fe.cluster_status(timeout=10)
+    finally:
+        await fe.close()
+
+
+@pytest.mark.reliability
+async def test_a_node_puts_its_key_again_after_its_lease_was_lost_and_after_etcd_returns(
+        etcd, reliability):
+    cfg = etcd_cfg(etcd)
+    rec = make_record("d1", "de_loader", "127.0.0.1", 9005, 9505, ["d1.e0"], "f",
+                      PROTOCOL_VERSION)
+    async with registered(cfg, rec) as reg:
+        first_lease = reg._lease.id
+        ep = EtcdEndpoints(etcd.endpoints, 2.0)
+        try:
+            await ep.call(lambda c: c.revoke_lease(first_lease))    # the lease is lost
+        finally:
+            await ep.close()
+        await until(lambda: reg.registrations == 2, what="key put again under a new lease")
+        assert reg._lease is not None and reg._lease.id != first_lease
+        assert json.loads(await etcd_value(etcd, reg.key) or b"{}")["instance"] == rec.instance
+
+        etcd.kill(0)                                  # etcd lost while the node runs
+        await asyncio.sleep(3 * cfg.lease_s)          # the registrar keeps retrying meanwhile
+        await asyncio.to_thread(etcd.restart, 0)
+        # back: the key is there again (its lease renewed, or a fresh one put), and stays
+        await until(lambda: _present(etcd, reg.key), timeout=30, what="key back after etcd")
+        await asyncio.sleep(3 * cfg.lease_s)
+        assert await _present(etcd, reg.key)
+        reliability.record("fault", "etcd lost and back while a node service runs",
+                           f"its key was put again ({reg.registrations} registrations)",
+                           target="etcd", action="kill")
+
+
+async def _present(members: EtcdMembers, key: bytes) -> bool:
+    with contextlib.suppress(Exception):
+        return await etcd_value(members, key) is not None
+    return False

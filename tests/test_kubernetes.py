@@ -154,6 +154,13 @@ def test_remote_engines_get_their_own_container_sharing_the_pod(cluster):
     pod = by_kind(objs, "StatefulSet")["dualpath-d0"]["spec"]["template"]["spec"]
     eng = next(c for c in pod["containers"] if c["name"] == "engines")
     assert eng["args"][:2] == ["serve", "engine_sim"]
+    # the engine socket's directory is the mounted state dir, shared with the DE loader
+    sock = service_config(load_data(
+        tomllib.loads(by_kind(objs, "ConfigMap")["dualpath-config"]["data"]["cluster.toml"]),
+        "cm", environ={}), "de_loader", "d0").de_loader.engine_socket
+    state = {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]
+             if m["name"] == "state"}
+    assert state == {str(Path(sock).parent)}
     assert {"name": "shm", "mountPath": "/dev/shm"} in eng["volumeMounts"]
 
 

@@ -143,7 +143,8 @@ def node_statefulset(cluster: Cluster, n: NodeSpec, opts: KubeOptions) -> dict[s
     """Node ``n``'s pod: gateway, PE receiver / DE loader (+ engines), one ``/dev/shm``."""
     c = cluster.spec
     mounts: list[dict[str, Any]] = [CONFIG_MOUNT, {"name": "shm", "mountPath": "/dev/shm"},
-              {"name": "state", "mountPath": STATE_MOUNT}]
+              # the state dir itself (it holds the engine socket; nothing creates it)
+              {"name": "state", "mountPath": f"{STATE_MOUNT}/{c.name}"}]
     gw_ports = {"gateway": n.gateway_port, **({"gw-metrics": n.gateway_metrics_port}
                                                if n.gateway_metrics_port else {})}
     node_ports = {"rpc": n.rpc_port, **({"metrics": n.metrics_port} if n.metrics_port else {})}

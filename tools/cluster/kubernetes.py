@@ -210,6 +210,7 @@ def to_yaml(objs: list[dict[str, Any]]) -> str:
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
     Dumper.add_representer(str, text)
+    Dumper.ignore_aliases = lambda self, data: True      # repeated dicts written out, no &id
     return head + "".join("---\n" + yaml.dump(o, Dumper=Dumper, sort_keys=False, width=100)
                           for o in objs)
 

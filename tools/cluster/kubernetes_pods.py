@@ -19,10 +19,17 @@ POD_NAME_ENV = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "met
 CONFIG = f"{CONF_DIR}/cluster.toml"
 
 
+SCHEDULER_HOST_ENV = "DUALPATH__CLUSTER__SCHEDULER_HOST"
+
+
 def ping_probe(port: int, *, period_s: int, failures: int) -> dict[str, Any]:
-    """The Ping of ``tools.cluster.health`` on the pod's IP (the service binds it, not lo)."""
-    return {"exec": {"command": ["sh", "-c",
-                                 f'exec python -m tools.cluster.health "$POD_IP:{port}"']},
+    """The Ping of ``tools.cluster.health`` on the pod's IP (the service binds it, not lo).
+
+    The probe reads a plain host config, which has no ``[cluster]``: the scheduler pods'
+    ``DUALPATH__CLUSTER__…`` override would make it refuse to start, so it is unset.
+    """
+    cmd = f'exec env -u {SCHEDULER_HOST_ENV} python -m tools.cluster.health "$POD_IP:{port}"'
+    return {"exec": {"command": ["sh", "-c", cmd]},
             "periodSeconds": period_s, "timeoutSeconds": 5, "failureThreshold": failures}
 
 
@@ -115,7 +122,7 @@ def scheduler(cluster: Cluster, opts: KubeOptions) -> list[dict[str, Any]]:
     ctr = container("scheduler", opts,
                     ["serve", "scheduler", "-c", CONFIG, "--node", "$(POD_NAME)"], ports,
                     c.scheduler_port, [CONFIG_MOUNT],
-                    env=[{"name": "DUALPATH__CLUSTER__SCHEDULER_HOST", "value": "$(POD_IP)"}])
+                    env=[{"name": SCHEDULER_HOST_ENV, "value": "$(POD_IP)"}])
     pod = {"containers": [ctr], "volumes": [CONFIG_VOLUME],
            "terminationGracePeriodSeconds": 20}
     sel = selector("scheduler")

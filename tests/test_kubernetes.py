@@ -74,7 +74,7 @@ def test_node_pods_names_and_ports_match_the_cluster_file(cluster):
         pod = sets[f"dualpath-{n.id}"]["spec"]["template"]["spec"]
         ctrs = {x["name"]: x for x in pod["containers"]}
         role_ctr = ROLE_SERVICE[n.role].replace("_", "-")
-        assert set(ctrs) == {"gateway", role_ctr}
+        assert set(ctrs) == {"gateway", role_ctr, "engines"}     # remote_engines = true
         gw, node = ctrs["gateway"], ctrs[role_ctr]
         assert gw["args"] == ["serve", "gateway", "-c", "/etc/dualpath/cluster.toml",
                               "--node", n.id]

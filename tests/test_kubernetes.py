@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -254,3 +255,24 @@ def test_the_scheduler_pod_as_rendered_runs_here_and_its_probe_passes(cluster, t
 def expand(value: str, env: dict[str, str]) -> str:
     """The kubelet's ``$(VAR)`` expansion in args and env values."""
     return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def test_the_rendered_prometheus_config_passes_promtool(cluster, tmp_path):
+    """Prometheus's own checker on the ConfigMap's prometheus.yml (``make prometheus``
+    installs promtool with it; skipped loudly without, failed under CI=true)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        reason = "promtool not installed (`make prometheus`: Debian's prometheus package)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}; required under CI=true")
+        pytest.skip(f"SKIPPED LOUDLY: {reason}")
+    cm = by_kind(render(cluster), "ConfigMap")["dualpath-prometheus"]
+    (tmp_path / "prometheus.yml").write_text(cm["data"]["prometheus.yml"])
+    ok = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    (tmp_path / "bad.yml").write_text(cm["data"]["prometheus.yml"].replace("scrape_interval",
+                                                                          "scrape_intervall"))
+    bad = subprocess.run([promtool, "check", "config", str(tmp_path / "bad.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0            # the checker does refuse a broken file

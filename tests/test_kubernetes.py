@@ -212,6 +212,7 @@ def test_the_command_writes_the_manifests(tmp_path):
     assert objs and all(o["metadata"]["namespace"] == "prod" for o in objs)
 
 
+@pytest.mark.slow
 def test_the_scheduler_pod_as_rendered_runs_here_and_its_probe_passes(cluster, tmp_path):
     """The scheduler container's args, env ($(VAR) expanded as the kubelet does) and exec
     probe, run on loopback against a real etcd: the pod spec works, not just validates."""

@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
 .PHONY: venv lint test test-fast test-chaos demo bench bench-quick reliability sim-accel clean etcd
+.PHONY: prometheus k8s
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +67,18 @@ etcd:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server etcd-client; }
 	@etcd --version | head -1
+
+# Prometheus for the operations-view test (tests/test_prometheus_ops.py: it scrapes a local
+# cluster and runs the Grafana dashboard's queries): Debian's prometheus. Needs root or sudo.
+prometheus:
+	@command -v prometheus >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq prometheus; }
+	@prometheus --version 2>&1 | head -1
+
+# the Kubernetes manifests, rendered from deploy/kubernetes/cluster.toml (docs/kubernetes.md)
+k8s: $(STAMP)
+	$(PY) -m tools.cluster.kubernetes -c deploy/kubernetes/cluster.toml -o deploy/kubernetes/dualpath.yaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis results data

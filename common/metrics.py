@@ -30,6 +30,12 @@ Standard families (labels):
                                             re-planned or final — :func:`observe_failed_attempt`)
 ``dualpath_hit_lookup_failures_total``      (scheduler) lookups that failed: the hit was taken as 0
 ``dualpath_hit_lookup_retries_total``       (scheduler) lookup tries sent to another gateway
+``dualpath_read_planned_tokens_total``      node: hit tokens the scheduler planned onto the node's
+                                            storage link (scheduler)
+``dualpath_read_side_tokens_total``         side = pe | de: the read-side split (scheduler, §4)
+``dualpath_read_side_de_fraction``          share of planned hit tokens read on the DE side
+``dualpath_snic_max_avg``                   window = run | recent: max ÷ mean planned reads
+                                            across nodes (1.0 = balanced; paper §7.4)
 ==========================================  ===================================================
 """
 
@@ -38,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -142,6 +150,10 @@ _POOLS = ("pe_buffer", "de_buffer", "staging")
 _REQUEST_STATE_PREFIX = "requests_state_"
 _ENDED = {"finished": "finished", "failed": "failed", "cancelled": "cancelled"}
 _HIT_LOOKUP = ("hit_lookup_failures", "hit_lookup_retries")     # scheduler counter = family
+_PLANNED_PREFIX = "read_planned_tokens:"      # + node id (scheduler: operations view)
+_SIDE_PREFIX = "read_side_tokens:"            # + pe | de
+_SNIC = {"snic_max_avg": "run", "snic_max_avg_recent": "recent"}
+RECENT_WINDOW_S = 10.0                        # the "recent" SNIC max/avg window
 
 
 class _StatsCollector:
@@ -180,6 +192,7 @@ class _StatsCollector:
             "hit_lookup_retries": CounterMetricFamily(
                 "dualpath_hit_lookup_retries", "Hit lookup tries sent to another gateway after "
                 "one failed"),
+            **_balance_families(),
         }
         for (service, node), stats in sorted(snap.items()):
             _map(service, node, stats, fams)
@@ -223,6 +236,7 @@ def _map(service: str, node: str, stats: dict[str, float], f: dict[str, Any]) ->
             if key in stats:
                 f[key].add_metric([], stats[key])
                 used.add(key)
+        used.update(_map_balance(stats, f))
     for key, value in stats.items():
         if key not in used:
             f["stat"].add_metric([service, node, key], value)
@@ -283,8 +297,81 @@ def scheduler_stats(svc: Any) -> Source:
                 out[f"{_REQUEST_STATE_PREFIX}{name}"] = float(n)
         out["requests_live"] = float(svc.active_requests)
         out["nodes"] = float(len(svc.leases))
+        core = getattr(svc, "core", None)
+        if core is not None:
+            out.update(balance(core.read_planned(), core.read_side_tokens))
         return out
+    balance = ReadBalance()
     return fn
+
+
+class ReadBalance:
+    """The operations view's numbers from the scheduler's planned reads (cumulative tokens).
+
+    SNIC max/avg is the simulator's measure (``sim.stats.WindowSeries.max_avg``, paper §7.4)
+    over the scheduler's *planned* reads instead of bytes on the wire: ``run`` over everything
+    so far, ``recent`` over the last :data:`RECENT_WINDOW_S` (snapshots are ``refresh_s`` apart;
+    1.0 while nothing was planned). Every registered node counts in the mean, idle ones too.
+    """
+
+    def __init__(self, window_s: float = RECENT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.history: deque[tuple[float, dict[str, int]]] = deque()
+
+    def __call__(self, planned: dict[str, int], sides: dict[str, int],
+                 now: float | None = None) -> dict[str, float]:
+        now = time.monotonic() if now is None else now
+        self.history.append((now, dict(planned)))
+        while len(self.history) > 2 and self.history[1][0] <= now - self.window_s:
+            self.history.popleft()
+        old = self.history[0][1]
+        recent = {n: v - old.get(n, 0) for n, v in planned.items()}
+        out = {f"{_PLANNED_PREFIX}{n}": float(v) for n, v in planned.items()}
+        out.update({f"{_SIDE_PREFIX}{s}": float(v) for s, v in sides.items()})
+        total = sum(sides.values())
+        out["read_side_de_fraction"] = sides.get("de", 0) / total if total else 0.0
+        out["snic_max_avg"] = max_avg(planned)
+        out["snic_max_avg_recent"] = max_avg(recent)
+        return out
+
+
+def max_avg(per_node: dict[str, int]) -> float:
+    """max ÷ mean of the values (1.0 for none or all zero)."""
+    vals = list(per_node.values())
+    mean = sum(vals) / len(vals) if vals else 0.0
+    return max(vals) / mean if mean > 0 else 1.0
+
+
+def _balance_families() -> dict[str, Any]:
+    return {
+        "planned": CounterMetricFamily("dualpath_read_planned_tokens", "Hit tokens the "
+                                       "scheduler planned onto the node's storage link",
+                                       labels=["node"]),
+        "side": CounterMetricFamily("dualpath_read_side_tokens", "Planned hit tokens by read "
+                                    "side (pe: the PE's node reads, de: the DE's node reads)",
+                                    labels=["side"]),
+        "de_fraction": GaugeMetricFamily("dualpath_read_side_de_fraction", "Share of planned "
+                                         "hit tokens read on the DE side"),
+        "snic": GaugeMetricFamily("dualpath_snic_max_avg", "Max / mean planned storage reads "
+                                  "across nodes (1.0 = balanced)", labels=["window"]),
+    }
+
+
+def _map_balance(stats: dict[str, float], f: dict[str, Any]) -> set[str]:
+    used = set()
+    for key, value in stats.items():
+        if key.startswith(_PLANNED_PREFIX):
+            f["planned"].add_metric([key[len(_PLANNED_PREFIX):]], value)
+        elif key.startswith(_SIDE_PREFIX):
+            f["side"].add_metric([key[len(_SIDE_PREFIX):]], value)
+        elif key in _SNIC:
+            f["snic"].add_metric([_SNIC[key]], value)
+        elif key == "read_side_de_fraction":
+            f["de_fraction"].add_metric([], value)
+        else:
+            continue
+        used.add(key)
+    return used
 
 
 def gateway_stats(svc: Any) -> Source:

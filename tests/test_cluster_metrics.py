@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
+from prometheus_client import generate_latest
+
 from common import metrics
 from common.protocol import RequestFinished
 from tests.helpers import until
@@ -58,3 +60,28 @@ async def test_a_failing_source_keeps_its_last_snapshot():
         assert metrics.registry().snapshot[("pe_receiver", "p7")] == {"tx_bytes_sent": 5.0}
     finally:
         metrics.unregister_source("pe_receiver", "p7")
+
+
+def test_scheduler_read_balance_is_exported_as_the_operations_view_families():
+    balance = metrics.ReadBalance(window_s=10.0)
+    planned, sides = {"p0": 0, "d0": 0, "d1": 0}, {"pe": 0, "de": 0}
+    first = balance(planned, sides, now=0.0)
+    assert first["snic_max_avg"] == 1.0 and first["read_side_de_fraction"] == 0.0
+    balance({"p0": 300, "d0": 0, "d1": 0}, {"pe": 300, "de": 0}, now=5.0)
+    # 20 s later only d0 and d1 read: the run ratio counts everything, "recent" the last 10 s
+    out = balance({"p0": 300, "d0": 300, "d1": 300}, {"pe": 300, "de": 600}, now=25.0)
+    assert out["snic_max_avg"] == 1.0
+    assert out["snic_max_avg_recent"] == 300 / 200            # p0 idle in the window
+    assert out["read_side_de_fraction"] == 600 / 900
+    metrics.register_source("scheduler", "scheduler", lambda: dict(out))   # snapshots once
+    try:
+        text = generate_latest(metrics.registry().registry).decode()
+    finally:
+        metrics.unregister_source("scheduler", "scheduler")
+    want = ('dualpath_read_planned_tokens_total{node="d0"} 300.0',
+            'dualpath_read_side_tokens_total{side="de"} 600.0',
+            'dualpath_snic_max_avg{window="recent"} 1.5', 'dualpath_snic_max_avg{window="run"} 1.0',
+            "dualpath_read_side_de_fraction 0.666")
+    assert [line for line in want if line not in text] == []
+    # mapped onto their families, not repeated as dualpath_stat{name=…}
+    assert 'name="read_planned_tokens:' not in text and 'name="snic_max_avg' not in text

@@ -68,6 +68,10 @@ class Scheduler:
         self._pe_queued = 0                  # Σ PE load of the requests in the PE queue
         self._n_pe = 0
         self._nodes: dict[str, Node] = {}
+        # operations view (docs/kubernetes.md): hit tokens planned onto each node's storage
+        # link, and by read side; cumulative, for the SNIC max/avg ratio and the PE/DE split
+        self.read_tokens_planned: dict[str, int] = {}
+        self.read_side_tokens = {"pe": 0, "de": 0}
         self._engines: dict[str, Engine] = {}
         self._groups: dict[Role, dict[str, Group]] = {Role.PREFILL: {}, Role.DECODE: {}}
         self._requests: dict[str, Pending] = {}
@@ -290,6 +294,10 @@ class Scheduler:
         return [EngineReport(e.engine_id, e.seq, e.tok, e.free_hbm) for e in self._engines.values()
                 if role is None or e.role is role]
 
+    def read_planned(self) -> dict[str, int]:
+        """Hit tokens planned onto each registered node's storage link so far (0 included)."""
+        return {nid: self.read_tokens_planned.get(nid, 0) for nid in self._nodes}
+
     def read_queue(self, node_id: str) -> int:
         n = self._nodes.get(node_id)
         if n is None:
@@ -407,6 +415,9 @@ class Scheduler:
         side, node = self._read_side(r.hit_tokens, e.node, de.node)
         if node is not None:
             node.read_q += r.hit_tokens
+            nid = node.node_id
+            self.read_tokens_planned[nid] = self.read_tokens_planned.get(nid, 0) + r.hit_tokens
+            self.read_side_tokens[side.value] += r.hit_tokens
             p.read_node = node
             p.read_pending = True
         return Assignment(r.request_id, r.session_id, e.engine_id, e.node.node_id, de.engine_id,

@@ -146,3 +146,55 @@ def test_mismatched_ucx_transports_the_scheduler_refuses_the_node(net):
     stop_process(gw)
     # the cluster is unaffected: a replay still passes every check
     _replay_ok(net)
+
+
+# ---------------------------------------------------------------------------- chaos across hosts
+
+def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4) -> tuple[int, str, dict]:
+    """Start a replay on ``cli``, run ``fault()`` while it runs, return (rc, output, results)."""
+    seed = next(_SEEDS)
+    out = net.hosts["cli"].root / "var" / f"out{seed}"
+    argv = [*hc.replay_argv(net, "cli"), "--agents", str(agents), "--max-turns", str(turns),
+            "--check", "--out", str(out), "--seed", str(seed)]
+    env = hc.unit_env(net, "cli")
+    env.pop("UCX_LOG_LEVEL", None)
+    proc = net.spawn("cli", argv, env=env, log_name=f"replay{seed}",
+                     cwd=str(net.hosts["cli"].root / "var"))
+    fault()
+    rc = proc.wait(timeout=400)
+    res = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    return rc, net.log_text("cli", f"replay{seed}"), res
+
+
+def test_a_partitioned_decode_host_is_replanned_and_no_request_is_lost(net):
+    import time
+
+    def partition() -> None:
+        time.sleep(4.0)                      # transfers under way
+        net.link("d1", up=False)             # d1's cable pulled at the switch
+        time.sleep(8.0)                      # > the 5 s lease: the scheduler re-plans
+        net.link("d1", up=True)
+
+    rc, text, res = _replay_during(net, partition)
+    checks = res["summary"]["checks"]
+    assert rc == 0, text[-3000:]           # --check: finished, hits, bytes, verified
+    assert checks["all_finished"] and checks["every_prompt_verified"], text[-3000:]
+    sched = net.log_text("ctl", "dualpath-scheduler")
+    assert "d1" in sched and ("lease" in sched or "node_removed" in sched), sched[-3000:]
+
+
+def test_a_decode_host_killed_its_requests_finish_on_the_others(net):
+    """Last in the module: d1's services stay dead."""
+    import time
+
+    def kill() -> None:
+        time.sleep(4.0)
+        net.kill_host("d1")                  # the machine's services die (SIGKILL)
+
+    rc, text, res = _replay_during(net, kill)
+    s = res["summary"]
+    assert s["checks"]["all_finished"], text[-3000:]        # no request lost
+    assert s["checks"]["hit_mismatches"] == 0, text[-3000:]
+    assert s["checks"]["engine_byte_mismatches"] == 0, text[-3000:]
+    sched = net.log_text("ctl", "dualpath-scheduler")
+    assert "node_removed" in sched or "lease" in sched, sched[-3000:]

@@ -189,9 +189,14 @@ def start_cluster(net: HostNet, *, etcd: bool = True) -> None:
 def replay(net: HostNet, *args: str, host: str = "cli",
            timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
     """``dualpath replay -c <host's cluster.toml> --static ARGS`` on ``host``."""
-    argv = [str(Path(sys.executable).parent / "dualpath"), "replay",
-            "-c", str(net.hosts[host].etc / "cluster.toml"), "--static", "--no-progress",
-            "--no-plots", *args]
+    argv = [*replay_argv(net, host), *args]
     env = unit_env(net, host)
     env.pop("UCX_LOG_LEVEL", None)
     return net.run(host, argv, env=env, timeout=timeout, cwd=str(net.hosts[host].root / "var"))
+
+
+def replay_argv(net: HostNet, host: str = "cli") -> list[str]:
+    """The static replay against the cluster, as docs/deploy.md step 5 runs it."""
+    return [str(Path(sys.executable).parent / "dualpath"), "replay",
+            "-c", str(net.hosts[host].etc / "cluster.toml"), "--static", "--no-progress",
+            "--no-plots"]

@@ -8,6 +8,9 @@ replay driver), each service from its deploy/systemd unit's ExecStart with the h
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import sys
 import pytest
 
 from tests.helpers import require_etcd, require_namespaces
@@ -146,6 +149,59 @@ def test_mismatched_ucx_transports_the_scheduler_refuses_the_node(net):
     stop_process(gw)
     # the cluster is unaffected: a replay still passes every check
     _replay_ok(net)
+
+
+# ---------------------------------------------------------------------------- the deploy doc
+
+def doc_commands(section: str = "## Bare metal") -> list[str]:
+    """Every command of docs/deploy.md's bare-metal section: lines of its code blocks and
+    inline code spans that start with a command (so the doc and this test cannot drift)."""
+    import re
+    text = (hc.REPO / "docs" / "deploy.md").read_text()
+    body = text[text.index(section):]
+    cmds = [line.split("#")[0].strip() for block in re.findall(r"```\n(.*?)```", body, re.S)
+            for line in block.splitlines()]
+    cmds += re.findall(r"`((?:dualpath|python -m|systemctl) [^`]+)`", body)
+    return [c for c in cmds if c]
+
+
+def test_every_bare_metal_command_of_the_deploy_doc_runs_on_the_hosts(net):
+    """Placed before the chaos tests (the doc's replay uses the default seed on a clean store)."""
+    cmds = doc_commands()
+    assert any(c.startswith("dualpath replay") for c in cmds), cmds
+    ran = 0
+    for cmd in cmds:
+        words = cmd.split()
+        if words[0] == "systemctl":
+            # the units it names exist in deploy/systemd, and each service unit is one the
+            # harness started (from that unit's ExecStart) and that is still running
+            for u in (w for w in words[1:] if w.startswith("dualpath")):
+                name = u if u.endswith((".service", ".target")) else u + ".service"
+                assert (hc.UNITS / re.sub(r"@[^.]+\.service$", "@.service", name)).exists(), u
+                if name.endswith(".service"):
+                    log = name.removesuffix(".service")
+                    host = "ctl" if "@" not in log else log.split("@")[1]
+                    assert log in net.log_names(host), (u, net.log_names(host))
+            ran += 1
+            continue
+        cmd = cmd.replace("/etc/dualpath/", str(net.hosts["cli"].etc) + "/")
+        if "HOST:PORT" in cmd:
+            addrs = [f"{net.hosts['ctl'].address}:{hc.SCHEDULER_PORT}"] + [
+                f"{net.hosts[n].address}:{p}" for n in hc.NODES
+                for p in (hc.GATEWAY_PORT, hc.RPC_PORT)]
+        else:
+            addrs = [""]
+        for addr in addrs:
+            argv = shlex.split(cmd.replace("HOST:PORT", addr))
+            if argv[0] == "dualpath":
+                argv[0] = str(hc.Path(sys.executable).parent / "dualpath")
+            elif argv[0] == "python":
+                argv[0] = sys.executable
+            r = net.run("cli", argv, env=hc.unit_env(net, "cli"), timeout=300,
+                        cwd=str(hc.REPO))
+            assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
+            ran += 1
+    assert ran >= 6
 
 
 # ---------------------------------------------------------------------------- chaos across hosts

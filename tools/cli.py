@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "overload": "bench.overload_bench",
     "engine_ipc": "bench.engine_ipc_bench",
     "failover": "bench.failover_bench",
+    "multihost": "bench.multihost_bench",
 }
 
 COMMANDS: dict[str, str] = {

@@ -159,6 +159,7 @@ def doc_commands(section: str = "## Bare metal") -> list[str]:
     import re
     text = (hc.REPO / "docs" / "deploy.md").read_text()
     body = text[text.index(section):]
+    body = body[:body.find("\n## ", 1)] if "\n## " in body[1:] else body
     cmds = [line.split("#")[0].strip() for block in re.findall(r"```\n(.*?)```", body, re.S)
             for line in block.splitlines()]
     cmds += re.findall(r"`((?:dualpath|python -m|systemctl) [^`]+)`", body)

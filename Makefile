@@ -67,3 +67,11 @@ etcd:
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis results data
+
+# Namespace hosts (tests/test_hosts_netns.py, `dualpath bench multihost`): ip (iproute2) and
+# unshare/nsenter/mount (util-linux) from Debian. Needs root or sudo; the tests need root.
+netns-tools:
+	@command -v ip >/dev/null && command -v nsenter >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iproute2 util-linux; }
+	@ip -V

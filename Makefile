@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
 .PHONY: venv lint test test-fast test-chaos demo bench bench-quick reliability sim-accel clean etcd
-.PHONY: prometheus k8s
+.PHONY: prometheus k8s netns-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -116,3 +116,10 @@ vllm-model: $(VLLM_STAMP)
 # the real-engine tests (tests/test_vllm_*.py) with the env and model in place
 test-vllm: vllm-model $(STAMP)
 	$(PY) -m pytest -q -m vllm
+# Namespace hosts (tests/test_hosts_netns.py, `dualpath bench multihost`): ip (iproute2) and
+# unshare/nsenter/mount (util-linux) from Debian. Needs root or sudo; the tests need root.
+netns-tools:
+	@command -v ip >/dev/null && command -v nsenter >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iproute2 util-linux; }
+	@ip -V

@@ -45,8 +45,12 @@ CONFIGS = {"direct": {"pack_below_bytes": 0}, "packed": {}}
 ROOT = Path(__file__).resolve().parents[1]
 
 
+HOST_ENV = "DUALPATH_BENCH_TRANSPORT_HOST"   # bench multihost: this namespace host's address
+
+
 def transport_config(kind: str) -> TransportConfig:
-    return TransportConfig(max_inflight_messages=8, **CONFIGS[kind])
+    host = os.environ.get(HOST_ENV, "127.0.0.1")
+    return TransportConfig(max_inflight_messages=8, host=host, **CONFIGS[kind])
 
 
 def layout(kind: str, size: int, count: int) -> list[tuple[int, int]]:
@@ -116,8 +120,9 @@ async def child_main() -> None:
 # ---------------------------------------------------------------- parent (receiver)
 
 class Bench:
-    def __init__(self, quick: bool) -> None:
+    def __init__(self, quick: bool, child_prefix: list[str] | None = None) -> None:
         self.quick = quick
+        self.child_prefix = child_prefix or []     # bench multihost: run the sender elsewhere
         self.reps = 3 if quick else 9
         self.t: dict[str, PageTransport] = {}
         self.child: subprocess.Popen | None = None
@@ -125,7 +130,8 @@ class Bench:
         self.arena = np.empty(0, np.uint8)
 
     async def __aenter__(self) -> Bench:
-        self.child = subprocess.Popen([sys.executable, "-m", "bench.transport_bench", "--child"],
+        self.child = subprocess.Popen([*self.child_prefix, sys.executable, "-m",
+                                       "bench.transport_bench", "--child"],
                                       cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True)
         for kind in CONFIGS:

@@ -153,3 +153,19 @@ def require_etcd() -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; required under CI=true")
     pytest.skip(f"SKIPPED LOUDLY: {reason}")
+
+
+def require_namespaces() -> None:
+    """Skip loudly where namespace hosts cannot be made (not root, no ``ip netns``) — but fail
+    under CI=true (.ci/run runs as root), where a skip would hide the multi-host tests."""
+    import os
+
+    import pytest
+
+    from tools.hosts.netns import namespaces_available
+    ok, reason = namespaces_available()
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"namespace hosts unavailable: {reason}; required under CI=true")
+    pytest.skip(f"SKIPPED LOUDLY: namespace hosts unavailable: {reason}")

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "failover": "bench.failover_bench",
     "plan": "bench.plan_bench",
     "engine": "bench.engine_bench",
+    "multihost": "bench.multihost_bench",
 }
 
 COMMANDS: dict[str, str] = {

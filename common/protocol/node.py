@@ -43,6 +43,10 @@ class RegisterNode(Message, tag="sched.node.register", frozen=True):
     ucx_port: int
     engines: list[EngineInfo]
     epoch: int
+    # The UCX transport list of the node's KV traffic class (``UCX_TLS`` when set, else the
+    # class's ``TLS`` option; "" = not stated). Every node of a cluster must state the same
+    # set: hosts that cannot share a transport never connect (issue #17, docs/deploy.md).
+    kv_tls: str = ""
 
 
 class RegisterNodeReply(Message, tag="sched.node.register.reply", frozen=True):

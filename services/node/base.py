@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 from typing import Any, TYPE_CHECKING
 
 import structlog
@@ -112,12 +113,17 @@ class NodeBase(Service):
                 ucx=self.transport.address, engines=infos,
                 kv_fingerprint=self.spec.fingerprint(), auth_secret=load_secret(self.cfg.rpc),
                 on_lease_lost=self._on_lease_lost, on_scheduler_changed=self._redeliver,
-                resolve=resolve)
+                resolve=resolve, kv_tls=self._kv_tls())
             await self.session.start()
         self.log.info("node_service_listening", rpc_port=self.rpc.port,
                       ucx_port=self.transport.address[1], engines=len(self.engine_ids),
                       buffer_bytes=self.pool.arena.nbytes, kv=self.spec.describe(),
                       scheduler=bool(self.session))
+
+    def _kv_tls(self) -> str:
+        """The KV class's UCX transport list as UCX will use it (``UCX_TLS`` wins)."""
+        kv = self.cfg.transport.traffic_classes.get("kv")
+        return os.environ.get("UCX_TLS", kv.options.get("TLS", "") if kv else "")
 
     async def _serve_engines(self, path: str) -> None:
         """Serve this node's engine ports on a Unix socket (docs/engine-api.md)."""

@@ -119,13 +119,20 @@ class LeaseTable:
     def find_service(self, node_id: str, service: str) -> Registration | None:
         return self._regs.get((node_id, service))
 
-    def classify(self, msg: RegisterNode) -> Registration | None:
+    def classify(self, msg: RegisterNode, now: float | None = None) -> Registration | None:
         """The registration ``msg`` replaces (None: new), or raise if it may not register.
 
         Same epoch and content: an idempotent retry (returns the live one, which the caller
-        keeps). Higher epoch: a restart (the caller removes the old one first).
+        keeps). Higher epoch: a restart (the caller removes the old one first) — from the same
+        host while the old lease is live; another host claiming a live id is two nodes with
+        one id (refused until that lease runs out).
         """
         old = self._regs.get((msg.node_id, msg.service))
+        if (old is not None and now is not None and old.expires_at > now
+                and msg.epoch > old.epoch and msg.control_host != old.msg.control_host):
+            raise AlreadyExists(f"two nodes with one id: {msg.node_id}/{msg.service} is live at "
+                                f"{old.msg.control_host} (lease {old.expires_at - now:.1f} s "
+                                f"left) and {msg.control_host} registers it too")
         if old is not None:
             if msg.epoch < old.epoch:
                 raise AlreadyExists(f"{msg.node_id}/{msg.service}: epoch {msg.epoch} is older than "

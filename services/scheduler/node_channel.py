@@ -86,8 +86,9 @@ class NodeChannel:
         s = self.settings
         self._check_leading()
         check_registration(msg, s.max_id_chars, s.max_engines_per_node)
-        old = self.leases.classify(msg)
         now = self._now()
+        old = self.leases.classify(msg, now)
+        self._check_kv_tls(msg)
         if old is not None and old.same_incarnation(msg):
             self.leases.renew(old, now)         # a retried registration: nothing changes
             return self._register_reply()
@@ -120,6 +121,18 @@ class NodeChannel:
             for eid in added:                   # fresh engines hold no requests
                 self.core.remove_engine(eid)
             raise
+
+    def _check_kv_tls(self, msg: RegisterNode) -> None:
+        """Refuse a node whose KV transport list differs from a live node's: hosts with no
+        transport in common cannot move KV between them (issue #17, docs/deploy.md)."""
+        mine = _tls_set(msg.kv_tls)
+        for reg in self.leases:
+            theirs = _tls_set(reg.msg.kv_tls)
+            if mine and theirs and reg.node_id != msg.node_id and mine != theirs:
+                raise InvalidArgument(
+                    f"{msg.node_id}/{msg.service}: KV transports {msg.kv_tls!r} differ from "
+                    f"{reg.node_id}'s {reg.msg.kv_tls!r}: give every host the same UCX_TLS "
+                    f"list ([transport.traffic_classes.kv.options] TLS)")
 
     def _drop_registration(self, reg: Registration, reason: str) -> None:
         """Forget a node service; its engines leave the core and their requests re-plan."""
@@ -387,3 +400,8 @@ def _stored_keys(sub, output_token_ids: list[int] | None, block_tokens: int) -> 
         return sub.keys + tuple(block_keys_from_tokens(more, block_tokens, parent))
     except DualpathError:       # out-of-range ids from a node: keep what is certain
         return sub.keys
+
+
+def _tls_set(tls: str) -> frozenset[str]:
+    """A UCX transport list as a set ("tcp,sm,self" == "self,tcp,sm")."""
+    return frozenset(t.strip() for t in tls.split(",") if t.strip())

@@ -61,8 +61,10 @@ class NodeSession:
                  auth_secret: bytes | None = None,
                  on_lease_lost: Callable[[], Any] | None = None,
                  on_scheduler_changed: Callable[[int], Any] | None = None,
-                 resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None) -> None:
+                 resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None,
+                 kv_tls: str = "") -> None:
         self.node_id, self.service, self.role = node_id, service, role
+        self.kv_tls = kv_tls
         self.engines = list(engines)
         self.epoch = time.time_ns() if epoch is None else epoch
         self._control, self._ucx = control, ucx
@@ -92,7 +94,7 @@ class NodeSession:
 
     async def register(self) -> RegisterNodeReply:
         msg = RegisterNode(self.node_id, self.service, self.role, *self._control, *self._ucx,
-                           self.engines, self.epoch)
+                           self.engines, self.epoch, kv_tls=self.kv_tls)
         reply: RegisterNodeReply = await self._call(msg)
         await self._fence(reply.scheduler_epoch)
         self.lease_s, self.heartbeat_s = reply.lease_s, reply.heartbeat_s

@@ -169,6 +169,21 @@ def _check_cross(cfg: Any, data: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: engine_sim.time_scale = {ts} and cluster.time_scale = "
                           f"{c.time_scale} disagree; set cluster.time_scale only")
     _check_ports(c, source)
+    _check_tls(cfg, source)
+
+
+def _check_tls(cfg: Any, source: str) -> None:
+    """Every traffic class's UCX transport list must let listener connections form: they
+    need ``tcp`` (UCX-NOTES 4; measured: ``TLS = "rc,sm,self"`` never connects — issue #17)."""
+    for name, tc in cfg.transport.traffic_classes.items():
+        tls = tc.options.get("TLS")
+        if not tls or tls.startswith("^"):
+            continue
+        names = {t.strip() for t in tls.split(",")}
+        if not names & {"tcp", "all"}:
+            raise ConfigError(f"{source}: transport.traffic_classes.{name}.options.TLS = "
+                              f"{tls!r} has no tcp: UCX listener connections need it (keep "
+                              f"rc/ud for the data, e.g. \"rc,tcp,sm,self\")")
 
 
 def _check_ports(c: ClusterSection, source: str) -> None:

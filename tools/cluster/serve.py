@@ -357,6 +357,12 @@ def _prepare(args: argparse.Namespace) -> _Roles:
         node = _need(args.node, roles.service)
         if target.cluster is not None:
             service_config(target.cluster, roles.service, node)   # wrong role / node → 2
+    if target.cluster is not None and args.service != "engine_sim":
+        from .host_checks import check_service_host, check_storage_root
+        check_service_host(target.cluster, roles.service, args.node)   # not this host → 2
+        if roles.service == "gateway":
+            check_storage_root(target.cluster, roles.target.config("gateway", args.node)
+                               .gateway.root)                           # not mounted → 2
     return roles
 
 

@@ -29,6 +29,9 @@ _StatsReply = Union[GetStatsReply, Pong, ErrorReply]
 log = structlog.get_logger(__name__)
 
 
+FINAL_SAMPLE_S = 15.0     # how long the closing sample waits for a service that missed it
+
+
 @dataclass(frozen=True)
 class Target:
     """One service to sample: ``service`` is ``storage_gateway``, ``pe_receiver`` or ``de_loader``."""
@@ -77,6 +80,12 @@ class Sampler:
                 await self._task
             self._task = None
         snap = await self._poll()
+        # The closing sample decides every byte check: a service that was cut off mid-run
+        # (a partition, issue #17) gets a few more tries before its last value stands.
+        deadline = time.monotonic() + FINAL_SAMPLE_S
+        while set(self._clients) - set(snap) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            snap = {**await self._poll(), **snap}
         self._record(time.monotonic() - self.t0, snap)
         self.last.update(snap)
         for c in self._clients.values():

@@ -1,0 +1,257 @@
+"""A 1P2D cluster across namespace hosts, started the bare-metal way (issue #17 items 1–3).
+
+One set of hosts per module (``ctl``: etcd + scheduler, ``p0``, ``d0``, ``d1``, ``cli``: the
+replay driver), each service from its deploy/systemd unit's ExecStart with the host's own
+/etc/dualpath files. Needs root (skips loudly, fails under CI=true).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import pytest
+
+from tests.helpers import require_etcd, require_namespaces
+from tools.hosts import cluster as hc
+from tools.hosts import ucx_lanes
+from tools.hosts.netns import HostNet, root_has_harness_route
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def net():
+    require_namespaces()
+    require_etcd()
+    names = hc.HOST_NAMES + hc.SPARE_HOSTS
+    with HostNet(names, storage_on=set(names) - {"nostore"}) as hosts:
+        hc.write_host_files(hosts, hc.cluster_data(hosts))
+        hc.start_cluster(hosts)
+        yield hosts
+
+
+_SEEDS = iter(range(100, 200))
+
+
+def _replay_ok(net: HostNet, *args: str) -> dict:
+    """A replay with --check on ``cli``; a fresh seed each time (the store keeps the blocks of
+    earlier runs, and a repeated workload would hit more than the replay predicts)."""
+    out = net.hosts["cli"].root / "var" / f"out{next(_SEEDS)}"
+    r = hc.replay(net, "--agents", "4", "--max-turns", "3", "--check", "--out", str(out),
+                  "--seed", out.name[3:], *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+def test_replay_across_hosts_passes_every_check(net):
+    checks = _replay_ok(net)["summary"]["checks"]
+    assert checks["all_finished"] and checks["every_prompt_verified"]
+    assert checks["storage_read_matches_hits"]
+    # the scheduler ran on ctl, elected through etcd on ctl
+    assert "scheduler_elected" in net.log_text("ctl", "dualpath-scheduler")
+
+
+def test_ucx_crosses_hosts_over_tcp_only(net):
+    for nid in hc.NODES:
+        configs = ucx_lanes.parse(net.log_text(nid, f"dualpath-node@{nid}"))
+        assert ucx_lanes.cross_host_violations(configs) == [], nid
+        assert all("tcp" in c.transports for c in configs if c.inter_node)
+        # sm / cma only ever on the node's own host (its gateway), never across
+        assert all(not c.transports & ucx_lanes.LOCAL_ONLY for c in configs if c.inter_node)
+
+
+def test_lane_check_fails_on_shared_memory_across_hosts():
+    line = ("[1.0] [d0:1:0] ucp_worker.c:1984 UCX INFO ucp_context_0 inter-node cfg#3 "
+            "tag(sysv/memory tcp/eth0)  rma(cma/memory)")
+    bad = ucx_lanes.cross_host_violations(ucx_lanes.parse(line))
+    assert bad and "sysv" in bad[0] and "cma" in bad[0]
+    assert ucx_lanes.cross_host_violations([])[0].startswith("no inter-node")
+
+
+def test_hosts_are_separate_machines(net):
+    assert not root_has_harness_route()
+    names = {h: net.run(h, ["hostname"]).stdout.strip() for h in net.hosts}
+    assert names == {h: h for h in net.hosts}
+    # private /dev/shm and IPC: a segment on p0 is not on d0
+    assert net.run("p0", ["sh", "-c", "echo x > /dev/shm/i17-probe"]).returncode == 0
+    assert net.run("d0", ["test", "-e", "/dev/shm/i17-probe"]).returncode != 0
+    # shared storage: what p0 writes through its mount d0 reads through its own
+    probe = net.mount_point / "i17-probe"
+    assert net.run("p0", ["sh", "-c", f"echo shared > {probe}"]).returncode == 0
+    assert net.run("d0", ["cat", str(probe)]).stdout.strip() == "shared"
+    assert not probe.exists()                # the machine's own namespace has no mount
+    # and the hosts reach each other only over their veths
+    ctl = net.hosts["ctl"].address
+    r = net.run("d1", ["python3", "-c", f"import socket; socket.create_connection(('{ctl}', "
+                                        f"{hc.SCHEDULER_PORT}), 2)"])
+    assert r.returncode == 0, r.stderr
+    net.link("d1", up=False)
+    try:
+        r = net.run("d1", ["python3", "-c", f"import socket; socket.create_connection(('{ctl}', "
+                                            f"{hc.SCHEDULER_PORT}), 1)"])
+        assert r.returncode != 0
+    finally:
+        net.link("d1", up=True)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def _serve(net: HostNet, host: str, service: str, node: str, **kw) -> object:
+    argv = [*hc.unit_command("dualpath-node@.service", net, host, node)]
+    argv[argv.index("node")] = service
+    return net.run(host, argv, env=hc.unit_env(net, host), cwd=str(net.hosts[host].root / "var"),
+                   **kw)
+
+
+def _host_file(net: HostNet, host: str, data: dict) -> None:
+    from tools.cluster.toml_write import dumps
+    (net.hosts[host].etc / "cluster.toml").write_text(dumps(data))
+
+
+def test_a_host_naming_an_address_it_does_not_own_refuses_to_start(net):
+    r = _serve(net, "cli", "gateway", "p0", timeout=60)
+    assert r.returncode == 2
+    assert "10.213.0.11, not an address of this machine (cli)" in r.stderr
+
+
+def test_a_host_without_the_storage_mount_refuses_to_start(net):
+    data = hc.node_moved(hc.cluster_data(net), "d1", net.hosts["nostore"].address)
+    _host_file(net, "nostore", data)
+    r = _serve(net, "nostore", "gateway", "d1", timeout=60)
+    assert r.returncode == 2
+    assert "storage directory" in r.stderr and "missing on this host (nostore)" in r.stderr
+
+
+def test_two_nodes_with_one_id_the_scheduler_refuses_the_second(net):
+    data = hc.node_moved(hc.cluster_data(net), "d0", net.hosts["spare"].address)
+    _host_file(net, "spare", data)
+    gw = hc.start_service(net, "spare", "dualpath-gateway@.service", "d0", log_name="gw-dup")
+    node = hc.start_service(net, "spare", "dualpath-node@.service", "d0", log_name="node-dup")
+    assert node.wait(timeout=90) != 0
+    assert "two nodes with one id: d0/de_loader is live at 10.213.0.12" in net.log_text(
+        "spare", "node-dup")
+    from tools.hosts.netns import stop_process
+    stop_process(gw)
+
+
+def test_mismatched_ucx_transports_the_scheduler_refuses_the_node(net):
+    data = hc.node_moved(hc.cluster_data(net), "d2", net.hosts["spare"].address,
+                         TLS="tcp,self")
+    _host_file(net, "spare", data)
+    gw = hc.start_service(net, "spare", "dualpath-gateway@.service", "d2", log_name="gw-tls")
+    node = hc.start_service(net, "spare", "dualpath-node@.service", "d2", log_name="node-tls")
+    assert node.wait(timeout=90) != 0
+    text = net.log_text("spare", "node-tls")
+    assert "KV transports 'tcp,self' differ from" in text and "'tcp,sm,self'" in text
+    from tools.hosts.netns import stop_process
+    stop_process(gw)
+    # the cluster is unaffected: a replay still passes every check
+    _replay_ok(net)
+
+
+# ---------------------------------------------------------------------------- the deploy doc
+
+def doc_commands(section: str = "## Bare metal") -> list[str]:
+    """Every command of docs/deploy.md's bare-metal section: lines of its code blocks and
+    inline code spans that start with a command (so the doc and this test cannot drift)."""
+    import re
+    text = (hc.REPO / "docs" / "deploy.md").read_text()
+    body = text[text.index(section):]
+    body = body[:body.find("\n## ", 1)] if "\n## " in body[1:] else body
+    cmds = [line.split("#")[0].strip() for block in re.findall(r"```\n(.*?)```", body, re.S)
+            for line in block.splitlines()]
+    cmds += re.findall(r"`((?:dualpath|python -m|systemctl) [^`]+)`", body)
+    return [c for c in cmds if c]
+
+
+def test_every_bare_metal_command_of_the_deploy_doc_runs_on_the_hosts(net):
+    """Placed before the chaos tests (the doc's replay uses the default seed on a clean store)."""
+    cmds = doc_commands()
+    assert any(c.startswith("dualpath replay") for c in cmds), cmds
+    ran = 0
+    for cmd in cmds:
+        words = cmd.split()
+        if words[0] == "systemctl":
+            # the units it names exist in deploy/systemd, and each service unit is one the
+            # harness started (from that unit's ExecStart) and that is still running
+            for u in (w for w in words[1:] if w.startswith("dualpath")):
+                name = u if u.endswith((".service", ".target")) else u + ".service"
+                assert (hc.UNITS / re.sub(r"@[^.]+\.service$", "@.service", name)).exists(), u
+                if name.endswith(".service"):
+                    log = name.removesuffix(".service")
+                    host = "ctl" if "@" not in log else log.split("@")[1]
+                    assert log in net.log_names(host), (u, net.log_names(host))
+            ran += 1
+            continue
+        cmd = cmd.replace("/etc/dualpath/", str(net.hosts["cli"].etc) + "/")
+        if "HOST:PORT" in cmd:
+            addrs = [f"{net.hosts['ctl'].address}:{hc.SCHEDULER_PORT}"] + [
+                f"{net.hosts[n].address}:{p}" for n in hc.NODES
+                for p in (hc.GATEWAY_PORT, hc.RPC_PORT)]
+        else:
+            addrs = [""]
+        for addr in addrs:
+            argv = shlex.split(cmd.replace("HOST:PORT", addr))
+            if argv[0] == "dualpath":
+                argv[0] = str(hc.Path(sys.executable).parent / "dualpath")
+            elif argv[0] == "python":
+                argv[0] = sys.executable
+            r = net.run("cli", argv, env=hc.unit_env(net, "cli"), timeout=300,
+                        cwd=str(hc.REPO))
+            assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
+            ran += 1
+    assert ran >= 6
+
+
+# ---------------------------------------------------------------------------- chaos across hosts
+
+def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4) -> tuple[int, str, dict]:
+    """Start a replay on ``cli``, run ``fault()`` while it runs, return (rc, output, results)."""
+    seed = next(_SEEDS)
+    out = net.hosts["cli"].root / "var" / f"out{seed}"
+    argv = [*hc.replay_argv(net, "cli"), "--agents", str(agents), "--max-turns", str(turns),
+            "--check", "--out", str(out), "--seed", str(seed)]
+    env = hc.unit_env(net, "cli")
+    env.pop("UCX_LOG_LEVEL", None)
+    proc = net.spawn("cli", argv, env=env, log_name=f"replay{seed}",
+                     cwd=str(net.hosts["cli"].root / "var"))
+    fault()
+    rc = proc.wait(timeout=400)
+    res = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    return rc, net.log_text("cli", f"replay{seed}"), res
+
+
+def test_a_partitioned_decode_host_is_replanned_and_no_request_is_lost(net):
+    import time
+
+    def partition() -> None:
+        time.sleep(4.0)                      # transfers under way
+        net.link("d1", up=False)             # d1's cable pulled at the switch
+        time.sleep(8.0)                      # > the 5 s lease: the scheduler re-plans
+        net.link("d1", up=True)
+
+    rc, text, res = _replay_during(net, partition)
+    checks = res["summary"]["checks"]
+    assert rc == 0, text[-3000:]           # --check: finished, hits, bytes, verified
+    assert checks["all_finished"] and checks["every_prompt_verified"], text[-3000:]
+    sched = net.log_text("ctl", "dualpath-scheduler")
+    assert "d1" in sched and ("lease" in sched or "node_removed" in sched), sched[-3000:]
+
+
+def test_a_decode_host_killed_its_requests_finish_on_the_others(net):
+    """Last in the module: d1's services stay dead."""
+    import time
+
+    def kill() -> None:
+        time.sleep(4.0)
+        net.kill_host("d1")                  # the machine's services die (SIGKILL)
+
+    rc, text, res = _replay_during(net, kill)
+    s = res["summary"]
+    assert s["checks"]["all_finished"], text[-3000:]        # no request lost
+    assert s["checks"]["hit_mismatches"] == 0, text[-3000:]
+    assert s["checks"]["engine_byte_mismatches"] == 0, text[-3000:]
+    sched = net.log_text("ctl", "dualpath-scheduler")
+    assert "node_removed" in sched or "lease" in sched, sched[-3000:]

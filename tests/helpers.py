@@ -17,7 +17,7 @@ import inspect
 import itertools
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 What = str | Callable[[], str]
@@ -139,33 +139,31 @@ def reap(proc: Any) -> None:
             pipe.close()
 
 
-def require_etcd() -> None:
-    """Skip loudly where etcd cannot run — but fail under CI=true, where a skip would hide
-    the election and failover tests (``make etcd`` installs it; .ci/run does)."""
+def skip_or_fail(reason: str) -> NoReturn:
+    """A real component a test needs is missing: skip loudly here — but fail under CI=true,
+    where a skip would let CI go green without it (.ci/run installs every one)."""
     import os
 
     import pytest
 
-    from tools.cluster.etcd_members import etcd_missing
-    reason = etcd_missing()
-    if reason is None:
-        return
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; required under CI=true")
     pytest.skip(f"SKIPPED LOUDLY: {reason}")
 
 
+def require_etcd() -> None:
+    """Skip loudly where etcd cannot run — but fail under CI=true, where a skip would hide
+    the election and failover tests (``make etcd`` installs it; .ci/run does)."""
+    from tools.cluster.etcd_members import etcd_missing
+    reason = etcd_missing()
+    if reason is not None:
+        skip_or_fail(reason)
+
+
 def require_namespaces() -> None:
     """Skip loudly where namespace hosts cannot be made (not root, no ``ip netns``) — but fail
     under CI=true (.ci/run runs as root), where a skip would hide the multi-host tests."""
-    import os
-
-    import pytest
-
     from tools.hosts.netns import namespaces_available
     ok, reason = namespaces_available()
-    if ok:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"namespace hosts unavailable: {reason}; required under CI=true")
-    pytest.skip(f"SKIPPED LOUDLY: namespace hosts unavailable: {reason}")
+    if not ok:
+        skip_or_fail(f"namespace hosts unavailable: {reason}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers import reap, wait_until
+from tests.helpers import reap, skip_or_fail, wait_until
 from tests.test_cluster_launcher import small_cluster
 from tools.cluster import cli
 from tools.cluster.config import free_port, load_cluster
@@ -53,10 +52,7 @@ def require_prometheus() -> str:
     found = shutil.which("prometheus")
     if found:
         return found
-    reason = "prometheus not installed (`make prometheus`: Debian's prometheus package)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; required under CI=true")
-    pytest.skip(f"SKIPPED LOUDLY: {reason}")
+    skip_or_fail("prometheus not installed (`make prometheus`: Debian's prometheus package)")
 
 
 def ops_cluster(tmp: Path) -> dict[str, Any]:

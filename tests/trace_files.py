@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-import pytest
+from tests.helpers import skip_or_fail
 
 
 def need_shared(path: Path) -> None:
@@ -14,10 +13,7 @@ def need_shared(path: Path) -> None:
     mounted beside the clone, fail instead: a green CI means the real traces were read."""
     if path.exists():
         return
-    reason = f"shared trace data not present at {path} (set DUALPATH_SHARED_DIR)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason + " — required under CI=true")
-    pytest.skip(reason)
+    skip_or_fail(f"shared trace data not present at {path} (set DUALPATH_SHARED_DIR)")
 
 
 def conversation(n_turns: int = 4, *, first: int = 300, append: int = 130, gen: int = 20,

@@ -11,16 +11,15 @@ import json
 import os
 import subprocess
 from pathlib import Path
-
-import pytest
+from typing import NoReturn
 
 from bench.vllm_engines import REPO, VLLM_PYTHON, kill_group, model_dir
+from tests import helpers
 
 
-def skip_or_fail(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} — required under CI=true (`make vllm-env vllm-model`)")
-    pytest.skip(f"REAL ENGINE NOT TESTED: {reason} (run `make vllm-env vllm-model`)")
+def skip_or_fail(reason: str) -> NoReturn:
+    """The real engine is missing: the shared rule (tests.helpers), with the command to run."""
+    helpers.skip_or_fail(f"real engine not tested: {reason} (run `make vllm-env vllm-model`)")
 
 
 def require_vllm() -> tuple[Path, Path]:

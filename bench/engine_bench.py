@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import bench_parser, headline, print_table, write_results
-from bench.vllm_engines import Engine, agent_text_tokens, model_dir
+from bench.vllm_engines import PRESET, Engine, agent_text_tokens, model_dir
 
 GOAL = 0.30
 BT = 64
@@ -46,7 +46,7 @@ async def _run(contexts: list[int], tmp: Path) -> dict[str, Any]:
                             "buffer_bytes": 384 * MiB},
             "de_loader": {"engine_socket": str(tmp / "d0.sock"), "engines": 1,
                           "buffer_bytes": 384 * MiB},
-            "kv": {"preset": "smollm2-135m"},
+            "kv": {"preset": PRESET},
             "gateway_service": {"staging_bytes": 32 * MiB, "max_batch_bytes": 8 * MiB}}
     async with local_datapath(tmp, scheduler=False, engines=False, overrides=sock) as c:
         common = ["--max-model-len", str(max_len)]

@@ -18,6 +18,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 WORKER = REPO / "integrations" / "vllm" / "engine_worker.py"
+# The real-engine tests, the bench and demo-vllm serve the model in float32: in bf16 its greedy
+# logits tie exactly (top-2 gap 0.0 measured at 2 of the 6 turns of the tests' conversation),
+# so token-for-token equality with a plain instance would be decided by the last bit of any
+# reordered computation — docs/vllm.md "Why the equality tests run fp32". The connector itself
+# serves bf16 as well (tests/test_vllm_geometry.py checks bf16 KV against the model's own).
+DTYPE = "float32"
+PRESET = "smollm2-135m-f32"
+# vLLM's CPU backend binds its OpenMP threads to core 0 by default ('auto' reserves the last
+# core), so every instance would share one core: each role gets its own, where there are two
+CORES = {"prefill": "0", "plain": "1", "decode": "1", "example": "1"}
+
+
+def omp_bind(role: str) -> dict[str, str]:
+    """The env that pins a role's vLLM threads (only where the cores exist; an operator's own
+    ``VLLM_CPU_OMP_THREADS_BIND`` wins)."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (os.cpu_count() or 1) < 2:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": CORES.get(role, "0"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def model_dir() -> Path | None:
@@ -38,11 +56,12 @@ class Engine:
 
     @classmethod
     async def start(cls, model: Path, role: str, log_dir: Path, *args: str) -> Engine:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role))
         log_path = log_dir / f"vllm-{role}.log"
         with open(log_path, "wb") as log:
             proc = await asyncio.create_subprocess_exec(
-                str(VLLM_PYTHON), str(WORKER), "--role", role, "--model", str(model), *args,
+                str(VLLM_PYTHON), str(WORKER), "--role", role, "--model", str(model),
+                "--dtype", DTYPE, "--preset", PRESET, *args,
                 cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 limit=1 << 24, start_new_session=True)
         engine = cls(proc, role, log_path)

@@ -85,6 +85,10 @@ PRESETS: dict[str, KVSpec] = {
     # SmolLM2-135M under vLLM (docs/vllm.md): 3 KV heads x 64 dims x (K, V) x 2 B (bf16) = 768 B;
     # B is laid out [K|V][kv_head][head_dim] little-endian bf16 (integrations/vllm/geometry.py).
     "smollm2-135m": KVSpec("smollm2-135m", 30, 768, dtype="bfloat16"),
+    # The same model served in float32 (vLLM --dtype float32): 1536 B. The real-engine tests use
+    # it: bf16 logits tie exactly in greedy decoding, so token-for-token equality is decided by
+    # the last bit of any reordered computation (docs/vllm.md "Why the equality tests run fp32").
+    "smollm2-135m-f32": KVSpec("smollm2-135m-f32", 30, 1536, dtype="float32"),
     # Tiny model for tests: 4 layers x 256 B -> 16 KiB Layer Blocks, 64 KiB Full Blocks.
     "test-small": KVSpec("test-small", 4, 256),
 }

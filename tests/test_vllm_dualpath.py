@@ -18,7 +18,7 @@ import asyncio
 
 import pytest
 
-from bench.vllm_engines import Engine, agent_text_tokens
+from bench.vllm_engines import PRESET, Engine, agent_text_tokens
 from common.kv import block_keys_from_tokens
 from tests.helpers import until
 from tests.test_datapath import BT, plan, report
@@ -46,7 +46,7 @@ def bytes_read(c) -> float:
 async def test_multi_turn_greedy_outputs_equal_plain_vllm(tmp_path, side):
     _, model = require_vllm()
     text = agent_text_tokens(model)
-    overrides = {**sockets(tmp_path), "kv": {"preset": "smollm2-135m"},
+    overrides = {**sockets(tmp_path), "kv": {"preset": PRESET},
                  "pe_receiver": {"buffer_bytes": 192 * MiB, "engines": 1,
                                  "engine_socket": str(tmp_path / "p0.sock")},
                  "de_loader": {"buffer_bytes": 192 * MiB, "engines": 1,

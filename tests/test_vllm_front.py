@@ -26,7 +26,7 @@ import pytest
 
 from tests.helpers import until
 from tests.test_engine_ipc import sockets
-from bench.vllm_engines import kill_group
+from bench.vllm_engines import DTYPE, PRESET, kill_group, omp_bind
 from tests.vllm_env import REPO, require_vllm
 from tools.cluster.inprocess import local_datapath
 
@@ -79,12 +79,12 @@ async def vllm_server(python, model, role: str, sock: str, engine_id: str, port:
            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
            "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
-                                         "engine_id": engine_id, "kv_preset": "smollm2-135m",
+                                         "engine_id": engine_id, "kv_preset": PRESET,
                                          "layer_timeout_s": 30.0}}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role))
     return await start([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                         str(model), "--port", str(port), "--host", "127.0.0.1",
-                        "--max-model-len", "2048", "--enforce-eager", "--dtype", "bfloat16",
+                        "--max-model-len", "2048", "--enforce-eager", "--dtype", DTYPE,
                         "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
                         "--gpu-memory-utilization", "0.2",
                         "--kv-transfer-config", json.dumps(ktc)], env,
@@ -111,8 +111,8 @@ async def ready_line(proc) -> str:
 
 async def test_front_multi_turn_agent_over_http(tmp_path):
     python, model = require_vllm()
-    overrides = {**sockets(tmp_path), "kv": {"preset": "smollm2-135m"},
-                 "scheduler": {"model": "smollm2-135m", "policy": "dualpath"},
+    overrides = {**sockets(tmp_path), "kv": {"preset": PRESET},
+                 "scheduler": {"model": PRESET, "policy": "dualpath"},
                  "pe_receiver": {"buffer_bytes": 192 * MiB, "engines": 1,
                                  "engine_socket": str(tmp_path / "p0.sock")},
                  "de_loader": {"buffer_bytes": 192 * MiB, "engines": 1,

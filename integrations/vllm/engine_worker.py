@@ -22,7 +22,7 @@ def build(a: argparse.Namespace):
     from vllm import LLM
 
     kw: dict = dict(model=a.model, max_model_len=a.max_model_len, enforce_eager=True,
-                    dtype="bfloat16", enable_prefix_caching=False,
+                    dtype=a.dtype, enable_prefix_caching=False,
                     max_num_batched_tokens=a.max_model_len, gpu_memory_utilization=0.2)
     if a.role == "example":
         kw["kv_transfer_config"] = {
@@ -65,7 +65,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket", default="")
     ap.add_argument("--engine-id", default="")
-    ap.add_argument("--preset", default="smollm2-135m")
+    ap.add_argument("--preset", default="smollm2-135m-f32")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args()
     # vLLM logs to stdout, in this process and the engine processes it spawns: keep the real
     # stdout for the protocol and point fd 1 at stderr (the caller's log file)

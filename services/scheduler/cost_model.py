@@ -256,6 +256,10 @@ PRESETS: dict[str, ModelCost] = {
 }
 
 
+# the same model in float32 (the real-engine tests): placement estimates only, as above
+PRESETS["smollm2-135m-f32"] = msgspec.structs.replace(PRESETS["smollm2-135m"], name="smollm2-135m-f32")
+
+
 def cost_model(name: str) -> ModelCost:
     """The preset named like ``common.kv.PRESETS`` (``qwen2.5-32b``, ``deepseek-v3.2``, …)."""
     try:

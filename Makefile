@@ -25,10 +25,10 @@ lint: $(STAMP)
 		|| { echo "lint FAILED: lint-imports (import-linter contracts)" >&2; rc=1; }; \
 	exit $$rc
 
-# the real-engine tests (marker vllm) are left out here and run with `make test-vllm`: under the
-# shared 2-core load they took 15-22 min a module and one of them is red (docs/vllm.md "Status")
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not vllm"
+# everything, the real-engine tests (marker vllm: real vLLM on SmolLM2-135M) included: the vLLM
+# venv and the converted model are installed first (once: 3.9 GB + 260 MB, ~5 min)
+test: $(STAMP) vllm-model
+	$(PY) -m pytest -q
 
 # only the fault-injection cases on a multi-process cluster (also part of `make test`)
 test-chaos: $(STAMP)
@@ -96,7 +96,7 @@ PIP_FIND_LINKS_DIRS := $(shell $(PYTHON) -m pip config get global.find-links 2>/
 VLLM_TORCH_WHEEL := $(wildcard $(addsuffix /torch-2.13.0+cpu-*.whl,$(PIP_FIND_LINKS_DIRS)))
 VLLM_TORCH_INDEX ?= $(if $(VLLM_TORCH_WHEEL),,https://download.pytorch.org/whl/cpu)
 
-.PHONY: vllm-env vllm-model test-vllm
+.PHONY: vllm-env vllm-model test-vllm demo-vllm
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -112,6 +112,11 @@ vllm-env: $(VLLM_STAMP)
 # (~/.cache/dualpath/models/smollm2-135m-0.1.2/, 270 MB, ~16 s); idempotent
 vllm-model: $(VLLM_STAMP)
 	$(VLLM_PY) -m integrations.vllm.model_prep
+
+# real vLLM prefill + decode behind dualpath and the OpenAI front: agents' turns through dualpath
+# vs recomputed, outputs compared (tools/demo_vllm.py)
+demo-vllm: vllm-model $(STAMP)
+	$(VENV)/bin/dualpath demo --engine vllm
 
 # the real-engine tests (tests/test_vllm_*.py) with the env and model in place
 test-vllm: vllm-model $(STAMP)

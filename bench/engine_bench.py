@@ -18,14 +18,18 @@ goal ≤ 0.30 (lower is better). Also reported: the peak RSS of every instance's
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.report import bench_parser, headline, print_table, write_results
-from bench.vllm_engines import PRESET, Engine, agent_text_tokens, model_dir
+from tools.vllm_engines import (DTYPE, PRESET, REPO, VLLM_PYTHON, Engine, agent_text_tokens,
+                                model_dir)
 
 GOAL = 0.30
 BT = 64
@@ -115,6 +119,16 @@ async def _through_dualpath(c, prefill, decode, prompt, rid, keys_of) -> tuple[f
     return pre["latency_s"], hit_blocks * BT
 
 
+def load_rate(tokens: int) -> dict[str, Any]:
+    """The connector's scatter into a vLLM-shaped paged cache vs memcpy (in the vLLM venv:
+    integrations/vllm/load_rate.py), for ``tokens`` tokens of hit."""
+    out = subprocess.run([str(VLLM_PYTHON), "-m", "integrations.vllm.load_rate", "--tokens",
+                          str(tokens), "--dtype", DTYPE], capture_output=True, text=True,
+                         cwd=REPO, timeout=600, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("engine", __doc__.splitlines()[0])
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -130,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     print_table(res["rows"], ["context", "hit_tokens", "dualpath_ttft_ms", "recompute_ttft_ms",
                               "example_ttft_ms", "ratio_vs_recompute", "ratio_vs_example"])
     print(f"peak RSS per instance (MB, process tree): {res['peak_rss_mb']}")
+    res["load_rate"] = load_rate(max(contexts))
+    lr = res["load_rate"]
+    print(f"KV load into vLLM's paged cache ({lr['tokens']} tokens x 30 layers, "
+          f"{lr['bytes'] / 2**20:.0f} MiB): {lr['load_gb_s']:.2f} GB/s vs memcpy "
+          f"{lr['memcpy_gb_s']:.2f} GB/s of the same bytes ({lr['load_vs_memcpy']:.2f}x)")
     ratio = res["rows"][-1]["ratio_vs_recompute"]
     write_results(args.out, "engine",
                   headline("engine_ttft_vs_recompute", ratio, GOAL, higher_is_better=False), res)

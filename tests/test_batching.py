@@ -206,3 +206,21 @@ def test_batcher_bad_input_and_cancel():
     assert b.cancel("a") and not b.cancel("a")
     assert b.pending_tokens == 5 and [it.request_id for it in b.next_batch().items] == ["b"]
     assert b.next_batch() is None
+
+
+def test_vllm_budget_is_the_quota_chunk_at_the_reference_context():
+    """The token budget handed to vLLM: n tokens over the reference context fit the quota,
+    n + 1 do not; a longer quota never gives fewer tokens, a longer context never more."""
+    from services.scheduler.batching import vllm_budget
+    from services.scheduler.cost_model import cost_model
+
+    cost = cost_model("deepseek-v3.2").attention_s
+    b = vllm_budget(cost, 32_721)
+    n = b["max_num_batched_tokens"]
+    assert b["long_prefill_token_threshold"] == n
+    assert cost(32_721, n) <= 0.300 < cost(32_721, n + 1)
+    assert vllm_budget(cost, 32_721, quota_s=0.6)["max_num_batched_tokens"] > n
+    assert vllm_budget(cost, 65_536)["max_num_batched_tokens"] < n
+    assert vllm_budget(cost, 10**9)["max_num_batched_tokens"] == 1     # always progress
+    with pytest.raises(InvalidArgument):
+        vllm_budget(cost, -1)

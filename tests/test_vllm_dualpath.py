@@ -18,7 +18,7 @@ import asyncio
 
 import pytest
 
-from bench.vllm_engines import PRESET, Engine, agent_text_tokens
+from tools.vllm_engines import PRESET, Engine, agent_text_tokens
 from common.kv import block_keys_from_tokens
 from tests.helpers import until
 from tests.test_datapath import BT, plan, report

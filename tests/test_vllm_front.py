@@ -13,22 +13,16 @@ keeps serving.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import urllib.error
-import urllib.request
 
 import pytest
 
 from tests.helpers import until
 from tests.test_engine_ipc import sockets
-from bench.vllm_engines import DTYPE, PRESET, kill_group, omp_bind
-from tests.vllm_env import REPO, require_vllm
+from tests.vllm_env import require_vllm
 from tools.cluster.inprocess import local_datapath
+from tools.vllm_engines import PRESET
+from tools.vllm_serve import ahttp, free_port, front, healthy, stop, tokenize, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -42,75 +36,8 @@ FIRST = 1250
 APPEND = 40
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(method: str, url: str, body: dict | bytes | None = None, timeout: float = 300):
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-async def ahttp(method: str, url: str, body=None, timeout: float = 300):
-    return await asyncio.to_thread(http, method, url, body, timeout)
-
-
-async def start(args: list[str], env: dict, log_path, pipe_stdout: bool = False
-                ) -> asyncio.subprocess.Process:
-    """A process in its own group; its output goes to ``log_path`` (stdout piped for the
-    front's READY line only: an unread pipe would block a chatty vLLM server)."""
-    with open(log_path, "wb") as log:
-        return await asyncio.create_subprocess_exec(
-            *args, cwd=REPO, env=env, stdout=subprocess.PIPE if pipe_stdout else log,
-            stderr=log, limit=1 << 20, start_new_session=True)
-
-
-async def vllm_server(python, model, role: str, sock: str, engine_id: str, port: int, log_dir):
-    ktc = {"kv_connector": "DualPathConnector",
-           "kv_connector_module_path": "integrations.vllm.connector",
-           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-           "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
-                                         "engine_id": engine_id, "kv_preset": PRESET,
-                                         "layer_timeout_s": 30.0}}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role))
-    return await start([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                        str(model), "--port", str(port), "--host", "127.0.0.1",
-                        "--max-model-len", "2048", "--enforce-eager", "--dtype", DTYPE,
-                        "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
-                        "--gpu-memory-utilization", "0.2",
-                        "--kv-transfer-config", json.dumps(ktc)], env,
-                       log_dir / f"vllm-{role}.log")
-
-
-async def stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.terminate()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), 60)
-    kill_group(proc.pid)                  # vLLM's engine processes outlive their parent otherwise
-    await proc.wait()
-
-
-async def ready_line(proc) -> str:
-    while True:
-        line = await asyncio.wait_for(proc.stdout.readline(), 300)
-        if not line:
-            raise AssertionError("front exited before READY")
-        if line.startswith(b"READY "):
-            return line.decode().split()[1]
-
-
 async def test_front_multi_turn_agent_over_http(tmp_path):
-    python, model = require_vllm()
+    _, model = require_vllm()
     overrides = {**sockets(tmp_path), "kv": {"preset": PRESET},
                  "scheduler": {"model": PRESET, "policy": "dualpath"},
                  "pe_receiver": {"buffer_bytes": 192 * MiB, "engines": 1,
@@ -120,37 +47,23 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
                  "gateway_service": {"staging_bytes": 32 * MiB, "max_batch_bytes": 8 * MiB}}
     async with local_datapath(tmp_path, engines=False, overrides=overrides) as c:
         ports = {"p0.e0": free_port(), "d0.e0": free_port()}
-        procs = [await vllm_server(python, model, "prefill", str(tmp_path / "p0.sock"), "p0.e0",
+        procs = [await vllm_server(model, "prefill", str(tmp_path / "p0.sock"), "p0.e0",
                                    ports["p0.e0"], tmp_path),
-                 await vllm_server(python, model, "decode", str(tmp_path / "d0.sock"), "d0.e0",
+                 await vllm_server(model, "decode", str(tmp_path / "d0.sock"), "d0.e0",
                                    ports["d0.e0"], tmp_path)]
         try:
             urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}
             for url in urls.values():
-                await until(lambda url=url: _healthy(url), timeout=900, interval=1.0,
+                await until(lambda url=url: healthy(url), timeout=900, interval=1.0,
                             what=f"vLLM at {url} healthy")
-            env = dict(os.environ, PYTHONPATH=str(REPO))
-            front_proc = await start(
-                [str(python), "-m", "integrations.vllm.front", "--model-name", "smollm2",
-                 "--tokenizer", str(model), "--scheduler", f"127.0.0.1:{c.scheduler.port}",
-                 "--request-timeout-s", "900",
-                 *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")]], env,
-                tmp_path / "front.log", pipe_stdout=True)
+            front_proc, front_url = await front(model, c.scheduler.port, urls, tmp_path)
             procs.append(front_proc)
-            front = await ready_line(front_proc)
-            await check_plain_endpoints(front)
-            await check_bad_requests(front)
-            await conversation(front, urls["p0.e0"], str(model))
+            await check_plain_endpoints(front_url)
+            await check_bad_requests(front_url)
+            await conversation(front_url, urls["p0.e0"], str(model))
         finally:
             for p in procs:
                 await stop(p)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return http("GET", f"{url}/health", timeout=5)[0] == 200
-    except OSError:
-        return False
 
 
 async def check_plain_endpoints(front: str) -> None:
@@ -198,11 +111,11 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
         if turn > 0:
             assert dp["hit_tokens"] >= 0.9 * len(prompt), f"turn {turn}: {dp}"
             assert dp["read_side"] in ("pe", "de")
+        if turn == TURNS - 1:                       # the A/B baseline: the front, no dualpath
+            status, raw = await ahttp("POST", f"{front}/v1/completions",
+                                      {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
+                                       "kv_loading": False})
+            off = json.loads(raw)["dualpath"]
+            assert (status, off["token_ids"], off["hit_tokens"]) == (200, ref, 0), raw
         prompt = prompt + dp["token_ids"] + ids[cursor:cursor + APPEND]
         cursor += APPEND
-
-
-async def tokenize(url: str, model: str, text: str) -> list[int]:
-    status, raw = await ahttp("POST", f"{url}/tokenize", {"model": model, "prompt": text})
-    assert status == 200, raw
-    return json.loads(raw)["tokens"]

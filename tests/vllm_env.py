@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import NoReturn
 
-from bench.vllm_engines import REPO, VLLM_PYTHON, kill_group, model_dir
+from tools.vllm_engines import REPO, VLLM_PYTHON, kill_group, model_dir
 from tests import helpers
 
 

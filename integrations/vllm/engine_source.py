@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from common.errors import InvalidArgument, NotFound
+from common.errors import DeadlineExceeded, InvalidArgument, NotFound, PeerFailed
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
 from services.engine_api.remote import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
@@ -84,13 +84,24 @@ class EngineSource:
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
                      timeout_s: float) -> EnginePrefillSession:
-        handle = self._claim(self.client().claim_prefill, request_id, timeout_s)
+        handle = self._claim_or_detach("claim_prefill", request_id, timeout_s)
         return EnginePrefillSession(self._checked(handle, token_ids))
 
     def open_decode(self, request_id: str, token_ids: Sequence[int],
                     timeout_s: float) -> SyncDecodeRequest:
-        return self._checked(self._claim(self.client().claim_decode, request_id, timeout_s),
+        return self._checked(self._claim_or_detach("claim_decode", request_id, timeout_s),
                              token_ids)
+
+    def _claim_or_detach(self, method: str, request_id: str, timeout_s: float) -> Any:
+        """Claim through the attachment; when the node is gone (its service died or restarted:
+        PeerFailed, or no answer at all) drop the attachment so the next request connects and
+        attaches again — a restarted node service is re-attached without restarting vLLM.
+        This request fails either way and vLLM recomputes it."""
+        try:
+            return self._claim(getattr(self.client(), method), request_id, timeout_s)
+        except (PeerFailed, DeadlineExceeded, OSError):
+            self.close()
+            raise
 
     @staticmethod
     def _claim(claim: Any, request_id: str, timeout_s: float) -> Any:
@@ -124,6 +135,9 @@ class EngineSource:
                                   "the keys of vLLM's prompt token ids")
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 -- closing a dead attachment: nothing to save
+                pass

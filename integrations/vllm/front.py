@@ -9,7 +9,9 @@ instance. A re-plan (another ``RequestPlaced``, e.g. after a node died) restarts
 the new pair; tokens already streamed are not sent twice (greedy output is the same).
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both with ``stream``),
-``/v1/models``, ``/health``, ``/metrics``. Errors use OpenAI's shape
+``/v1/models``, ``/health``, ``/metrics``. The extension field ``kv_loading: false`` runs a
+request without dualpath on one engine (vLLM recomputes the prompt): the A/B baseline of
+``dualpath demo --engine vllm``. Errors use OpenAI's shape
 ``{"error": {"message", "type", "code"}}``: a malformed body, an unknown model or an over-long
 prompt is a 4xx before anything is submitted; a dualpath failure is a 5xx naming its code.
 Runs in the vLLM venv (it needs the model's tokenizer): ``python -m integrations.vllm.front``.
@@ -56,6 +58,7 @@ class FrontConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: PositiveInt = 512
     max_inflight: PositiveInt = 64
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    recompute_engine: str = ""                # kv_loading=false goes here ("" = first engine)
 
 
 class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
@@ -66,6 +69,7 @@ class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
     stream: bool = False
     temperature: float = 0.0
     session_id: str | None = None             # extension: the agent session (prefix reuse)
+    kv_loading: bool = True                   # extension: false = no dualpath, vLLM recomputes
     user: str | None = None
 
 
@@ -197,7 +201,8 @@ class Front:
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
         try:
-            result = await self._run(rid, session, ids, body, out, chat)
+            result = (await self._run(rid, session, ids, body, out, chat) if body.kv_loading
+                      else await self._recompute(rid, ids, body, out, chat))
         except DualpathError as e:
             self.metrics.requests.labels("failed").inc()
             log.warning("front_request_failed", request_id=rid, error=str(e))
@@ -253,6 +258,36 @@ class Front:
                              "de_engine": placed.de_engine, "token_ids": decoded["token_ids"],
                              "ttft_s": decoded["ttft_s"], "e2e_s": time.monotonic() - t0}}
 
+    async def _recompute(self, rid: str, ids: list[int], body: CompletionBody,
+                         out: web.StreamResponse | None, chat: bool) -> dict[str, Any]:
+        """The A/B baseline (``kv_loading: false``): the whole request on one engine without
+        ``kv_transfer_params`` — the connector stays idle and vLLM computes every prompt token
+        (prefix caching off on the instances). No scheduler involved, same response shape."""
+        t0 = time.monotonic()
+        engine = self.cfg.recompute_engine or next(iter(self.cfg.engines))
+        toks: list[int] = []
+        ttft, finish_reason = None, None
+        async for chunk in self._stream(self._url(engine), ids, body.max_tokens, None):
+            choice = chunk["choices"][0]
+            new = list(choice.get("token_ids") or [])
+            if new and ttft is None:
+                ttft = time.monotonic() - t0
+            toks.extend(new)
+            finish_reason = choice.get("finish_reason") or finish_reason
+            if out is not None and new:
+                await out.write(self._sse(rid, new, chat))
+        text = self.tok.decode(toks, skip_special_tokens=True)
+        choice: dict[str, Any] = ({"message": {"role": "assistant", "content": text}} if chat
+                                  else {"text": text})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "model": self.cfg.model_name,
+                "choices": [{"index": 0, **choice, "finish_reason": finish_reason or "length"}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
+                          "total_tokens": len(ids) + len(toks)},
+                "dualpath": {"request_id": rid, "hit_tokens": 0, "read_side": "off",
+                             "pe_engine": engine, "de_engine": engine, "token_ids": toks,
+                             "ttft_s": ttft, "e2e_s": time.monotonic() - t0}}
+
     def _url(self, engine: str) -> str:
         try:
             return self.cfg.engines[engine]
@@ -297,11 +332,11 @@ class Front:
                  "choices": [{"index": 0, **delta, "token_ids": toks}]}
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
-    def _vllm_body(self, ids: list[int], max_tokens: int, plan: dict[str, Any],
+    def _vllm_body(self, ids: list[int], max_tokens: int, plan: dict[str, Any] | None,
                    stream: bool) -> dict[str, Any]:
-        return {"model": self.cfg.tokenizer, "prompt": ids, "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": stream, "return_token_ids": True,
-                "kv_transfer_params": {"dualpath": plan}}
+        body = {"model": self.cfg.tokenizer, "prompt": ids, "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": stream, "return_token_ids": True}
+        return body if plan is None else {**body, "kv_transfer_params": {"dualpath": plan}}
 
     async def _post(self, url: str, ids: list[int], max_tokens: int,
                     plan: dict[str, Any]) -> dict[str, Any]:
@@ -314,7 +349,7 @@ class Front:
             return data
 
     async def _stream(self, url: str, ids: list[int], max_tokens: int,
-                      plan: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+                      plan: dict[str, Any] | None) -> AsyncIterator[dict[str, Any]]:
         assert self.http is not None
         async with self.http.post(f"{url}/v1/completions",
                                   json=self._vllm_body(ids, max_tokens, plan, True)) as r:
@@ -339,14 +374,20 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
     ap.add_argument("--max-prompt-tokens", type=int, default=2000)
     ap.add_argument("--request-timeout-s", type=float, default=300.0,
                     help="each request's dualpath deadline (and the HTTP calls' to vLLM)")
+    ap.add_argument("--recompute-engine", default="",
+                    help="engine id for requests with kv_loading=false (default: the first)")
     a = ap.parse_args(argv)
     host, _, port = a.scheduler.rpartition(":")
     engines = dict(e.split("=", 1) for e in a.engine)
+    if a.recompute_engine and a.recompute_engine not in engines:
+        ap.error(f"--recompute-engine {a.recompute_engine!r} is not one of --engine "
+                 f"{sorted(engines)}")
     return msgspec.convert({"model_name": a.model_name, "tokenizer": a.tokenizer,
                             "scheduler_host": host, "scheduler_port": int(port),
                             "engines": engines, "host": a.host, "port": a.port,
                             "max_prompt_tokens": a.max_prompt_tokens,
-                            "request_timeout_s": a.request_timeout_s}, FrontConfig)
+                            "request_timeout_s": a.request_timeout_s,
+                            "recompute_engine": a.recompute_engine}, FrontConfig)
 
 
 async def serve(cfg: FrontConfig) -> None:

@@ -208,3 +208,20 @@ class PrefillBatcher:
                 del self._ids[w.request_id]
             else:
                 break               # only the last item can be cut
+
+
+def vllm_budget(cost: Cost, ref_cached: int, quota_s: float = DEFAULT_QUOTA_S,
+                max_tokens: int = 1 << 20) -> dict[str, int]:
+    """The paper's compute quota as vLLM's token budget (docs/vllm.md "The 300 ms quota").
+
+    vLLM's scheduler cuts steps by tokens, not time: ``max_num_batched_tokens`` bounds a step
+    and ``long_prefill_token_threshold`` one request's chunk of it (chunked prefill). A token
+    count is a time only at a given context, so the budget is the quota's chunk at the
+    reference context — the largest ``n`` new tokens over ``ref_cached`` cached ones whose
+    predicted cost fits ``quota_s`` (``max_chunk``, the batcher's own cut), at least 1.
+    A whole step of such chunks matches the quota; shorter contexts fit more than the quota's
+    worth of tokens in time, never longer ones."""
+    if ref_cached < 0:
+        raise InvalidArgument(f"reference context must be >= 0, got {ref_cached}")
+    n = max(1, max_chunk(cost, ref_cached, max_tokens, quota_s))
+    return {"max_num_batched_tokens": n, "long_prefill_token_threshold": n}

@@ -20,7 +20,16 @@ MODES = ("basic", "dualpath")
 
 
 def main(argv: list[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", choices=["emulator", "vllm"], default="emulator")
+    engine, rest = pre.parse_known_args(argv)
+    if engine.engine == "vllm":               # real vLLM behind the front (tools/demo_vllm.py)
+        from tools.demo_vllm import main as vllm_main
+        return vllm_main(rest)
     p = argparse.ArgumentParser(prog="dualpath demo", description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["emulator", "vllm"], default="emulator",
+                   help="vllm: real vLLM prefill/decode instances and the OpenAI front "
+                        "(`dualpath demo --engine vllm --help`)")
     p.add_argument("-c", "--config", default=None, help="cluster TOML (default: embedded 1P2D)")
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--turns", type=int, default=10)

@@ -1,0 +1,160 @@
+"""``dualpath demo --engine vllm`` (``make demo-vllm``): real vLLM behind dualpath, in minutes.
+
+A local cluster — storage gateways on a directory, a PE receiver, a DE loader and the
+scheduler (policy ``dualpath``: it picks the read side) in this process; a vLLM prefill
+instance (DualPathConnector, kv_producer) and a decode instance (kv_consumer) as ``vllm
+serve`` processes on SmolLM2-135M (float32, docs/vllm.md); the OpenAI front — runs a few agents'
+multi-turn conversations through the front. Every turn runs twice on the same prompt: through
+dualpath (the previous turns' KV loaded from storage by the side the scheduler chose) and with
+``kv_loading: false`` (the same front sends it to the prefill instance without dualpath: vLLM
+recomputes the prompt). Prints per turn the hit rate, read side, both TTFTs and whether the
+greedy outputs are equal; exits 1 if any output differs. Stops every process it started.
+Needs ``make vllm-env vllm-model`` (``make demo-vllm`` runs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+GEN = 16
+APPEND = 40
+
+
+def agent_text(agent: int) -> str:
+    """A coding agent's tool output, different per agent (so agents share no prefix)."""
+    return " ".join(f"Agent {agent} step {i}: read_file('src/app_{agent}/mod_{i}.py') returned "
+                    f"{(i * 13 + agent) % 400} lines; parse_{i} calls helper_{(i + agent) % 7}."
+                    for i in range(120))
+
+
+async def demo(agents: int, turns: int, first: int, out: Path) -> int:
+    from tools.cluster.inprocess import local_datapath
+    from tools.tables import print_table
+    from tools.vllm_engines import PRESET, model_dir
+    from tools.vllm_serve import ahttp, free_port, front, healthy, stop, tokenize, vllm_server
+
+    model = model_dir()
+    if model is None:
+        print("dualpath demo --engine vllm: the vLLM venv or the model is missing; run "
+              "`make vllm-env vllm-model` (3.9 GB, ~5 min once) or `make demo-vllm`",
+              file=sys.stderr)
+        return 2
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dualpath-demo-vllm-") as tmp_s:
+        tmp = Path(tmp_s)
+        overrides = {
+            "kv": {"preset": PRESET}, "scheduler": {"model": PRESET, "policy": "dualpath"},
+            "pe_receiver": {"buffer_bytes": 192 * MiB, "engines": 1,
+                            "engine_socket": str(tmp / "p0.sock")},
+            "de_loader": {"buffer_bytes": 192 * MiB, "engines": 1,
+                          "engine_socket": str(tmp / "d0.sock")},
+            "gateway_service": {"staging_bytes": 32 * MiB, "max_batch_bytes": 8 * MiB}}
+        async with local_datapath(tmp, engines=False, overrides=overrides) as c:
+            ports = {"p0.e0": free_port(), "d0.e0": free_port()}
+            urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}
+            procs = []
+            try:
+                print(f"starting vLLM prefill ({urls['p0.e0']}) and decode ({urls['d0.e0']}) "
+                      f"on {model.name} ...", flush=True)
+                procs.append(await vllm_server(model, "prefill", str(tmp / "p0.sock"), "p0.e0",
+                                               ports["p0.e0"], tmp))
+                procs.append(await vllm_server(model, "decode", str(tmp / "d0.sock"), "d0.e0",
+                                               ports["d0.e0"], tmp))
+                for url in urls.values():
+                    await _wait(lambda url=url: healthy(url), 900, f"vLLM at {url}")
+                front_proc, front_url = await front(model, c.scheduler.port, urls, tmp)
+                procs.append(front_proc)
+                print(f"front at {front_url}; {agents} agents x {turns} turns", flush=True)
+                texts = [await tokenize(urls["p0.e0"], str(model), agent_text(a))
+                         for a in range(agents)]
+                rows = await _conversations(front_url, texts, turns, first, ahttp)
+            finally:
+                for p in procs:
+                    await stop(p)
+    table = [[r["turn"], r["agent"], r["prompt"], f"{100 * r['hit'] / r['prompt']:.0f}%",
+              r["side"], f"{r['ttft_dp']:.3f}", f"{r['ttft_rc']:.3f}",
+              f"{r['ttft_dp'] / r['ttft_rc']:.2f}", "yes" if r["equal"] else "NO"] for r in rows]
+    print_table(["turn", "agent", "prompt", "hit", "read side", "TTFT dualpath s",
+                 "TTFT recompute s", "ratio", "equal"], table)
+    later = [r for r in rows if r["turn"] > 0]
+    summary = {"agents": agents, "turns": turns, "requests": len(rows),
+               "all_equal": all(r["equal"] for r in rows),
+               "hit_rate_from_turn_2": sum(r["hit"] for r in later) / max(1, sum(r["prompt"] for r in later)),
+               "read_sides": {s: sum(r["side"] == s for r in later) for s in ("pe", "de")},
+               "ttft_ratio_median_from_turn_2": statistics.median(
+                   r["ttft_dp"] / r["ttft_rc"] for r in later) if later else None,
+               "wall_s": time.monotonic() - t_start}
+    print(f"\nfrom turn 2: hit rate {summary['hit_rate_from_turn_2']:.1%}, read sides "
+          f"{summary['read_sides']}, median TTFT dualpath/recompute "
+          f"{summary['ttft_ratio_median_from_turn_2']:.2f}; outputs equal: "
+          f"{summary['all_equal']}; {summary['wall_s']:.0f} s")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo-vllm.json").write_text(json.dumps({"summary": summary, "turns": rows}, indent=1))
+    print(f"results: {out / 'demo-vllm.json'}")
+    return 0 if summary["all_equal"] else 1
+
+
+async def _conversations(front_url: str, texts: list[list[int]], turns: int, first: int,
+                         ahttp) -> list[dict[str, Any]]:
+    """Each turn: every agent once through dualpath, then the same prompt recomputed."""
+    prompts = [t[:first] for t in texts]
+    cursors = [first] * len(texts)
+    rows = []
+    for turn in range(turns):
+        for a, prompt in enumerate(prompts):
+            body = {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
+                    "session_id": f"agent-{a}"}
+            dp = await _complete(front_url, body, ahttp)
+            rc = await _complete(front_url, {**body, "kv_loading": False}, ahttp)
+            rows.append({"turn": turn, "agent": a, "prompt": len(prompt),
+                         "hit": dp["hit_tokens"], "side": dp["read_side"],
+                         "ttft_dp": dp["ttft_s"], "ttft_rc": rc["ttft_s"],
+                         "equal": dp["token_ids"] == rc["token_ids"]})
+            print(f"  turn {turn} agent {a}: {len(prompt)} tokens, hit {dp['hit_tokens']}, "
+                  f"{dp['read_side']}, TTFT {dp['ttft_s']:.3f} s vs {rc['ttft_s']:.3f} s",
+                  flush=True)
+            prompts[a] = prompt + dp["token_ids"] + texts[a][cursors[a]:cursors[a] + APPEND]
+            cursors[a] += APPEND
+    return rows
+
+
+async def _complete(front_url: str, body: dict, ahttp) -> dict[str, Any]:
+    status, raw = await ahttp("POST", f"{front_url}/v1/completions", body, 900)
+    if status != 200:
+        raise RuntimeError(f"front answered {status}: {raw[:300]!r}")
+    return dict(json.loads(raw)["dualpath"])
+
+
+async def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(pred):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
+        await asyncio.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dualpath demo --engine vllm",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--agents", type=int, default=3)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first-tokens", type=int, default=1000,
+                   help="tokens of each agent's first prompt (max model length 2,048)")
+    p.add_argument("--out", default="results/demo", help="demo-vllm.json goes here")
+    a = p.parse_args(argv)
+    if not (1 <= a.agents <= 8 and 1 <= a.turns <= 12 and 64 < a.first_tokens <= 1400):
+        p.error("--agents 1..8, --turns 1..12, --first-tokens 65..1400 (the context stays "
+                "under the instances' 2,048-token limit)")
+    from common.logging import configure_logging
+
+    configure_logging("warning", None)
+    return asyncio.run(demo(a.agents, a.turns, a.first_tokens, Path(a.out)))

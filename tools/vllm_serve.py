@@ -1,0 +1,129 @@
+"""``vllm serve`` instances with the DualPathConnector and the OpenAI front, as processes.
+
+What an operator runs by hand (docs/vllm.md "The front"), started from the main venv for
+``dualpath demo --engine vllm`` and tests/test_vllm_front.py: each process in its own session
+(vLLM's engine core and worker outlive a killed parent otherwise, so stopping kills the group),
+its output in a log file. The front prints ``READY <url>`` on stdout once it listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tools.vllm_engines import DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(method: str, url: str, body: dict | bytes | None = None,
+         timeout: float = 300) -> tuple[int, bytes]:
+    """One blocking HTTP exchange: ``(status, body)`` (a 4xx/5xx is returned, not raised)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+async def ahttp(method: str, url: str, body: dict | bytes | None = None,
+                timeout: float = 300) -> tuple[int, bytes]:
+    return await asyncio.to_thread(http, method, url, body, timeout)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return http("GET", f"{url}/health", timeout=5)[0] == 200
+    except OSError:
+        return False
+
+
+async def start(args: list[str], env: dict, log_path: Path,
+                pipe_stdout: bool = False) -> asyncio.subprocess.Process:
+    """A process in its own group; its output goes to ``log_path`` (stdout piped for the
+    front's READY line only: an unread pipe would block a chatty vLLM server)."""
+    with open(log_path, "wb") as log:
+        return await asyncio.create_subprocess_exec(
+            *args, cwd=REPO, env=env, stdout=subprocess.PIPE if pipe_stdout else log,
+            stderr=log, limit=1 << 20, start_new_session=True)
+
+
+async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: int,
+                      log_dir: Path, max_model_len: int = 2048) -> asyncio.subprocess.Process:
+    """``vllm serve`` (the OpenAI server) with the DualPathConnector attached to a node's
+    engine socket: kv_producer on a prefill node, kv_consumer on a decode node."""
+    ktc = {"kv_connector": "DualPathConnector",
+           "kv_connector_module_path": "integrations.vllm.connector",
+           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+           "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
+                                         "engine_id": engine_id, "kv_preset": PRESET,
+                                         "layer_timeout_s": 30.0}}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role))
+    return await start([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                        str(model), "--port", str(port), "--host", "127.0.0.1",
+                        "--max-model-len", str(max_model_len), "--enforce-eager",
+                        "--dtype", DTYPE, "--no-enable-prefix-caching",
+                        "--max-num-batched-tokens", str(max_model_len),
+                        "--gpu-memory-utilization", "0.2",
+                        "--kv-transfer-config", json.dumps(ktc)], env,
+                       log_dir / f"vllm-{role}-{engine_id}.log")
+
+
+async def front(model: Path, scheduler_port: int, urls: dict[str, str], log_dir: Path,
+                model_name: str = "smollm2", timeout_s: float = 900.0
+                ) -> tuple[asyncio.subprocess.Process, str]:
+    """The front (``python -m integrations.vllm.front``) over the scheduler and the engines'
+    URLs; ``(process, its URL)`` once it printed READY."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = await start([str(VLLM_PYTHON), "-m", "integrations.vllm.front", "--model-name",
+                        model_name, "--tokenizer", str(model), "--scheduler",
+                        f"127.0.0.1:{scheduler_port}", "--request-timeout-s", str(timeout_s),
+                        *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")]], env,
+                       log_dir / "front.log", pipe_stdout=True)
+    try:
+        return proc, await ready_line(proc)
+    except BaseException:
+        await stop(proc)
+        raise
+
+
+async def stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 60)
+    kill_group(proc.pid)
+    await proc.wait()
+
+
+async def ready_line(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stdout is not None
+    while True:
+        line = await asyncio.wait_for(proc.stdout.readline(), 300)
+        if not line:
+            raise RuntimeError("front exited before READY")
+        if line.startswith(b"READY "):
+            return line.decode().split()[1]
+
+
+async def tokenize(url: str, model: str, text: str) -> list[int]:
+    """Token ids of ``text`` by a vLLM server's own tokenizer (``/tokenize``)."""
+    status, raw = await ahttp("POST", f"{url}/tokenize", {"model": model, "prompt": text})
+    if status != 200:
+        raise RuntimeError(f"/tokenize at {url} answered {status}: {raw[:200]!r}")
+    return list(json.loads(raw)["tokens"])

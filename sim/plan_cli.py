@@ -3,6 +3,7 @@
     dualpath plan --online --aps 0.2 --ttft 4 --tpot 0.05          # the shared agentic traces
     dualpath plan --trace DIR -c configs/sim-2p4d-ds660b.toml --jct 4000 --repeat 8   # offline
     dualpath plan --table2 --dataset 64k --agents 1024 --jct 2500 --quick
+    dualpath plan --trace table2:32k:256 --turns-scale 0.25 --jct 600 --quick   # the same, as a trace
 
 The hardware profile is the ``[hardware]`` section of ``-c`` (link rates, GPUs per node; P and D
 are what the search varies), the model its ``[model]`` (``--preset`` overrides). Prints per mode
@@ -85,7 +86,7 @@ def build(args: argparse.Namespace):
     else:
         if args.trace is None:
             args.trace = str(shared_agentic_dir())
-        wl = PlanWorkload(trace=load_trace(args), repeat=args.repeat, aps=aps, think_scale=args.think_scale,
+        wl = PlanWorkload(trace=load_trace(args, cfg), repeat=args.repeat, aps=aps, think_scale=args.think_scale,
                           policy=args.context_policy, max_context=args.max_context)
     return cfg, wl, slo, parse_ratios(args.ratios, args.quick)
 

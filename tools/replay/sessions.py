@@ -43,6 +43,7 @@ class SessionTraceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     think_scale: float = 0.0            # × every think time (0: back to back)
     max_prompt: int = 65_536            # scaled prompt + generation above it: turn dropped
     seed: int = 1                       # salts the key space (a rerun on old storage: new seed)
+    agents: int | None = None           # table2:DATASET (no :AGENTS): the generator's agents
 
     def __post_init__(self) -> None:
         if not self.scale > 0 or self.repeat < 1 or self.think_scale < 0 or self.max_prompt < 2:
@@ -66,8 +67,8 @@ class SessionTrace:
 
     def __init__(self, spec: SessionTraceSpec, block_tokens: int) -> None:
         self.spec = spec
-        w: Workload = load_workload(spec.path, spec.fmt).subset(spec.conversations)
-        if w.fmt != "agentic":
+        w: Workload = _load(spec).subset(spec.conversations)
+        if w.fmt not in ("agentic", "table2"):
             raise InvalidArgument(f"{spec.path}: session replay takes the agentic format; replay "
                                   "a Mooncake file with --trace FILE.jsonl (per-request mode)")
         w = w.repeated(spec.repeat)
@@ -105,6 +106,16 @@ class SessionTrace:
         def count(p: SessionPlan) -> int:
             return len(p.turns) + sum(count(c) for cs in p.subs.values() for c in cs)
         return sum(count(p) for p in self.plans)
+
+
+def _load(spec: SessionTraceSpec) -> Workload:
+    """The recorded trace at ``spec.path``, or the Table 2 generator's sessions for a
+    ``table2:DATASET[:AGENTS]`` spec. The generator is the simulator's (``sim.table2_trace``),
+    imported only here: one model of Table 2, not a second copy in the replay."""
+    if spec.path.lower().startswith("table2:"):
+        from sim.table2_trace import table2_workload
+        return table2_workload(spec.path, default_agents=spec.agents or 8, seed=spec.seed)
+    return load_workload(spec.path, spec.fmt)
 
 
 def expected_hit(keys: list[str], sent: set[str], prompt: int, block_tokens: int) -> int:

@@ -74,7 +74,11 @@ def build(args: argparse.Namespace):
     cfg = load(args.config)
     if args.preset:
         cfg = replace(cfg, model={"preset": args.preset})
-    if args.online and not args.aps:
+    if args.arrivals == "trace":
+        if args.table2:
+            raise InvalidArgument("--arrivals trace needs a trace (--trace), not --table2")
+        args.online = True
+    elif args.online and not args.aps:
         raise InvalidArgument("--online needs --aps")
     if not args.online and args.jct is None:
         raise InvalidArgument("offline planning needs --jct SECONDS (or --online --aps X)")
@@ -87,7 +91,8 @@ def build(args: argparse.Namespace):
         if args.trace is None:
             args.trace = str(shared_agentic_dir())
         wl = PlanWorkload(trace=load_trace(args, cfg), repeat=args.repeat, aps=aps, think_scale=args.think_scale,
-                          policy=args.context_policy, max_context=args.max_context)
+                          policy=args.context_policy, max_context=args.max_context,
+                          arrivals=args.arrivals, speed=args.speed)
     return cfg, wl, slo, parse_ratios(args.ratios, args.quick)
 
 

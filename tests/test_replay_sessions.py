@@ -70,6 +70,8 @@ def test_trace_arrivals_plan_the_recorded_times(tmp_path):
     assert p.offsets == [0.0, 2.0, 4.0, 6.0] and p.subs[2][0].offsets == [0.0, 0.2]
     with pytest.raises(InvalidArgument, match="arrivals"):
         _spec(d, arrivals="uniform")
+    with pytest.raises(InvalidArgument, match="needs recorded times"):
+        SessionTrace(SessionTraceSpec("table2:32k", agents=2, max_turns=2, arrivals="trace"), 64)
 
 
 async def test_trace_arrivals_and_table2_sessions_replay_live(tmp_path):

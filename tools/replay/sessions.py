@@ -91,6 +91,9 @@ class SessionTrace:
         first = min(s.start_s for s in w.sessions)
         for plan, s in zip(self.plans, w.sessions):
             plan.start_s = (s.start_s - first) / spec.speed
+        if spec.arrivals == "trace" and not any(p.start_s or any(p.offsets) for p in self.plans):
+            raise InvalidArgument(f"{w.name}: --arrivals trace needs recorded times (every session "
+                                  "and turn of this trace is at t = 0); use poisson")
 
     def _plan(self, s: Session) -> SessionPlan:
         sp = self.spec

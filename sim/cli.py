@@ -181,7 +181,8 @@ def print_trace_stats(t: dict, file=None) -> None:
           f"({t['agents_with_subagents']} agents with sub-agents), "
           f"{t['turns_per_copy']} turns per copy; context > {t['max_context']}: {t['compacted_turns']} "
           f"compacted, {t['dropped_turns']} dropped ({t['policy']}); hit share {t['hit_share']:.1%}; "
-          f"think x{t['think_scale']:g}", file=file or sys.stdout)
+          + (f"arrivals: the trace's own times, speed {t['speed']:g}" if t.get("arrivals") == "trace"
+             else f"think x{t['think_scale']:g}"), file=file or sys.stdout)
 
 
 def print_comparison(runs: dict[str, dict], file=None) -> None:

@@ -9,8 +9,9 @@ Sources (docs/workloads.md has the formats and every mapping rule):
 * **Mooncake JSONL** (``../shared/traces/conversation_trace.jsonl``): one request per line,
   512-token prefix hashes with one global scope; every request is a one-turn session arriving at
   its ``timestamp``.
-* **The paper's Table 2 generator** lives in ``sim.workload`` (pure arithmetic, compiled); the
-  simulator and the planner take either it or a :class:`Workload` (``sim.traces``).
+* **The paper's Table 2 generator** lives in ``sim.workload`` (pure arithmetic, compiled);
+  ``sim.table2_trace`` turns it into a :class:`Workload` (``--trace table2:64k``), and the
+  simulator keeps the lazy generator for paper-scale runs.
 
 Why here, in ``common``: the simulator, the live replay and the planner read the same sessions,
 and the replay must not import ``sim`` (whose import loads the compiled build).
@@ -74,6 +75,9 @@ class Turn(msgspec.Struct, frozen=True):
     prompt_tokens: int
     gen_tokens: int
     hash_ids: tuple[int, ...]       # one prefix hash per trace block (last one may be partial)
+    # blocks the generated tokens complete (stored by the write-back, so a later turn may hit
+    # them); only a generated trace knows them (table2:, sim.table2_trace), recorded ones do not
+    gen_hash_ids: tuple[int, ...] = ()
 
 
 class Subagent(msgspec.Struct, frozen=True):
@@ -353,6 +357,7 @@ def scope_hits(sessions: Iterable[Session], block_tokens: int) -> dict[tuple[str
         for k, t in enumerate(s.turns):
             out[(s.sid, k)] = min(prefix_hit_blocks(t.hash_ids, st) * block_tokens, t.prompt_tokens)
             st.update(t.hash_ids)
+            st.update(t.gen_hash_ids)
     return out
 
 

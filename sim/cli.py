@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--png", type=Path, default=None, help="plot file (default: beside the JSON)")
     ap.add_argument("--no-png", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="only the comparison table / headline")
+    ap.add_argument("--request-log", type=Path, default=None,
+                    help="--trace: JSONL of every request (mode, id, session, submit time)")
     add_trace_args(ap)
     return ap
 
@@ -65,7 +67,8 @@ def parser() -> argparse.ArgumentParser:
 def add_trace_args(ap: argparse.ArgumentParser) -> None:
     """The recorded-workload options (shared with ``dualpath plan``)."""
     t = ap.add_argument_group("recorded traces (docs/workloads.md)")
-    t.add_argument("--trace", default=None, help="trace file or directory (instead of --dataset)")
+    t.add_argument("--trace", default=None, help="trace file or directory (instead of --dataset), "
+                   "or table2:DATASET[:AGENTS] (the Table 2 generator as a trace; AGENTS default --agents)")
     t.add_argument("--format", default=None, choices=("agentic", "mooncake"), help="default: detected")
     t.add_argument("--repeat", type=int, default=1, help="copies of every session, own key spaces")
     t.add_argument("--conversations", type=int, default=None, help="only the first N sessions")
@@ -75,20 +78,37 @@ def add_trace_args(ap: argparse.ArgumentParser) -> None:
                    help="turns above the model's maximum context")
     t.add_argument("--max-context", type=int, default=None,
                    help="override [model] max_context_tokens")
+    t.add_argument("--arrivals", default="poisson", choices=("poisson", "trace"),
+                   help="online arrivals: Poisson at --aps, or the trace's own start times and "
+                        "turn times (implies --online; docs/workloads.md)")
+    t.add_argument("--speed", type=float, default=1.0,
+                   help="--arrivals trace: trace seconds per simulated second")
 
 
-def load_trace(args: argparse.Namespace):
-    """The workload ``--trace`` names (``common.traces.TraceError`` on bad input)."""
+def load_trace(args: argparse.Namespace, cfg=None):
+    """The workload ``--trace`` names (``common.traces.TraceError`` on bad input); a
+    ``table2:`` spec is generated with ``cfg``'s block size and seed (``--seed`` overrides)."""
     from common.traces import load_workload
-    return load_workload(args.trace, args.format).subset(args.conversations)
+
+    from .table2_trace import is_table2, table2_workload
+    if is_table2(args.trace):
+        cfg = cfg or load(getattr(args, "config", None))
+        seed = getattr(args, "seed", None)
+        w = table2_workload(args.trace, default_agents=args.agents, block_tokens=cfg.kv.block_tokens,
+                            seed=cfg.sim.seed if seed is None else seed, turns_scale=args.turns_scale)
+    else:
+        w = load_workload(args.trace, args.format)
+    return w.subset(args.conversations)
 
 
-def run_one(cfg, mode: str, args: argparse.Namespace, trace, clusters: list) -> dict:
+def run_one(cfg, mode: str, args: argparse.Namespace, trace, clusters: list,
+            log: list | None = None) -> dict:
     if trace is not None:
         return simulate_trace(cfg, mode, trace, online=args.online, aps=args.aps, repeat=args.repeat,
                               think_scale=args.think_scale, policy=args.context_policy,
                               max_context=args.max_context, seed=args.seed,
-                              exact=True if args.exact else None, cluster_out=clusters)
+                              exact=True if args.exact else None, cluster_out=clusters,
+                              arrivals=args.arrivals, speed=args.speed, request_log=log)
     return simulate(cfg, mode, args.dataset, args.agents, online=args.online, aps=args.aps,
                     seed=args.seed, append_scale=args.append_scale, gen_scale=args.gen_scale,
                     turns_scale=args.turns_scale, exact=True if args.exact else None,
@@ -100,15 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         modes = parse_modes(args.mode)
         cfg = load(args.config)
-        if args.online and not args.aps:
+        if args.arrivals == "trace":
+            if not args.trace:
+                raise ValueError("--arrivals trace needs --trace")
+            args.online = True
+        elif args.online and not args.aps:
             raise ValueError("--online needs --aps")
-        trace = load_trace(args) if args.trace else None
+        trace = load_trace(args, cfg) if args.trace else None
     except (InvalidArgument, ConfigError, ValueError) as e:
         return input_error("simulate", e)
     runs, clusters = {}, []
+    logs: dict[str, list] = {}
     for m in modes:
         try:
-            runs[m] = run_one(cfg, m, args, trace, clusters)
+            runs[m] = run_one(cfg, m, args, trace, clusters, logs.setdefault(m, [])
+                              if args.request_log else None)
         except InvalidArgument as e:
             return input_error("simulate", e)
         if not args.quiet:
@@ -118,17 +144,30 @@ def main(argv: list[str] | None = None) -> int:
             print()
     if len(modes) > 1:
         print_comparison(runs)
-    what = (f"{Path(args.trace).stem}-x{args.repeat}" if trace is not None
+    what = (f"{Path(args.trace).stem.replace(':', '-')}-x{args.repeat}" if trace is not None
             else f"{args.dataset}-{args.agents}")
-    out = args.out or Path("results/sim") / (f"{cfg.name}-{what}"
-                                             + (f"-online{args.aps:g}" if args.online else "") + ".json")
+    online = ("-online-trace" if args.arrivals == "trace"
+              else f"-online{args.aps:g}" if args.online else "")
+    out = args.out or Path("results/sim") / f"{cfg.name}-{what}{online}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs}, indent=2, default=str))
     print(f"results written to {out}")
+    if args.request_log:
+        write_request_log(args.request_log, logs)
     if not args.no_png:
         msg = plot_runs(clusters, runs, args.png or out.with_suffix(".png"))
         print(msg)
     return 0
+
+
+def write_request_log(path: Path, logs: dict[str, list]) -> None:
+    """One JSON line per submitted request: mode, request id, session, submit time (s)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for mode, log in logs.items():
+            for rid, session, t in log:
+                f.write(json.dumps({"mode": mode, "request": rid, "session": session, "submit_s": t}) + "\n")
+    print(f"request log written to {path}")
 
 
 def input_error(prog: str, e: Exception) -> int:
@@ -142,7 +181,8 @@ def print_trace_stats(t: dict, file=None) -> None:
           f"({t['agents_with_subagents']} agents with sub-agents), "
           f"{t['turns_per_copy']} turns per copy; context > {t['max_context']}: {t['compacted_turns']} "
           f"compacted, {t['dropped_turns']} dropped ({t['policy']}); hit share {t['hit_share']:.1%}; "
-          f"think x{t['think_scale']:g}", file=file or sys.stdout)
+          + (f"arrivals: the trace's own times, speed {t['speed']:g}" if t.get("arrivals") == "trace"
+             else f"think x{t['think_scale']:g}"), file=file or sys.stdout)
 
 
 def print_comparison(runs: dict[str, dict], file=None) -> None:

@@ -129,6 +129,8 @@ class Cluster:
         self.windows = WindowSeries([n.snic_rd for n in self.nodes], cfg.sim.window_s)
         self.attn_windows: dict[int, list[float]] = {}
         self.wall_s = 0.0
+        # (request id, session, submit time) of every request, when the caller asks for it
+        self.request_log: list | None = None
 
     # ------------------------------------------------------------------ topology
     def _build(self) -> None:
@@ -218,6 +220,8 @@ class Cluster:
         rid = f"{agent.aid}.{agent.turn}"
         rec = Req(rid, agent, hit, new, gen, now)
         self.reqs[rid] = rec
+        if self.request_log is not None:
+            self.request_log.append((rid, agent.session, now))
         self.sched.submit(Request(rid, agent.session, hit, new, gen,     # = Request.sized
                                   (hit + new + gen) * self.bpt))
         self.waiting_de += 1
@@ -346,8 +350,11 @@ class Cluster:
                 if rec.gen > 1:
                     self.tpot_ss.add(tpot)
         agent = rec.agent
-        if agent.delay > 0.0:              # the client's think time before its next request
-            self.loop.after(agent.delay, self._next_turn, agent)
+        delay = agent.delay                # the client's think time before its next request
+        if agent.due - now > delay:        # trace arrivals: the turn's recorded time
+            delay = agent.due - now
+        if delay > 0.0:
+            self.loop.after(delay, self._next_turn, agent)
         else:
             self._next_turn(agent)
 
@@ -373,7 +380,9 @@ class Cluster:
             # (paper §7.2 stops at a steady TTFT; here the span is fixed, so a system that cannot
             # keep up shows a TTFT that still grows from quarter to quarter).
             loop.at(0.0, self._arrivals, 0)
-            self.span = span = self.n_roots / self.aps
+            # a trace's own arrival times (sim.traces, --arrivals trace) span what they span
+            span = float(getattr(self.workload, "arrival_span", 0.0))
+            self.span = span = span if span > 0.0 else self.n_roots / self.aps
             self.ss_window = (0.75 * span, span)
         else:
             for aid in range(self.n_roots):

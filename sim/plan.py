@@ -80,10 +80,18 @@ class PlanWorkload(msgspec.Struct, frozen=True):
     think_scale: float | None = None
     policy: str = "compact"
     max_context: int | None = None
+    arrivals: str = "poisson"         # "trace": online on the trace's own times (÷ speed)
+    speed: float = 1.0
+
+    @property
+    def online(self) -> bool:
+        return self.aps is not None or self.arrivals == "trace"
 
     def describe(self) -> str:
         base = (f"trace {self.trace.name} x{self.repeat}" if self.trace is not None
                 else f"Table 2 {self.dataset}, {self.agents} agents, turns x{self.turns_scale:g}")
+        if self.arrivals == "trace":
+            return base + f", online at the trace's own times (speed {self.speed:g})"
         return base + (f", online {self.aps:g} sessions/s" if self.aps else ", offline")
 
 
@@ -98,11 +106,11 @@ def evaluate(base: SimConfig, P: int, D: int, mode: str, wl: PlanWorkload, slo: 
     cfg = replace(base, hardware={"prefill_nodes": P, "decode_nodes": D})
     cfg = msgspec.structs.replace(cfg, name=f"{P}p{D}d")
     clusters: list = []
-    online = wl.aps is not None
+    online = wl.online
     if wl.trace is not None:
         r = simulate_trace(cfg, mode, wl.trace, online=online, aps=wl.aps, repeat=wl.repeat,
                            think_scale=wl.think_scale, policy=wl.policy, max_context=wl.max_context,
-                           cluster_out=clusters)
+                           cluster_out=clusters, arrivals=wl.arrivals, speed=wl.speed)
     else:
         r = simulate(cfg, mode, wl.dataset, wl.agents, online=online, aps=wl.aps,
                      turns_scale=wl.turns_scale, cluster_out=clusters)

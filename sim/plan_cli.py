@@ -3,6 +3,7 @@
     dualpath plan --online --aps 0.2 --ttft 4 --tpot 0.05          # the shared agentic traces
     dualpath plan --trace DIR -c configs/sim-2p4d-ds660b.toml --jct 4000 --repeat 8   # offline
     dualpath plan --table2 --dataset 64k --agents 1024 --jct 2500 --quick
+    dualpath plan --trace table2:32k:256 --turns-scale 0.25 --jct 600 --quick   # the same, as a trace
 
 The hardware profile is the ``[hardware]`` section of ``-c`` (link rates, GPUs per node; P and D
 are what the search varies), the model its ``[model]`` (``--preset`` overrides). Prints per mode
@@ -73,7 +74,11 @@ def build(args: argparse.Namespace):
     cfg = load(args.config)
     if args.preset:
         cfg = replace(cfg, model={"preset": args.preset})
-    if args.online and not args.aps:
+    if args.arrivals == "trace":
+        if args.table2:
+            raise InvalidArgument("--arrivals trace needs a trace (--trace), not --table2")
+        args.online = True
+    elif args.online and not args.aps:
         raise InvalidArgument("--online needs --aps")
     if not args.online and args.jct is None:
         raise InvalidArgument("offline planning needs --jct SECONDS (or --online --aps X)")
@@ -85,8 +90,9 @@ def build(args: argparse.Namespace):
     else:
         if args.trace is None:
             args.trace = str(shared_agentic_dir())
-        wl = PlanWorkload(trace=load_trace(args), repeat=args.repeat, aps=aps, think_scale=args.think_scale,
-                          policy=args.context_policy, max_context=args.max_context)
+        wl = PlanWorkload(trace=load_trace(args, cfg), repeat=args.repeat, aps=aps, think_scale=args.think_scale,
+                          policy=args.context_policy, max_context=args.max_context,
+                          arrivals=args.arrivals, speed=args.speed)
     return cfg, wl, slo, parse_ratios(args.ratios, args.quick)
 
 

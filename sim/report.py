@@ -86,7 +86,7 @@ def print_summary(r: dict, file=None) -> None:
     file = file or sys.stdout
     p = lambda *a: print(*a, file=file)  # noqa: E731
     p(f"{r['config']} [{r['shape']}, {r['model']}] mode={r['mode']} — {r['workload']}"
-      + (f", online {r['aps']} APS" if r["online"] else ", offline"))
+      + (f", online {r['aps']:.4g} APS" if r["online"] else ", offline"))
     p(f"  JCT {r['jct_s']:.1f} s   requests {r['requests']}   agent JCT mean {r['agent_jct']['mean']:.1f} s   "
       f"prompt {r['prompt_tokens_per_s']:.4g} tok/s")
     lat = r["latency"]

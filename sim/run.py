@@ -36,21 +36,28 @@ def simulate_trace(cfg: SimConfig | str | Path | None, mode: str, workload: Work
                    think_scale: float | None = None, policy: str = "compact",
                    max_context: int | None = None, seed: int | None = None,
                    exact: bool | None = None, until: float = float("inf"),
-                   cluster_out: list | None = None) -> dict:
+                   cluster_out: list | None = None, arrivals: str = "poisson", speed: float = 1.0,
+                   request_log: list | None = None) -> dict:
     """Simulate the sessions of a loaded trace (``common.traces``) on ``cfg`` in ``mode``.
 
     Offline (the paper's RL-rollout setting): every session at t = 0 and no think times, unless
     ``think_scale`` says otherwise; online: sessions arrive at ``aps`` and think times are kept
-    (× ``think_scale``, default 1).
+    (× ``think_scale``, default 1). ``arrivals="trace"`` is online on the trace's own timeline
+    (÷ ``speed``; ``sim.traces``): ``aps`` is then the mean rate it works out to. Every submitted
+    request's ``(id, session, time)`` is appended to ``request_log`` when one is given.
     """
     from .traces import SessionWorkload
     if not isinstance(cfg, SimConfig):
         cfg = load(cfg)
+    online = online or arrivals == "trace"
     ts = (1.0 if online else 0.0) if think_scale is None else think_scale
     w = SessionWorkload(workload, cfg.kv.block_tokens, max_context or cfg.model.max_context_tokens,
                         policy=policy, think_scale=ts, repeat=repeat,
-                        seed=cfg.sim.seed if seed is None else seed)
+                        seed=cfg.sim.seed if seed is None else seed, arrivals=arrivals, speed=speed)
+    if arrivals == "trace":
+        aps = w.n_roots / w.arrival_span
     cl = Cluster(cfg, mode, w, online=online, aps=aps, exact=exact)
+    cl.request_log = request_log
     if cluster_out is not None:
         cluster_out.append(cl)
     return cl.run(until)

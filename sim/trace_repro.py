@@ -146,21 +146,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/reproduction.md"))
     ap.add_argument("--json", type=Path, default=Path("results/trace_repro.json"))
     ap.add_argument("--reuse-offline", type=Path, default=None,
-                    help="take the offline rows from an earlier --json file (skip those runs)")
+                    help="take the offline rows from an earlier --json file (skip those runs), "
+                         "and its online rows for the shapes not in --online-shapes")
     args = ap.parse_args(argv)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     w = load_workload(args.trace or shared_agentic_dir())
     t0 = time.perf_counter()
     off_keys = [k for k in args.offline_shapes.split(",") if k]
     on_keys = [k for k in args.online_shapes.split(",") if k]
-    earlier = 0.0                 # the reused offline runs' time counts in the section's total
+    earlier = 0.0                 # the reused runs' time counts in the section's total
+    kept: list = []               # earlier online rows of shapes not rerun now
     if args.reuse_offline is not None:
         prev = json.loads(args.reuse_offline.read_text())
         off, earlier = prev["offline"], prev["wall_s"]
         off_keys = [k for k in SHAPES if SHAPES[k][0] in {row[0] for row in off}]
+        kept = [row for row in prev.get("online", []) if row[0] not in {SHAPES[k][0] for k in on_keys}]
     else:
         off = [offline(w, k, args.repeat, log) for k in off_keys]
     on = [online(w, k, args.iters, log) for k in on_keys]
+    order = [SHAPES[k][0] for k in SHAPES]
+    on = sorted(kept + on, key=lambda row: order.index(row[0]))
+    on_keys = [k for k in SHAPES if SHAPES[k][0] in {row[0] for row in on}]
     missing = [f"offline {SHAPES[k][0]}" for k in SHAPES if k not in off_keys]
     missing += [f"online {SHAPES[k][0]}" for k in SHAPES if k not in on_keys]
     wall = time.perf_counter() - t0 + earlier

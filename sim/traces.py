@@ -16,6 +16,12 @@ generator (``sim.workload.TraceWorkload``).
   keeps the task prefix (the first prompt, at most ``max_context / 8``, stored, so a hit) and the
   turn's own append; later turns grow from there (their trace hit shifts by what was dropped);
   ``drop`` — the turn is not simulated. Both are counted (``stats()``).
+* **Arrivals** (online): ``poisson`` — top-level sessions arrive at ``aps``; ``trace`` — at their
+  recorded start (``Session.start_s``: a Mooncake timestamp) ÷ ``speed``, and each turn not
+  before the session's start + its recorded ``t`` (from the session's first turn) ÷ ``speed``
+  — nor before the previous turn is done: a closed loop on the trace's own timeline. The think
+  times are then not added (the recorded ``t`` holds them). ``--repeat`` copies of a session
+  arrive together.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from common.traces import Session, Workload, cluster_hit, scope_hits
 from .workload import Agent, uniform
 
 POLICIES = ("compact", "drop")
+ARRIVALS = ("poisson", "trace")
 _T_ARRIVAL = 6          # the stream tag sim.workload uses for Poisson arrivals
 
 
@@ -39,6 +46,7 @@ class Plan:
     sid: str
     shapes: list[tuple[int, int, int]] = field(default_factory=list)
     thinks: list[float] = field(default_factory=list)          # pause before each turn
+    offsets: list[float] = field(default_factory=list)         # recorded t from the first turn
     spawns: dict[int, list[int]] = field(default_factory=dict)  # before turn k -> child plans
 
 
@@ -58,11 +66,16 @@ class SessionWorkload:
     nested = True
 
     def __init__(self, w: Workload, block_tokens: int, max_context: int, *, policy: str = "compact",
-                 think_scale: float = 0.0, repeat: int = 1, seed: int = 1) -> None:
+                 think_scale: float = 0.0, repeat: int = 1, seed: int = 1,
+                 arrivals: str = "poisson", speed: float = 1.0) -> None:
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown context policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        if repeat < 1 or think_scale < 0 or max_context < 2 * block_tokens:
-            raise InvalidArgument("need repeat >= 1, think_scale >= 0, max_context >= 2 blocks")
+        if arrivals not in ARRIVALS:
+            raise InvalidArgument(f"unknown arrivals {arrivals!r}; choose one of {', '.join(ARRIVALS)}")
+        if repeat < 1 or think_scale < 0 or max_context < 2 * block_tokens or not speed > 0:
+            raise InvalidArgument("need repeat >= 1, think_scale >= 0, max_context >= 2 blocks, speed > 0")
+        self.arrivals = arrivals
+        self.speed = speed
         self.source = w
         self.bt = block_tokens
         self.max_context = max_context
@@ -83,6 +96,17 @@ class SessionWorkload:
         self.n_roots = len(self.roots) * repeat
         self.n_agents = self.per_copy * repeat
         self._next_aid = self.n_roots
+        # trace arrivals: top-level sessions in order of their recorded start, from 0
+        first = min((s.start_s for s in w.sessions), default=0.0)
+        self._starts = [(s.start_s - first) / speed for s in w.sessions]
+        self._order = sorted(range(len(self.roots)), key=lambda i: (self._starts[i], i))
+        self.arrival_span = 0.0
+        if arrivals == "trace":
+            self.arrival_span = max(self._starts[i] + (self.plans[r].offsets or [0.0])[-1]
+                                    for i, r in enumerate(self.roots))
+            if not self.arrival_span > 0:
+                raise InvalidArgument(f"{w.name}: --arrivals trace needs recorded times (every "
+                                      "session and turn of this trace is at t = 0); use poisson")
 
     # ------------------------------------------------------------------ building plans
     def _plan_tree(self, top: Session, hits: dict[tuple[str, int], int]) -> int:
@@ -125,6 +149,7 @@ class SessionWorkload:
             hit = cluster_hit(h, p, bt)
             plan.shapes.append((hit, p - hit, max(g, 1)))
             plan.thinks.append(t.think_s * self.think_scale)
+            plan.offsets.append((t.t_s - s.turns[0].t_s) / self.speed)
             st.sim_prompt_tokens += p
             st.hit_tokens += hit
         pos[(s.sid, len(s.turns))] = len(plan.shapes)
@@ -137,7 +162,11 @@ class SessionWorkload:
                 f"{self.n_agents} with sub-agents, context ≤ {self.max_context} ({self.policy})")
 
     def make_agent(self, aid: int) -> Agent:
-        """Top-level session ``aid`` (copy ``aid // sessions``)."""
+        """Top-level session ``aid`` (copy ``aid // sessions``; trace arrivals: the copies of
+        one session are consecutive, sessions in order of their recorded start)."""
+        if self.arrivals == "trace":
+            i, copy = divmod(aid, self.repeat)
+            return self._agent(aid, self.roots[self._order[i]], copy)
         copy, i = divmod(aid, len(self.roots))
         return self._agent(aid, self.roots[i], copy)
 
@@ -167,10 +196,17 @@ class SessionWorkload:
             return None
         plan = self.plans[agent.base]
         agent.turn = k + 1
-        agent.delay = plan.thinks[k + 1] if k + 1 < len(plan.thinks) else 0.0
+        if self.arrivals == "trace":
+            agent.due = agent.start + plan.offsets[k + 1] if k + 1 < len(plan.offsets) else 0.0
+        else:
+            agent.delay = plan.thinks[k + 1] if k + 1 < len(plan.thinks) else 0.0
         return plan.shapes[k]
 
     def arrival_gap(self, k: int, aps: float) -> float:
+        """Gap before top-level session ``k``: Poisson at ``aps``, or the trace's own."""
+        if self.arrivals == "trace":
+            i, prev = self._order[k // self.repeat], self._order[(k - 1) // self.repeat]
+            return self._starts[i] - self._starts[prev]
         return -math.log(uniform(self.seed, _T_ARRIVAL, k)) / aps
 
     def stats(self) -> dict:
@@ -180,4 +216,5 @@ class SessionWorkload:
                 "compacted_turns": st.compacted, "dropped_turns": st.dropped,
                 "trace_prompt_tokens": st.trace_prompt_tokens, "sim_prompt_tokens": st.sim_prompt_tokens,
                 "hit_share": st.hit_tokens / st.sim_prompt_tokens if st.sim_prompt_tokens else 0.0,
-                "think_scale": self.think_scale}
+                "think_scale": self.think_scale, "arrivals": self.arrivals,
+                "speed": self.speed if self.arrivals == "trace" else None}

@@ -68,7 +68,7 @@ class Agent:
     """One agent's replay position: all it needs to produce its next turn."""
 
     __slots__ = ("aid", "base", "turn", "n_turns", "context", "start", "session", "done_t",
-                 "last_append", "base_ctx", "delay", "parent", "waiting", "spawned")
+                 "last_append", "base_ctx", "delay", "due", "parent", "waiting", "spawned")
 
     def __init__(self, aid: int, base: int, n_turns: int) -> None:
         self.aid = aid
@@ -84,6 +84,7 @@ class Agent:
         # trace sessions (sim.traces): think time before the next turn, the parent a sub-agent
         # unblocks when done, sub-agents still running, the turn whose sub-agents were started
         self.delay = 0.0
+        self.due = 0.0        # trace arrivals: the next turn not before this simulated time
         self.parent: Agent | None = None
         self.waiting = 0
         self.spawned = -1

@@ -71,3 +71,20 @@ def test_bad_input_exits_2_naming_the_file(tmp_path, capsys):
     assert "x.json: request 0: missing 'hash_ids'" in err
     assert plan_main(["--trace", str(bad), "--no-png"]) == 2       # offline needs --jct
     assert "needs --jct" in capsys.readouterr().err
+
+
+def test_plan_reads_the_table2_generator_and_trace_arrivals_as_traces(tmp_path, capsys):
+    """``--trace table2:…`` plans the generator's sessions; ``--arrivals trace`` plans online on
+    a trace's own times without --aps."""
+    out = tmp_path / "t2.json"
+    rc = plan_main(["--trace", "table2:32k:8", "--turns-scale", "0.1", "--jct", "1e9", "--ratios", "1:2",
+                    "--max-gpus", "24", "--no-png", "--no-progress", "--out", str(out)])
+    assert rc == 0 and "trace table2-32k-8a" in json.loads(out.read_text())["workload"]
+    d = write_agentic(tmp_path / "c", n_files=1)
+    rc = plan_main(["--trace", str(d), "--arrivals", "trace", "--speed", "2", "--ttft", "100", "--tpot", "1",
+                    "--ratios", "1:2", "--max-gpus", "24", "--no-png", "--no-progress", "--out", str(out)])
+    p = json.loads(out.read_text())
+    assert rc == 0 and p["slo"]["online"] and "trace's own times (speed 2)" in p["workload"]
+    assert p["modes"]["dualpath"]["chosen"]["trace"]["arrivals"] == "trace"
+    assert plan_main(["--table2", "--arrivals", "trace", "--no-png"]) == 2
+    capsys.readouterr()

@@ -61,3 +61,39 @@ def test_bad_traces_fail_before_anything_is_sent(tmp_path):
         SessionTrace(_spec(bad), 64)
     with pytest.raises(InvalidArgument, match="whole number"):
         SessionTrace(_spec(write_agentic(tmp_path / "c", n_files=1), scale=0.3), 64)
+
+
+def test_trace_arrivals_plan_the_recorded_times(tmp_path):
+    d = write_agentic(tmp_path / "c", n_files=1)
+    t = SessionTrace(_spec(d, arrivals="trace", speed=5.0, repeat=1), 64)
+    p = t.plans[0]
+    assert p.offsets == [0.0, 2.0, 4.0, 6.0] and p.subs[2][0].offsets == [0.0, 0.2]
+    with pytest.raises(InvalidArgument, match="arrivals"):
+        _spec(d, arrivals="uniform")
+    with pytest.raises(InvalidArgument, match="needs recorded times"):
+        SessionTrace(SessionTraceSpec("table2:32k", agents=2, max_turns=2, arrivals="trace"), 64)
+
+
+async def test_trace_arrivals_and_table2_sessions_replay_live(tmp_path):
+    """Turns wait for their recorded time (t = 0, 10, 20, 30 s at speed 10: ≥ 1 s apart, where
+    back to back they take a fraction of that); the Table 2 generator's sessions replay with
+    every hit as its hash ids predict."""
+    d = write_agentic(tmp_path / "c", n_files=1, first=1024, append=256, gen=8)
+    timed = _spec(d, arrivals="trace", speed=10.0, repeat=1)
+    table2 = SessionTraceSpec("table2:32k", conversations=None, max_turns=3, agents=2, scale=0.125)
+    async with start_cluster(cluster().with_mode("dualpath"), storage_root=tmp_path / "s") as c:
+        target = ClusterTarget.from_inprocess(c)
+        res = await replay(target, timed, progress=False, sample_s=0.1)
+        res2 = await replay(target, table2, progress=False, sample_s=0.1)
+        assert c.leaks() == {n: 0 for n in c.nodes}
+    recs = {r["request_id"]: r for r in res["records"]}
+    t0 = recs["trace_0000-t0"]["submit_s"]
+    for k in (1, 3):
+        assert recs[f"trace_0000-t{k}"]["submit_s"] - t0 >= k * 1.0 - 1e-3
+    sub0 = recs["trace_0000/sub0-t0"]["submit_s"]
+    assert sub0 - t0 >= 2.0 - 1e-3 and recs["trace_0000/sub0-t1"]["submit_s"] - sub0 >= 0.1 - 1e-3
+    assert res["workload"]["online"] and res["summary"]["checks"]["all_finished"]
+    checks = res2["summary"]["checks"]
+    assert res2["summary"]["finished"] == 2 * 3 and checks["all_finished"]
+    assert checks["hit_mismatches"] == 0 and checks["storage_read_matches_hits"]
+    assert sum(r["hit_tokens"] for r in res2["records"]) > 0

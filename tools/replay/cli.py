@@ -6,6 +6,7 @@
     dualpath replay -c configs/local-1p2d.toml --trace ../shared/traces/conversation_trace.jsonl
     dualpath replay -c configs/local-1p2d.toml --start --trace ../shared/traces/agentic \
                     --conversations 2 --max-turns 6 --check                # recorded sessions
+    dualpath replay -c configs/local-1p2d.toml --start --trace table2:32k --agents 4 --check
     dualpath replay -c configs/local-1p2d.toml --start --mode basic          # own cluster
 
 Target: the cluster ``dualpath cluster up -c CONFIG`` started (its state file), ``--start``
@@ -53,6 +54,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--think-scale", type=float, default=0.0, help="× every think time")
     s.add_argument("--max-prompt", type=int, default=65_536,
                    help="scaled prompt + generation above it: the turn is dropped (counted)")
+    s.add_argument("--arrivals", default="poisson", choices=("poisson", "trace"),
+                   help="sessions at Poisson times (--online --aps) or at the trace's own start "
+                        "and turn times ÷ --speed")
 
 
 def workload_from_args(a: argparse.Namespace):
@@ -63,10 +67,12 @@ def workload_from_args(a: argparse.Namespace):
         from common.traces import detect_format
 
         from .sessions import SessionTraceSpec
-        fmt = a.format or detect_format(Path(a.trace))
-        if fmt == "agentic":
+        table2 = a.trace.lower().startswith("table2:")      # the generator as sessions
+        fmt = "table2" if table2 else a.format or detect_format(Path(a.trace))
+        if fmt in ("agentic", "table2"):
             return SessionTraceSpec(a.trace, fmt, a.conversations or None, a.max_turns or None,
-                                    a.repeat, a.trace_scale, a.think_scale, a.max_prompt, a.seed)
+                                    a.repeat, a.trace_scale, a.think_scale, a.max_prompt, a.seed,
+                                    a.agents if table2 else None, a.arrivals, a.speed)
         return TraceSpec(a.trace, a.limit, speed=a.speed, scale=a.trace_scale)
     return AgenticSpec(a.dataset, a.agents, a.seed, a.scale, a.max_turns or None,
                        a.append_scale, a.gen_scale)

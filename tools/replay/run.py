@@ -125,7 +125,8 @@ async def replay(target: ClusterTarget, workload: AgenticSpec | TraceSpec | Sess
                         window_s=window_s)
     return {"cluster": target.name, "mode": target.mode, "started_at": wall0,
             "workload": {"kind": _kind(workload),
-                         "online": aps is not None, "aps": aps, "label": label,
+                         "online": aps is not None or getattr(workload, "arrivals", "") == "trace",
+                         "aps": aps, "label": label,
                          **msgspec.to_builtins(workload)},
             "summary": summary, "telemetry_offset_s": offset,
             **({"dropped_turns": sessions.dropped} if isinstance(workload, SessionTraceSpec) else {}),

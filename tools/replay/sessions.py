@@ -43,12 +43,18 @@ class SessionTraceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     think_scale: float = 0.0            # × every think time (0: back to back)
     max_prompt: int = 65_536            # scaled prompt + generation above it: turn dropped
     seed: int = 1                       # salts the key space (a rerun on old storage: new seed)
+    agents: int | None = None           # table2:DATASET (no :AGENTS): the generator's agents
+    arrivals: str = "poisson"           # "trace": recorded session starts and turn times
+    speed: float = 1.0                  # arrivals "trace": trace seconds per replay second
 
     def __post_init__(self) -> None:
         if not self.scale > 0 or self.repeat < 1 or self.think_scale < 0 or self.max_prompt < 2:
             raise InvalidArgument("need scale > 0, repeat >= 1, think_scale >= 0, max_prompt >= 2")
         if self.max_turns is not None and self.max_turns < 1:
             raise InvalidArgument(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.arrivals not in ("poisson", "trace") or not self.speed > 0:
+            raise InvalidArgument(f"arrivals must be poisson or trace (got {self.arrivals!r}) "
+                                  f"and speed > 0 (got {self.speed})")
 
 
 @dataclass
@@ -59,6 +65,8 @@ class SessionPlan:
     scope: str
     turns: list[tuple[float, int, int, list[str]]] = field(default_factory=list)
     subs: dict[int, list[SessionPlan]] = field(default_factory=dict)
+    offsets: list[float] = field(default_factory=list)   # recorded t from the first turn ÷ speed
+    start_s: float = 0.0                                 # recorded start ÷ speed (from the first)
 
 
 class SessionTrace:
@@ -66,8 +74,8 @@ class SessionTrace:
 
     def __init__(self, spec: SessionTraceSpec, block_tokens: int) -> None:
         self.spec = spec
-        w: Workload = load_workload(spec.path, spec.fmt).subset(spec.conversations)
-        if w.fmt != "agentic":
+        w: Workload = _load(spec).subset(spec.conversations)
+        if w.fmt not in ("agentic", "table2"):
             raise InvalidArgument(f"{spec.path}: session replay takes the agentic format; replay "
                                   "a Mooncake file with --trace FILE.jsonl (per-request mode)")
         w = w.repeated(spec.repeat)
@@ -80,6 +88,12 @@ class SessionTrace:
         self.bt = block_tokens
         self.dropped = 0
         self.plans = [self._plan(s) for s in w.sessions]
+        first = min(s.start_s for s in w.sessions)
+        for plan, s in zip(self.plans, w.sessions):
+            plan.start_s = (s.start_s - first) / spec.speed
+        if spec.arrivals == "trace" and not any(p.start_s or any(p.offsets) for p in self.plans):
+            raise InvalidArgument(f"{w.name}: --arrivals trace needs recorded times (every session "
+                                  "and turn of this trace is at t = 0); use poisson")
 
     def _plan(self, s: Session) -> SessionPlan:
         sp = self.spec
@@ -96,6 +110,7 @@ class SessionTrace:
                 continue
             keys = block_keys(t.hash_ids, prompt, int(self.trace_block), self.bt, f"{sp.seed}:{s.scope}")
             plan.turns.append((t.think_s * sp.think_scale, prompt, gen, keys))
+            plan.offsets.append((t.t_s - s.turns[0].t_s) / sp.speed)
         for sub in s.subagents:
             if sub.before >= n:
                 plan.subs.setdefault(len(plan.turns), []).append(self._plan(sub.session))
@@ -105,6 +120,16 @@ class SessionTrace:
         def count(p: SessionPlan) -> int:
             return len(p.turns) + sum(count(c) for cs in p.subs.values() for c in cs)
         return sum(count(p) for p in self.plans)
+
+
+def _load(spec: SessionTraceSpec) -> Workload:
+    """The recorded trace at ``spec.path``, or the Table 2 generator's sessions for a
+    ``table2:DATASET[:AGENTS]`` spec. The generator is the simulator's (``sim.table2_trace``),
+    imported only here: one model of Table 2, not a second copy in the replay."""
+    if spec.path.lower().startswith("table2:"):
+        from sim.table2_trace import table2_workload
+        return table2_workload(spec.path, default_agents=spec.agents or 8, seed=spec.seed)
+    return load_workload(spec.path, spec.fmt)
 
 
 def expected_hit(keys: list[str], sent: set[str], prompt: int, block_tokens: int) -> int:
@@ -120,16 +145,20 @@ def expected_hit(keys: list[str], sent: set[str], prompt: int, block_tokens: int
 async def run_sessions(pool: ClientPool, trace: SessionTrace, *, aps: float | None = None,
                        deadline_s: float = 300.0, retries: int = 3, progress: Progress | None = None,
                        stop_after_s: float | None = None) -> Replayer:
-    """Every session (offline: all at t = 0; online: Poisson arrivals at ``aps``)."""
+    """Every session (offline: all at t = 0; online: Poisson arrivals at ``aps``; arrivals
+    ``trace``: each session at its recorded start, each turn not before its recorded time)."""
     r = Replayer(pool, deadline_s=deadline_s, retries=retries, on_done=progress.done if progress else None)
     sent: dict[str, set[str]] = {}
-    starts = _arrivals(len(trace.plans), aps, trace.spec.seed)
+    timed = trace.spec.arrivals == "trace"
+    starts = [p.start_s for p in trace.plans] if timed else _arrivals(len(trace.plans), aps, trace.spec.seed)
 
     async def session(p: SessionPlan, key: int) -> None:
         scope = sent.setdefault(p.scope, set())
+        t0 = r.now()
         for k, (think, prompt, gen, keys) in enumerate(p.turns):
-            if k and think > 0:
-                await asyncio.sleep(think)
+            wait = t0 + p.offsets[k] - r.now() if timed else think
+            if k and wait > 0:
+                await asyncio.sleep(wait)
             if k in p.subs:
                 await asyncio.gather(*(session(c, key) for c in p.subs[k]))
             rec = RequestRecord(request_id=f"{p.sid}-t{k}", session_id=p.sid, turn=k, prompt_tokens=prompt,

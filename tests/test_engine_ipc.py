@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from common.errors import (AlreadyExists, DualpathError, InvalidArgument, KVSpecMismatch,
+from common.errors import (AlreadyExists, Cancelled, DualpathError, InvalidArgument, KVSpecMismatch,
                            NotFound, PeerFailed, Unavailable, VersionMismatch)
 from common.kv import KVSpec, block_keys_from_tokens
 from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
@@ -261,6 +261,25 @@ async def test_wrong_versions_are_refused(tmp_path, monkeypatch):
         with pytest.raises(VersionMismatch):     # the RPC hello
             await client(tmp_path)
         assert not rpc.sessions
+
+
+async def test_a_claim_of_a_request_that_failed_before_it_is_answered_at_once(tmp_path):
+    """The node failed the request before the engine claimed it (its hit is not in storage):
+    the claim gets Cancelled with the reason at once — not NotFound after its whole timeout —
+    so a P/D engine (the vLLM connector) computes without dualpath instead of hanging."""
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides=sockets(tmp_path)) as c:
+        pe = c.pe["p0"]
+        pe.submit_plan(plan(c, "gone", tokens(3 * BT, 7), 2, "pe"))     # 2 blocks never stored
+        await until(lambda: report(pe, "gone", "failed") is not None, what="the plan failed")
+        eng = await client(tmp_path)
+        try:
+            with pytest.raises(Cancelled, match="failed on p0"):    # the claim may wait 300 s
+                await asyncio.wait_for(eng.claim_prefill("gone", 300.0), 60.0)
+            with pytest.raises(NotFound):                 # never seen: still a plain NotFound
+                await eng.claim_prefill("never", 0.2)
+        finally:
+            await eng.close()
 
 
 @pytest.mark.reliability

@@ -26,7 +26,7 @@ import numpy as np
 import structlog
 
 from common.config import RpcConfig
-from common.errors import (AlreadyExists, DeadlineExceeded, DualpathError, InternalError,
+from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, DualpathError, InternalError,
                            InvalidArgument, KVSpecMismatch, NotFound, PeerFailed, Unavailable,
                            VersionMismatch)
 from common.kv import KVSpec
@@ -71,13 +71,15 @@ class EngineApiServer:
 
     def __init__(self, rpc_cfg: RpcConfig, *, node_id: str, role: str, spec: KVSpec,
                  ports: dict[str, Any], arena: Any, arena_name: str | None,
-                 owner_of: Callable[[str], str | None]) -> None:
+                 owner_of: Callable[[str], str | None],
+                 failure_of: Callable[[str], str | None] = lambda rid: None) -> None:
         self.node_id, self.role, self.spec = node_id, role, spec
         self.ports = ports
         self.arena = arena
         self.arena_name = arena_name
         self._arena_base = arena.ctypes.data if isinstance(arena, np.ndarray) else 0
         self.owner_of = owner_of
+        self.failure_of = failure_of      # why a request with no live attempt here failed
         self.sessions: dict[str, EngineSession] = {}        # engine id → session
         self._by_conn: dict[int, EngineSession] = {}
         self.counters: collections.Counter[str] = collections.Counter()
@@ -260,6 +262,11 @@ class EngineApiServer:
             if owner is not None and owner != sess.engine_id:
                 raise InvalidArgument(f"request {rid!r} is assigned to engine {owner}, not "
                                       f"{sess.engine_id}")
+            if owner is None and (why := self.failure_of(rid)) is not None:
+                self.counters["claims_failed"] += 1
+                raise Cancelled(f"request {rid!r} failed on {self.node_id} before "
+                                f"{sess.engine_id} claimed it ({why}); a re-plan brings a new "
+                                "attempt, or the engine computes without dualpath")
             left = end - loop.time()
             if left <= 0:
                 break

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _REPORT_KEEP = 10_000
+_FAILED_KEEP = 4_096
 
 
 class NodeBase(Service):
@@ -82,6 +83,9 @@ class NodeBase(Service):
         # scheduler epoch each attempt was planned under: its reports carry it (fencing)
         self.planned_under: collections.OrderedDict[tuple[str, int], int] = \
             collections.OrderedDict()
+        # requests whose last attempt here failed (id -> reason), for engine claims: a claim of
+        # one with no live attempt is answered at once instead of waiting out its timeout
+        self.failed_ids: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
         self._gateways: dict[tuple[str, int], GatewayClient] = {}
         self._closing = False
@@ -131,7 +135,7 @@ class NodeBase(Service):
         self.engine_api = EngineApiServer(
             self.cfg.rpc, node_id=self.node_id, role=self.role, spec=self.spec,
             ports=self.ports, arena=self.pool.arena, arena_name=shm.name if shm else None,
-            owner_of=self._engine_of)
+            owner_of=self._engine_of, failure_of=self._failure_of)
         await self.engine_api.start(path)
 
     def _engine_of(self, request_id: str) -> str | None:
@@ -220,9 +224,19 @@ class NodeBase(Service):
     async def _on_lease_lost(self) -> None:
         await self.drop_all("scheduler lease lost (the scheduler re-planned our work)")
 
+    def _failure_of(self, request_id: str) -> str | None:
+        """Why ``request_id`` failed here, if its last attempt did and none is live now."""
+        why = self.failed_ids.get(request_id)
+        return why if why is not None and self._engine_of(request_id) is None else None
+
     async def report(self, request_id: str, attempt: int, stage: Stage, **kw: Any) -> bool:
         """Report a stage; False when the scheduler says the attempt is no longer current."""
         self.counters[f"reported_{stage}"] += 1
+        if stage == "failed":
+            self.failed_ids[request_id] = str(kw.get("message", ""))[:200]
+            self.failed_ids.move_to_end(request_id)
+            while len(self.failed_ids) > _FAILED_KEEP:
+                self.failed_ids.popitem(last=False)
         if self.session is None:
             self.reports.append(ReportProgress(request_id, attempt, stage, node_id=self.node_id,
                                                **kw))

@@ -1,7 +1,7 @@
 """Storage durability above the store (issue 8, item 2): real processes, SIGKILL, real files.
 
-``tests/test_gateway_storage.py`` proves the store's rules in one process (kill -9 of a bare
-store writer, a flipped byte, ENOSPC from ``os.writev``). These cases check that the rules hold
+``tests/test_gateway_store_durability.py`` proves the store's rules in one process (kill -9 of a
+bare store writer, a flipped byte, ENOSPC from ``os.writev``). These cases check that the rules hold
 where they matter — behind the gateway's RPC and through the whole cluster:
 
 (a) a write acknowledged by ``BlocksWritten`` survives kill -9 of the gateway process;

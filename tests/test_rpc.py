@@ -1,28 +1,25 @@
-"""Control-plane RPC against live servers on 127.0.0.1:0: calls, streams, errors, bad input."""
+"""Control-plane RPC against live servers on 127.0.0.1:0: calls, streams, typed errors; and the
+rig (test channel, ``Rig``, raw peers, ``rig``/``pair`` fixtures) that
+``test_rpc_handshake.py`` and ``test_rpc_connections.py`` share."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any, Union
 
 import msgspec
 import pytest
 import structlog
-import uvloop
 
-from common import rpc_client
-from common.auth import compute_response, load_secret, verify_response
 from common.config import RpcConfig
 from common.errors import (
-    Cancelled, ConfigError, DeadlineExceeded, ErrorCode, FrameTooLarge, InternalError,
-    InvalidArgument, KVSpecMismatch, NotFound, Overloaded, PeerFailed, ProtocolError,
-    Unauthenticated, Unavailable, UnknownMessage, VersionMismatch,
+    DeadlineExceeded, ErrorCode, FrameTooLarge, InternalError, InvalidArgument, NotFound,
+    Overloaded, ProtocolError, UnknownMessage,
 )
-from common.framing import HEADER, FrameCodec, read_frame
+from common.framing import FrameCodec, read_frame
 from common.protocol import (
     PROTOCOL_VERSION, Call, CallError, ErrorReply, GetStats, GetStatsReply, Hello, HelloReply,
-    Message, Ping, Pong, Reply, ServerHello,
+    Message, Ping, Pong, ServerHello,
 )
 from common.rpc import RpcClient, RpcServer, check_handler_coverage
 from tests.helpers import until
@@ -215,12 +212,6 @@ async def pair(rig):
     return server, await rig.client(server.port)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- calls
 
 async def test_unary_call(pair):
@@ -382,263 +373,3 @@ def test_handler_coverage_and_table_validation():
     with pytest.raises(TypeError, match="async"):
         RpcServer(CFG, service="t", node_id="n", request_type=TestRequest,
                   handlers={Ping: lambda msg, ctx: Pong()})
-
-
-# --------------------------------------------------------------------------- handshake
-
-async def test_version_mismatch_is_typed_and_not_retried(rig, monkeypatch):
-    server = await rig.server()
-    client = await rig.client(server.port, connect=False)
-    monkeypatch.setattr(rpc_client, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
-    async with asyncio.timeout(5):         # reconnect_attempts=0: a retry would never end
-        with pytest.raises(VersionMismatch, match="matching dualpath versions"):
-            await client.connect()
-    await until(lambda: server.stats()["handshakes_rejected"] == 1)
-
-
-async def test_raw_hello_with_wrong_version_gets_error_then_close(rig):
-    server = await rig.server()
-    peer = RawPeer(*await asyncio.open_connection("127.0.0.1", server.port))
-    rig.raws.append(peer)
-    assert type(await peer.recv_hello()) is ServerHello
-    peer.send(Hello(PROTOCOL_VERSION + 7, "raw", "r"))
-    error = await peer.recv_hello()
-    assert type(error) is ErrorReply and error.code == ErrorCode.VERSION_MISMATCH
-    assert await peer.recv_frame() is None
-
-
-@pytest.mark.parametrize("client_fp", ["", "kv-a"])
-async def test_kv_spec_match_or_empty_is_accepted(rig, client_fp):
-    server = await rig.server(kv_fingerprint="kv-a")
-    client = await rig.client(server.port, kv_fingerprint=client_fp)
-    assert await client.call(Ping()) == Pong() and client.peer.kv_fingerprint == "kv-a"
-
-
-async def test_kv_spec_mismatch(rig):
-    server = await rig.server(kv_fingerprint="kv-a")
-    client = await rig.client(server.port, connect=False, kv_fingerprint="kv-b")
-    with pytest.raises(KVSpecMismatch, match="kv-b"):
-        await client.call(Ping(), timeout=5)
-    await until(lambda: server.stats()["handshakes_rejected"] == 1)
-
-
-async def test_auth_with_the_right_secret(rig):
-    server = await rig.server(auth_secret=b"s3cret")
-    client = await rig.client(server.port, auth_secret=b"s3cret")
-    assert await client.call(Ping()) == Pong()
-
-
-@pytest.mark.parametrize("secret", [b"wrong", None], ids=["wrong", "missing"])
-async def test_auth_rejects_wrong_or_missing_secret(rig, secret):
-    server = await rig.server(auth_secret=b"s3cret")
-    client = await rig.client(server.port, connect=False, auth_secret=secret)
-    with structlog.testing.capture_logs() as logs:
-        with pytest.raises(Unauthenticated):
-            await client.connect()
-    assert all(b"s3cret" not in repr(e).encode() for e in logs)
-    await until(lambda: server.stats()["handshakes_rejected"] == 1)
-
-
-def test_auth_helpers(tmp_path):
-    nonce = b"n" * 16
-    assert verify_response(b"k", nonce, compute_response(b"k", nonce))
-    assert not verify_response(b"k", nonce, compute_response(b"j", nonce))
-    assert not verify_response(b"k", nonce, None)
-    path = tmp_path / "secret"
-    path.write_bytes(b"from-file\n")
-    path.chmod(0o600)
-    assert load_secret(RpcConfig(auth_secret_file=str(path))) == b"from-file"
-    assert load_secret(RpcConfig(auth_secret_env="S"), {"S": "from-env"}) == b"from-env"
-    assert load_secret(RpcConfig()) is None
-    with pytest.raises(ConfigError, match="unset"):
-        load_secret(RpcConfig(auth_secret_env="S"), {})
-    with pytest.raises(ConfigError, match="only one"):
-        load_secret(RpcConfig(auth_secret_env="S", auth_secret_file=str(path)), {"S": "x"})
-    with pytest.raises(ConfigError, match="cannot be read"):
-        load_secret(RpcConfig(auth_secret_file=str(tmp_path / "nope")))
-
-
-async def test_handshake_times_out_on_a_silent_peer(rig):
-    server = await rig.server(cfg=msgspec.structs.replace(CFG, handshake_timeout_s=0.1))
-    peer = RawPeer(*await asyncio.open_connection("127.0.0.1", server.port))
-    rig.raws.append(peer)
-    assert type(await peer.recv_hello()) is ServerHello
-    assert await peer.recv_frame() is None      # closed by the server, nothing else sent
-
-
-# --------------------------------------------------------------------------- lifecycle
-
-async def test_reconnect_after_server_restart_on_the_same_port(rig):
-    server = await rig.server()
-    port = server.port
-    client = await rig.client(port)
-    assert await client.call(Ping(b"1")) == Pong(b"1")
-    await server.stop(grace_s=0)
-    await until(lambda: not client.connected)
-    pending = asyncio.create_task(client.call(Ping(b"2"), timeout=10))
-    await until(lambda: client._connecting is not None and not client._connecting.done())
-    await server.start(port=port)
-    assert await pending == Pong(b"2")
-    assert server.port == port and client.connected
-
-
-async def test_pending_calls_fail_fast_when_the_server_dies(rig):
-    server = await rig.server()
-    client = await rig.client(server.port)
-    calls = [asyncio.create_task(client.call(Sleep(60), timeout=60)) for _ in range(3)]
-    stream = client.stream(Count(100_000))
-    assert (await anext(stream)).i == 0
-    await until(lambda: rig.probe.started == 3)
-    await server.stop(grace_s=0)
-    async with asyncio.timeout(10):             # far below the calls' own 60 s deadline
-        for task in calls:
-            with pytest.raises(PeerFailed) as info:
-                await task
-            assert info.value.retryable
-        with pytest.raises(PeerFailed):
-            async for _ in stream:
-                pass
-
-
-async def test_stop_lets_inflight_calls_finish_within_grace(rig):
-    server = await rig.server()
-    client = await rig.client(server.port)
-    call = asyncio.create_task(client.call(Sleep(0.05)))
-    await until(lambda: rig.probe.started == 1)
-    await server.stop(grace_s=5)
-    assert await call == Slept()
-    await server.stop()                          # idempotent
-
-
-async def test_connect_gives_up_after_configured_attempts(rig):
-    cfg = msgspec.structs.replace(CFG, reconnect_attempts=3)
-    client = await rig.client(free_port(), connect=False, cfg=cfg)
-    with pytest.raises(Unavailable, match="3 attempts"):
-        await client.connect()
-    forever = await rig.client(free_port(), connect=False)
-    with pytest.raises(Unavailable, match="within"):
-        await forever.wait_connected(0.05)
-
-
-async def test_client_close_cancels_pending_calls_and_server_sees_it(rig):
-    server = await rig.server(on_connect=lambda c: rig.probe.connected.append(c.peer.node_id),
-                              on_disconnect=_async_hook(rig.probe.disconnected))
-    client = await rig.client(server.port, node_id="fe-7")
-    await until(lambda: rig.probe.connected == ["fe-7"])
-    call = asyncio.create_task(client.call(Sleep(60)))
-    await until(lambda: rig.probe.started == 1)
-    await client.close()
-    with pytest.raises(Cancelled):
-        await call
-    await until(lambda: rig.probe.disconnected == ["fe-7"])
-    assert rig.probe.cancelled == 1 and rig.probe.saw_ctx_cancelled
-    with pytest.raises(Cancelled):
-        await client.call(Ping())
-
-
-def _async_hook(sink: list[str]):
-    async def hook(conn) -> None:
-        sink.append(conn.peer.node_id)
-    return hook
-
-
-# --------------------------------------------------------------------------- bad input
-
-def _garbage(peer: RawPeer) -> None:
-    peer.writer.write(HEADER.pack(8) + b"\xc1" * 8)       # 0xc1: never valid msgpack
-
-
-def _truncated(peer: RawPeer) -> None:
-    peer.writer.write(HEADER.pack(100) + b"x" * 10)
-    peer.writer.write_eof()
-
-
-def _oversized(peer: RawPeer) -> None:
-    peer.writer.write(HEADER.pack(CFG.max_frame_bytes + 1))
-
-
-@pytest.mark.parametrize("attack, code, reason", [
-    (_garbage, ErrorCode.PROTOCOL_ERROR, "undecodable"),
-    (_truncated, None, "truncated"),
-    (_oversized, ErrorCode.FRAME_TOO_LARGE, "frame_too_large"),
-], ids=["garbage", "truncated", "oversized"])
-async def test_broken_frames_close_only_that_connection(rig, attack, code, reason):
-    server = await rig.server()
-    healthy = await rig.client(server.port, node_id="healthy")
-    peer = await rig.raw(server.port)
-    with structlog.testing.capture_logs() as logs:
-        attack(peer)
-        if code is not None:
-            error = await peer.recv()
-            assert type(error) is CallError and error.id == 0 and error.error.code == code
-        assert await peer.recv_frame() is None                  # then a clean close
-        await until(lambda: server.stats()["connections_open"] == 1)
-    rejected = [e for e in logs if e["event"] == "frame_rejected"]
-    assert len(rejected) == 1 and rejected[0]["reason"] == reason
-    assert await healthy.call(Ping(b"ok")) == Pong(b"ok")
-    assert await (await rig.client(server.port, node_id="new")).call(Ping()) == Pong()
-
-
-@pytest.mark.parametrize("body, code", [
-    ({"t": "no.such.message"}, ErrorCode.UNKNOWN_MESSAGE),
-    ({"t": "ping", "payload": 123}, ErrorCode.INVALID_ARGUMENT),
-    ({"t": "pong", "payload": b""}, ErrorCode.UNKNOWN_MESSAGE),     # known, wrong channel
-    (17, ErrorCode.INVALID_ARGUMENT),
-], ids=["unknown-tag", "wrong-type", "other-channel", "not-a-map"])
-async def test_bad_bodies_are_answered_and_the_connection_survives(rig, body, code):
-    server = await rig.server()
-    healthy = await rig.client(server.port, node_id="healthy")
-    peer = await rig.raw(server.port)
-    with structlog.testing.capture_logs() as logs:
-        error = await peer.call(5, body)
-    assert type(error) is CallError and error.id == 5 and error.error.code == code
-    assert [e["event"] for e in logs] == ["frame_rejected"]
-    reply = await peer.call(6, Ping(b"still here"))
-    assert type(reply) is Reply and reply.id == 6
-    assert msgspec.msgpack.decode(reply.body, type=TestReply) == Pong(b"still here")
-    assert await healthy.call(Ping()) == Pong()
-
-
-async def test_unexpected_envelope_is_answered_and_the_connection_survives(rig):
-    server = await rig.server()
-    peer = await rig.raw(server.port)
-    peer.send(Reply(9, msgspec.Raw(msgspec.msgpack.encode(Pong()))))
-    error = await peer.recv()
-    assert type(error) is CallError and error.error.code == ErrorCode.PROTOCOL_ERROR
-    reply = await peer.call(10, Ping())
-    assert type(reply) is Reply and reply.id == 10
-
-
-async def test_garbage_instead_of_hello_is_refused(rig):
-    server = await rig.server()
-    peer = RawPeer(*await asyncio.open_connection("127.0.0.1", server.port))
-    rig.raws.append(peer)
-    assert type(await peer.recv_hello()) is ServerHello
-    _garbage(peer)
-    error = await peer.recv_hello()
-    assert type(error) is ErrorReply and error.code == ErrorCode.PROTOCOL_ERROR
-    assert await peer.recv_frame() is None
-
-
-# --------------------------------------------------------------------------- event loops
-
-def test_everything_runs_on_uvloop():
-    async def scenario() -> None:
-        rig = Rig()
-        try:
-            server = await rig.server()
-            client = await rig.client(server.port)
-            assert await client.call(Ping(b"uv")) == Pong(b"uv")
-            assert len([e async for e in client.stream(Count(500))]) == 500
-            _garbage(await rig.raw(server.port))
-            await until(lambda: server.stats()["frames_rejected"] == 1)
-            with pytest.raises(DeadlineExceeded):
-                await client.call(Sleep(30), timeout=0.02)
-            await server.stop(grace_s=0)
-            await until(lambda: not client.connected)
-            await server.start(port=server.port)
-            assert await client.call(Ping()) == Pong()
-        finally:
-            await rig.aclose()
-
-    uvloop.run(scenario())

@@ -1,7 +1,7 @@
 """The PE fair share (``SchedulerConfig.pe_share``, ``policy.pe_share_limit``): a fetch takes at
 most its group's share of the cluster's PE load, so a burst is spread over the PE groups; the
 core's incremental sums stay exact. Algorithm 1 with the limit is also checked by the property
-tests of ``test_scheduler_policy.py``."""
+tests of ``test_scheduler_properties.py``."""
 
 from __future__ import annotations
 

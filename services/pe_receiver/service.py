@@ -163,7 +163,7 @@ def plan_loads(engine_ids: Iterable[str], plans: Iterable[RequestPlan],
 
     ``pe_load`` is ``SchedulerConfig.pe_load_counter()``, the scheduler core's tok_e unit, and
     the plan's hit/new are the ones the core placed it with, so the scheduler's view of this
-    node after a fetch equals its own accounting (``tests/test_scheduler_service.py``).
+    node after a fetch equals its own accounting (``tests/test_scheduler_flow_control.py``).
     """
     seq = dict.fromkeys(engine_ids, 0)
     tok = dict.fromkeys(engine_ids, 0)

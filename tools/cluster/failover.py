@@ -35,8 +35,8 @@ from typing import Any
 
 from common.errors import DualpathError
 
-from .chaos import (DEADLINE_S, ChaosHarness, ChaosLauncher, Submission, _drive_classes,
-                    chaos_cluster)
+from .chaos import ChaosHarness, ChaosLauncher, _drive_classes, chaos_cluster
+from .chaos_cases import DEADLINE_S, Submission
 from .config import free_port
 from .etcd_members import EtcdMembers
 

@@ -1,0 +1,158 @@
+"""The gateway's read queue (FIFO, bounded, OVERLOADED when full; cancelled and timed-out reads
+release their slot and pins) and link shaping (token bucket, fair interleaving, reads and
+writes charged to the link), on virtual time. Helpers: ``test_gateway_storage.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from common.errors import DeadlineExceeded, InvalidArgument, Overloaded
+from common.rate import TokenBucket
+from storage_gateway.link_shaper import LinkShaper
+from storage_gateway.read_queue import ReadQueue
+from storage_gateway import link_shaper as link_shaper_mod
+from storage_gateway import store as store_mod
+from storage_gateway.store import GatewayStore
+from tests.helpers import VirtualTime, until
+from tests.test_gateway_storage import (BB, SPEC, T, empty_dests, gate_reads, make_cfg, rand_blocks,
+                                        rand_keys)
+
+
+# ----------------------------------------------------------------------------- read queue
+
+def test_read_queue_fifo_bounded_and_overloaded():
+    q = ReadQueue(block_tokens=64, block_bytes=BB, max_concurrent=2, max_queued=2,
+                  max_keys=100, max_bytes=100 * BB, retry_after_s=0.2)
+    t1, s1 = q.submit(1)
+    t2, s2 = q.submit(2)
+    t3, s3 = q.submit(3)
+    t4, s4 = q.submit(4)
+    assert (s1, s2, s3, s4) == (True, True, False, False)
+    assert q.read_q == 64 * 10 and q.inflight_tokens == 64 * 3 and q.queued_tokens == 64 * 7
+    with pytest.raises(Overloaded) as e:
+        q.submit(1)
+    assert e.value.retry_after_s == 0.2 and e.value.retryable
+    assert q.finish(t2) == [t3]                                  # FIFO: t3 before t4
+    assert q.cancel(t4) == [] and q.read_q == 64 * 4
+    assert q.finish(t1) == [] and q.finish(t3) == []
+    assert q.read_q == 0 and q.n_running == 0
+    with pytest.raises(InvalidArgument):
+        q.finish(t3)
+    with pytest.raises(InvalidArgument):
+        q.submit(101)
+
+
+async def test_store_read_queue_accounting_fifo_and_overload(tmp_path):
+    cfg = make_cfg(tmp_path, "memory", max_concurrent_reads=1, max_queued_requests=2)
+    keys = rand_keys(6)
+    async with GatewayStore(cfg, SPEC) as store:
+        await store.write_blocks(keys, rand_blocks(6))
+        gate, started = gate_reads(store)
+        groups = [keys[0:2], keys[2:3], keys[3:6]]
+        tasks = [asyncio.create_task(store.read_blocks(g, empty_dests(len(g)), request_id=f"r{i}"))
+                 for i, g in enumerate(groups)]
+        await until(lambda: store.read_queue.n_waiting == 2 and started)
+        assert store.read_q == 6 * T and store.stats()["read_requests_running"] == 1
+        with pytest.raises(Overloaded):
+            await store.read_blocks(keys[:1], empty_dests(1))
+        gate.set()
+        results = await asyncio.gather(*tasks)
+        assert all(all(r.found) for r in results)
+        assert started == groups                                  # served in arrival order
+        assert store.read_q == 0 and store.stats()["pinned_blocks"] == 0
+
+
+async def test_cancelled_and_timed_out_reads_release_queue_and_pins(tmp_path):
+    cfg = make_cfg(tmp_path, "memory", max_concurrent_reads=1)
+    keys = rand_keys(3)
+    async with GatewayStore(cfg, SPEC) as store:
+        await store.write_blocks(keys, rand_blocks(3))
+        gate, started = gate_reads(store)
+        with pytest.raises(DeadlineExceeded):
+            first = asyncio.create_task(store.read_blocks(keys[:2], empty_dests(2), timeout_s=0.2))
+            queued = asyncio.create_task(store.read_blocks(keys[2:], empty_dests(1)))
+            await until(lambda: store.read_q == 3 * T)
+            queued.cancel()
+            await until(lambda: store.read_q == 2 * T)
+            await first
+        assert store.read_q == 0 and store.stats()["pinned_blocks"] == 0
+        gate.set()
+        assert all((await store.read_blocks(keys, empty_dests(3))).found)
+
+
+# ----------------------------------------------------------------------------- link shaping
+
+class _VirtualAsyncio:
+    """``asyncio`` as ``storage_gateway.link_shaper`` sees it, its ``sleep`` on virtual time."""
+
+    def __init__(self, vt: VirtualTime) -> None:
+        self.sleep = vt.sleep
+
+    def __getattr__(self, name: str):
+        return getattr(asyncio, name)
+
+
+def virtual_link(monkeypatch) -> VirtualTime:
+    """Every LinkShaper made from here on (the store's too) runs on one virtual clock."""
+    vt = VirtualTime()
+    monkeypatch.setattr(link_shaper_mod, "asyncio", _VirtualAsyncio(vt))
+    monkeypatch.setattr(store_mod, "LinkShaper", functools.partial(LinkShaper, clock=vt.clock))
+    return vt
+
+
+async def test_link_shaper_rate_and_fair_interleaving(monkeypatch):
+    rate, burst = 20e6, 256 * 1024
+    vt = virtual_link(monkeypatch)
+    shaper = LinkShaper(rate, burst_bytes=burst, chunk_bytes=256 * 1024, clock=vt.clock)
+    done: list[float] = []
+
+    async def reader() -> None:
+        await shaper.acquire(5_000_000)
+        done.append(vt.now)
+
+    await vt.run(asyncio.gather(reader(), reader()))
+    assert max(done) == pytest.approx((10_000_000 - burst) / rate, rel=1e-12)   # rate exact
+    chunk_s = burst / rate
+    # the burst is free; then each reader waits for its chunk and the other's: interleaved
+    assert vt.sleeps[:4] == pytest.approx([chunk_s, 2 * chunk_s, 2 * chunk_s, 2 * chunk_s])
+    assert min(done) > 0.75 * max(done)                            # interleaved, not one then the other
+
+
+def test_token_bucket_long_run_rate_is_exact_even_when_woken_late():
+    for late in (0.0, 0.01):                       # on time, and every wake-up 10 ms late
+        now = [0.0]
+        bucket = TokenBucket(1000.0, 100, clock=lambda now=now: now[0])
+        waits = []
+        for _ in range(50):
+            waits.append(bucket.reserve(40))
+            now[0] += waits[-1]
+            cleared = now[0]                       # when this chunk's debt is paid
+            now[0] += late if waits[-1] else 0.0
+        assert waits[:4] == pytest.approx([0.0, 0.0, 0.02, 0.04 - late])
+        assert cleared == pytest.approx((50 * 40 - 100) / 1000.0)   # burst free, then exact rate
+
+
+def test_token_bucket_accounts_debt_exactly():
+    now = [0.0]
+    bucket = TokenBucket(1000.0, 100, clock=lambda: now[0])
+    assert bucket.reserve(100) == 0.0
+    assert bucket.reserve(50) == pytest.approx(0.05)
+    assert bucket.reserve(50) == pytest.approx(0.10)               # queued behind the first debt
+    now[0] = 10.0
+    assert bucket.balance == 100                                    # refill capped at burst
+    assert LinkShaper(0).enabled is False
+
+
+async def test_store_charges_reads_and_writes_to_the_link(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path, "memory", link_rate_bytes_per_s=8e6, link_burst_bytes=BB,
+                   link_chunk_bytes=BB)
+    keys = rand_keys(4)
+    vt = virtual_link(monkeypatch)
+    async with GatewayStore(cfg, SPEC) as store:
+        await vt.run(store.write_blocks(keys, rand_blocks(4)))
+        await vt.run(store.read_blocks(keys, empty_dests(4)))
+        assert store.stats()["link_bytes_charged"] == 8 * BB
+        assert vt.now == pytest.approx((7 * BB) / 8e6, rel=1e-12)   # one burst free, then the rate

@@ -56,8 +56,14 @@ async def test_every_mode_hits_what_the_previous_turn_wrote(tmp_path, mode):
         res = await replay(ClusterTarget.from_inprocess(c), SPEC, progress=False,
                            sample_s=0.1)
         assert c.leaks() == {n: 0 for n in c.nodes}
+        # what each prefill engine computed: (hit it attended over, new tokens it prefilled)
+        prefilled = [(t.hit_tokens, t.new_tokens) for h in c.engines.values()
+                     for e in h.engines if hasattr(e, "timings") for t in e.timings]
     s, checks = res["summary"], res["summary"]["checks"]
     assert checks["all_finished"] and s["finished"] == 12
+    hits = {(r["hit_tokens"], r["prompt_tokens"] - r["hit_tokens"]) for r in res["records"]}
+    if mode == "oracle":          # only the new tokens were prefilled, the hit was resident
+        assert set(prefilled) == hits and any(h for h, _ in prefilled)
     assert checks["hit_predicted"] == 12 and checks["hit_mismatches"] == 0, \
         checks["hit_mismatch_examples"]
     assert checks["turns_hitting_previous_write"] == 9     # turns 1..3 of 3 agents
@@ -65,13 +71,20 @@ async def test_every_mode_hits_what_the_previous_turn_wrote(tmp_path, mode):
     assert checks["storage_read_matches_hits"], (checks["storage_read_bytes"],
                                                  checks["storage_read_bytes_expected"])
     assert checks["output_length_wrong"] == 0
+    assert checks["pe_to_de_matches_new_tokens"] in (True, None), \
+        (s["bytes"]["pe_to_de"], checks["pe_to_de_bytes_expected"])
     sides = s["read_sides"]
     b = s["bytes"]
     if mode in ("basic", "+layer"):
         assert "de" not in sides and b["storage_read_de_path"] == 0
         assert b["storage_read_pe_path"] > 0
     elif mode == "oracle":
+        # the paper's bound: the hit costs no I/O (nothing read, nothing of it sent PE -> DE,
+        # nothing of it written back) and no compute (the PE prefilled only the new tokens)
         assert set(sides) == {"none"} and b["storage_read_pe_path"] == 0
+        assert b["storage_read_de_path"] == 0 and b["de_to_pe"] == 0
+        assert checks["pe_to_de_matches_new_tokens"] is True
+        assert s["tokens"]["hit"] > 0 and checks["turns_hitting_previous_write"] == 9
     elif mode == "+dpl":
         assert sides.get("pe") and sides.get("de") and b["de_to_pe"] > 0
     assert s["links"]["nodes"] == ["d0", "d1", "p0"]

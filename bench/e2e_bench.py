@@ -4,8 +4,9 @@ The same agentic workload (paper Table 2 shape, scaled to the emulation) replaye
 ``basic`` (PE-side reads, whole-prompt prefill, round-robin), ``+layer`` (layer-wise prefill),
 ``+dpl`` (both read paths, alternating), ``dualpath`` (full scheduler) and ``oracle`` (the
 paper's bound: the hit is resident on both engines — no KV read, loaded or sent for it, no
-compute for it, nothing of it written back; docs/datapath.md "Oracle"). Each mode gets a fresh cluster of subprocesses on empty storage (so every mode reads
-exactly what its own earlier turns wrote back). Reported per mode: JCT, speedup over basic,
+compute for it, nothing of it written back; docs/datapath.md "Oracle"). Each mode gets a
+fresh cluster of subprocesses on empty storage (so every mode reads exactly what its own
+earlier turns wrote back). Reported per mode: JCT, speedup over basic,
 SNIC max/avg, bytes per path, hit rate, the run's checks (every request finished, hits as
 predicted, storage bytes = hits, every prompt byte-verified), and the simulator's predicted
 speedup for the same config when the simulator is available.

@@ -10,9 +10,11 @@ and ``p0`` (receiver) — ``bench.transport_bench``'s phases with its sender sta
 
 Headline ``multihost_dualpath_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.8, and only
 counted when every check of both runs passed (else 0). ``oracle`` (the paper's bound: hits
-resident, docs/datapath.md "Oracle") runs third; ``oracle_at_least_dualpath`` compares them. Also reported: ``de_to_pe_vs_raw`` (page
-path ÷ raw ucxx GB/s at 1 MiB pages, 8 in flight; goal ≥ 0.85) and the UCX lane check of every
-node service (no shared memory or single copy across hosts).
+resident, docs/datapath.md "Oracle") runs third; ``oracle_at_least_dualpath`` compares them.
+Also reported: ``de_to_pe_vs_raw`` (page path ÷ raw ucxx GB/s at 1 MiB pages, 8 in flight;
+goal ≥ 0.85), the UCX lane check of every node service (no shared memory or single copy across
+hosts) and, per mode, CPU seconds per host during the replay and the stages' p50s (the profile
+behind docs/deploy.md's multihost numbers).
 """
 
 from __future__ import annotations

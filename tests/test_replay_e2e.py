@@ -119,3 +119,18 @@ async def test_mooncake_requests_hit_prefixes_other_requests_stored(tmp_path):
     assert recs[1]["hit_tokens"] == 128        # trace blocks 0 and 1, stored by request 0
     assert res["summary"]["checks"]["storage_read_matches_hits"]
     assert res["summary"]["checks"]["every_prompt_verified"]
+
+
+async def test_oracle_with_engines_over_their_sockets(tmp_path):
+    """The oracle's resident hit travels to engines attached over the engine socket too
+    (``[cluster] remote_engines``): only the new tokens prefilled and forwarded, all checked."""
+    spec = AgenticSpec("32k", agents=2, seed=3, scale=0.0625, max_turns=3)
+    c0 = cluster().with_mode("oracle").with_overrides(cluster={"remote_engines": True})
+    async with start_cluster(c0, storage_root=tmp_path) as c:
+        res = await replay(ClusterTarget.from_inprocess(c), spec, progress=False,
+                           sample_s=0.1)
+        assert c.leaks() == {n: 0 for n in c.nodes}
+    s, checks = res["summary"], res["summary"]["checks"]
+    assert checks["all_finished"] and checks["every_prompt_verified"]
+    assert checks["pe_to_de_matches_new_tokens"] is True and s["tokens"]["hit"] > 0
+    assert checks["output_length_wrong"] == 0 and s["bytes"]["de_to_pe"] == 0

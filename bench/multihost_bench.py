@@ -9,9 +9,12 @@ bandwidth: the page path (``PageTransport``) vs raw ucxx tag messages between ``
 and ``p0`` (receiver) — ``bench.transport_bench``'s phases with its sender started on ``d0``.
 
 Headline ``multihost_dualpath_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.8, and only
-counted when every check of both runs passed (else 0). Also reported: ``de_to_pe_vs_raw`` (page
-path ÷ raw ucxx GB/s at 1 MiB pages, 8 in flight; goal ≥ 0.85) and the UCX lane check of every
-node service (no shared memory or single copy across hosts).
+counted when every check of both runs passed (else 0). ``oracle`` (the paper's bound: hits
+resident, docs/datapath.md "Oracle") runs third; ``oracle_at_least_dualpath`` compares them.
+Also reported: ``de_to_pe_vs_raw`` (page path ÷ raw ucxx GB/s at 1 MiB pages, 8 in flight;
+goal ≥ 0.85), the UCX lane check of every node service (no shared memory or single copy across
+hosts) and, per mode, CPU seconds per host during the replay and the stages' p50s (the profile
+behind docs/deploy.md's multihost numbers).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 from bench.report import bench_parser, headline, print_table, write_results
 
 GOAL, PATH_GOAL = 1.8, 0.85
-MODES = ("basic", "dualpath")
+MODES = ("basic", "dualpath", "oracle")
 
 
 def workload_args(quick: bool) -> list[str]:
@@ -47,9 +50,11 @@ def run_mode(net: Any, mode: str, quick: bool) -> dict[str, Any]:
     hc.write_host_files(net, apply_mode(hc.cluster_data(net), mode))
     hc.start_cluster(net, etcd=False)
     out = net.hosts["cli"].root / "var" / f"bench-{mode}"
-    start = time.perf_counter()
+    cpu0, kids0, start = host_cpu_s(net), _children_cpu_s(), time.perf_counter()
     r = hc.replay(net, *workload_args(quick), "--check", "--out", str(out), timeout=600)
     wall = time.perf_counter() - start
+    cpu = {h: round(v - cpu0.get(h, 0.0), 2) for h, v in host_cpu_s(net).items()}
+    cpu["cli"] = round(_children_cpu_s() - kids0, 2)        # the replay driver (net.run)
     res = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() \
         else {}
     s = res.get("summary", {})
@@ -59,7 +64,45 @@ def run_mode(net: Any, mode: str, quick: bool) -> dict[str, Any]:
                 "snic_max_avg"), "checks_passed": r.returncode == 0,
             "all_finished": c.get("all_finished"), "hit_mismatches": c.get("hit_mismatches"),
             "every_prompt_verified": c.get("every_prompt_verified"),
+            "pe_to_de_matches_new_tokens": c.get("pe_to_de_matches_new_tokens"),
+            # where the time went (p50 s per stage) and the bytes per path (MB): the profile
+            # docs/deploy.md's multihost numbers are read from
+            "stage_p50_s": {k: v.get("p50") for k, v in s.get("latency", {}).items()},
+            # CPU seconds per host during the replay (etcd excluded): vs wall x cores, how
+            # CPU-bound the run was and who spent it
+            "cpu_s": cpu, "cpu_s_total": round(sum(cpu.values()), 2),
+            "bytes_MB": {k: round(v / 1e6, 1) for k, v in s.get("bytes", {}).items()},
             "tail": (r.stdout + r.stderr)[-1500:] if r.returncode else ""}
+
+
+def host_cpu_s(net: Any) -> dict[str, float]:
+    """user+sys seconds so far of every live service process (and its descendants) per host,
+    from ``/proc`` (etcd left out: it only serves discovery)."""
+    import os
+    tick = os.sysconf("SC_CLK_TCK")
+    stat: dict[int, tuple[int, float]] = {}           # pid -> (ppid, cpu s)
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stat[int(d)] = (int(f[1]), (int(f[11]) + int(f[12])) / tick)
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stat.items():
+        kids.setdefault(ppid, []).append(pid)
+
+    def tree(pid: int) -> float:
+        return stat.get(pid, (0, 0.0))[1] + sum(tree(k) for k in kids.get(pid, []))
+    return {name: sum(tree(p.pid) for p in host.procs
+                      if p.poll() is None and "etcd" not in str(p.args))
+            for name, host in net.hosts.items()}
+
+
+def _children_cpu_s() -> float:
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def lane_check(net: Any) -> dict[str, list[str]]:
@@ -109,14 +152,15 @@ def pair_receiver(prefix: list[str], quick: bool) -> int:
     return 0
 
 
-def bench(quick: bool) -> tuple[list[dict], dict[str, Any], dict[str, Any]]:
+def bench(quick: bool, modes: tuple[str, ...] = MODES
+          ) -> tuple[list[dict], dict[str, Any], dict[str, Any]]:
     from tools.hosts import cluster as hc
     from tools.hosts.netns import HostNet
     with HostNet(hc.HOST_NAMES) as net:
         hc.write_host_files(net, hc.cluster_data(net))
         hc.start_etcd(net)
         rows, lanes = [], {}
-        for mode in MODES:
+        for mode in modes:
             rows.append(run_mode(net, mode, quick))
             print_table([rows[-1]], COLUMNS)
             lanes[mode] = lane_check(net)
@@ -124,12 +168,15 @@ def bench(quick: bool) -> tuple[list[dict], dict[str, Any], dict[str, Any]]:
     return rows, lanes, pair
 
 
-COLUMNS = ["mode", "jct_s", "wall_s", "snic_max_avg", "read_sides", "checks_passed"]
+COLUMNS = ["mode", "jct_s", "wall_s", "snic_max_avg", "cpu_s_total", "read_sides",
+           "checks_passed"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("multihost", __doc__.splitlines()[0])
     parser.add_argument("--pair-receiver", default=None, help=_hidden())
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated modes (basic and dualpath give the headline)")
     args = parser.parse_args(argv)
     if args.pair_receiver is not None:
         return pair_receiver(json.loads(args.pair_receiver), args.quick)
@@ -139,20 +186,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dualpath bench multihost: cannot make namespace hosts: {why}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    rows, lanes, pair = bench(args.quick)
+    rows, lanes, pair = bench(args.quick, tuple(m for m in args.modes.split(",") if m))
     by = {r["mode"]: r for r in rows}
     lanes_ok = all(not v for m in lanes.values() for v in m.values())
-    all_ok = all(r["checks_passed"] for r in rows) and lanes_ok
-    b, d = by["basic"]["jct_s"], by["dualpath"]["jct_s"]
+    all_ok = all(by[m]["checks_passed"] for m in ("basic", "dualpath") if m in by) and lanes_ok
+    b, d = (by.get(m, {}).get("jct_s") for m in ("basic", "dualpath"))
+    o = by.get("oracle", {}).get("jct_s")
+    oracle = {"oracle_checks_passed": by.get("oracle", {}).get("checks_passed"),
+              "oracle_at_least_dualpath": (o <= d * 1.02) if o and d else None}
     speedup = (b / d) if (b and d and all_ok) else 0.0
     ratio = pair.get("ratio")
     print(f"\nbasic JCT {b} s, dualpath JCT {d} s: speedup {speedup:.3g} "
           f"(every check {'passed' if all_ok else 'NOT passed'}); DE→PE d0→p0: page "
           f"{pair.get('page_gbps')} GB/s vs raw ucxx {pair.get('raw_gbps')} GB/s = {ratio} "
-          f"(goal ≥ {PATH_GOAL}); {time.perf_counter() - start:.0f} s")
+          f"(goal ≥ {PATH_GOAL}); oracle JCT {o} s; {time.perf_counter() - start:.0f} s")
     write_results(args.out, "multihost",
                   headline("multihost_dualpath_speedup", speedup, GOAL, higher_is_better=True),
-                  {"modes": rows, "lanes": lanes, "checks_passed": all_ok,
+                  {"modes": rows, "lanes": lanes, "checks_passed": all_ok, **oracle,
                    "de_to_pe": pair, "de_to_pe_vs_raw": ratio,
                    "de_to_pe_goal": PATH_GOAL, "quick": args.quick,
                    "wall_s": time.perf_counter() - start})

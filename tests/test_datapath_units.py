@@ -48,6 +48,19 @@ def test_pattern_is_deterministic_and_sensitive():
     assert np.array_equal(out, a)
 
 
+@pytest.mark.parametrize("nbytes", [1, 63, 64, 65, 1000, BT * B])
+def test_pattern_is_the_documented_digest_tiling_plus_ramp(nbytes):
+    """Pinned to the rule in kv_pattern's docstring (stored blocks of earlier runs and every
+    check depend on it): BLAKE2b-64 of (key, layer) tiled, plus a ramp of period 251."""
+    import hashlib
+    k = keys(1)[0]
+    digest = hashlib.blake2b(bytes.fromhex(k) + (3).to_bytes(4, "little"), digest_size=64).digest()
+    want = bytes((digest[i % 64] + i % 251) % 256 for i in range(nbytes))
+    assert layer_pattern(k, 3, nbytes).tobytes() == want
+    out = np.zeros(nbytes, np.uint8)
+    assert layer_pattern(k, 3, nbytes, out).tobytes() == want and out.tobytes() == want
+
+
 def test_fill_and_check_tokens_with_tail():
     info = prompt()
     region = np.zeros((info.prompt_tokens - 128) * B, np.uint8)

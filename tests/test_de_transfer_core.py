@@ -146,6 +146,18 @@ def test_none_path_writes_every_full_block():
     assert t.assembled() == [HandToEngine(0, None), WritePrompt(0, info().keys)]
 
 
+def test_oracle_receives_only_the_new_tokens_and_writes_back_none_of_the_hit():
+    """Oracle ("none" with a hit, paper §9): the hit is resident, nothing of it comes or goes."""
+    t, acts = prepared(info(hit=128, side="none"))
+    assert acts == [PostReceive(layer, 128) for layer in range(L)] and t.read_done
+    with pytest.raises(InvalidArgument, match="resident"):
+        t.prefill_done(0, 1)                    # a PE that recomputed the hit is refused
+    t.prefill_done(128, 3)
+    for _ in range(L):
+        t.layer_received()
+    assert t.assembled() == [HandToEngine(128, 3), WritePrompt(2, info().keys[2:])]
+
+
 def test_prefill_done_twice_is_rejected():
     t, _ = prepared(info(side="pe"))
     t.prefill_done(128, 1)

@@ -205,6 +205,147 @@ def test_every_bare_metal_command_of_the_deploy_doc_runs_on_the_hosts(net):
     assert ran >= 6
 
 
+# ---------------------------------------------------------------------------- compose's shape
+
+def compose_shape() -> dict[str, set[tuple[str, str | None, int]]]:
+    """docker-compose.yml's cluster: per machine (a container's own network, or the one it
+    joins with ``network_mode: service:X``) the ``(service, node, port)`` it serves, the port
+    from the service's own health check; profile-only services (the smoke client) aside."""
+    import yaml
+    doc = yaml.safe_load((hc.REPO / "docker-compose.yml").read_text())
+    shape: dict[str, set[tuple[str, str | None, int]]] = {}
+    for name, svc in doc["services"].items():
+        if svc.get("profiles"):
+            continue
+        mode = svc.get("network_mode", "")
+        host = mode.split(":", 1)[1] if mode.startswith("service:") else svc["hostname"]
+        cmd = svc["command"]
+        node = cmd[cmd.index("--node") + 1] if "--node" in cmd else None
+        probe_host, port = svc["healthcheck"]["test"][-1].rsplit(":", 1)
+        assert probe_host == host, (name, probe_host, host)
+        shape.setdefault(host, set()).add((cmd[1], node, int(port)))
+    return shape
+
+
+def hosts_shape(net: HostNet) -> dict[str, set[tuple[str, str | None, int]]]:
+    """The namespace cluster's: per host, each live service process (``serve KIND``; the node
+    unit's ``node`` is the role's service) and the port the host file gives it."""
+    from common.config import read_toml
+    c = read_toml(net.hosts["cli"].etc / "cluster.toml")["cluster"]
+    from tools.cluster.config import ROLE_SERVICE
+    nodes = {n["id"]: n for n in c["nodes"]}
+    shape: dict[str, set[tuple[str, str | None, int]]] = {}
+    for name, host in net.hosts.items():
+        for proc in host.procs:
+            argv = [str(a) for a in proc.args]
+            if proc.poll() is not None or "serve" not in argv:
+                continue
+            kind = argv[argv.index("serve") + 1]
+            node = argv[argv.index("--node") + 1] if "--node" in argv else None
+            if node is None:
+                port = c["scheduler_port"]
+            else:
+                kind = ROLE_SERVICE[nodes[node]["role"]] if kind == "node" else kind
+                port = nodes[node]["gateway_port" if kind == "gateway" else "rpc_port"]
+            shape.setdefault(name, set()).add((kind, node, port))
+    return shape
+
+
+def test_the_hosts_reproduce_the_compose_files_shape(net):
+    """Same machines, services, nodes and ports as docker-compose.yml (+ its cluster file),
+    each port answering the health probe across the network; a node's services share its
+    host (network, IPC: the gateway preads into the node service's /dev/shm buffer) and every
+    node host mounts the one storage directory, as compose's shared volume."""
+    from common.config import read_toml
+    want = compose_shape()
+    want["ctl"] = want.pop("scheduler")           # compose's scheduler container = host ctl
+    assert hosts_shape(net) == want
+    compose = read_toml(hc.REPO / "deploy" / "compose-1p2d.toml")["cluster"]
+    mine = read_toml(net.hosts["cli"].etc / "cluster.toml")["cluster"]
+    fields = ("id", "role", "gateway_port", "rpc_port")
+    assert [{k: n[k] for k in fields} for n in mine["nodes"]] == \
+        [{k: n[k] for k in fields} for n in compose["nodes"]]
+    for key in ("scheduler_port", "engines_per_node", "storage_link_bytes_per_s",
+                "compute_link_bytes_per_s"):
+        assert mine[key] == compose[key], key
+    for host, services in want.items():
+        for _, _, port in services:
+            assert hc.health(net, "cli", f"{net.hosts[host].address}:{port}"), (host, port)
+    for nid in hc.NODES:
+        shm = net.run(nid, ["sh", "-c", "ls /dev/shm"]).stdout.split()
+        assert any(f.startswith("dualpath") for f in shm), (nid, shm)
+        assert net.run(nid, ["test", "-d", str(net.mount_point / "dualpath")]).returncode == 0
+
+
+# ---------------------------------------------------------------------------- operations view
+
+_PROM_API = ("import json, sys, urllib.parse, urllib.request\n"
+             "url = f'http://{sys.argv[1]}/api/v1/{sys.argv[2]}?' + "
+             "urllib.parse.urlencode(json.loads(sys.argv[3]))\n"
+             "print(urllib.request.urlopen(url, timeout=5).read().decode())")
+
+
+def prom(net: HostNet, addr: str, path: str, **params: str):
+    """Prometheus's HTTP API, asked from ``cli`` (nothing outside the hosts reaches it);
+    None while it does not answer."""
+    r = net.run("cli", [sys.executable, "-c", _PROM_API, addr, path, json.dumps(params)],
+                timeout=30)
+    if r.returncode != 0:
+        return None
+    body = json.loads(r.stdout)
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def test_prometheus_on_a_host_scrapes_every_service_and_the_dashboard_has_data(net, tmp_path):
+    """Debian's prometheus on ``cli`` with the manifests' scrape config over the host file's
+    metrics ports (namespace addresses); after a replay every Grafana query returns data."""
+    import shutil
+    import time
+
+    import yaml
+
+    from tests.test_prometheus_ops import MUST_BE_POSITIVE, require_prometheus
+    from tests.helpers import wait_until
+    from tools.cluster.config import ROLE_SERVICE, load_cluster
+    from tools.cluster.observability import (dashboard_queries, load_dashboard, metrics_targets,
+                                             prometheus_config)
+    binary = require_prometheus()
+    groups = metrics_targets(load_cluster(net.hosts["cli"].etc / "cluster.toml"))
+    assert len(groups) == 1 + 2 * len(hc.NODES)
+    root = net.hosts["cli"].root / "prometheus"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    (root / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(groups, 0.5)))
+    addr = f"{net.hosts['cli'].address}:9090"
+    net.spawn("cli", [binary, f"--config.file={root / 'prometheus.yml'}",
+                      f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address={addr}",
+                      "--log.level=warn"], log_name="prometheus")
+
+    def query(expr: str) -> list:
+        return (prom(net, addr, "query", query=expr, time=f"{time.time():.3f}") or {}
+                ).get("result", [])
+
+    def all_up() -> bool:
+        t = (prom(net, addr, "targets", state="active") or {}).get("activeTargets", [])
+        return len(t) == len(groups) and all(x["health"] == "up" for x in t)
+    wait_until(all_up, timeout=90, what="every service's target scraped and up", interval=0.5)
+    _replay_ok(net)
+    up = {r["metric"]["dualpath_service"] + ":" + r["metric"].get("node_id", "")
+          for r in query("up") if r["value"][1] == "1"}
+    assert up == {"scheduler:"} | {f"{s}:{n}" for n, role in hc.NODES.items()
+                                   for s in ("gateway", ROLE_SERVICE[role])}
+    wait_until(lambda: all(any(float(r["value"][1]) > 0 for r in query(e))
+                           for e in MUST_BE_POSITIVE), timeout=60,
+               what="a scrape that saw the replay's reads", interval=0.5)
+    queries = dashboard_queries(load_dashboard())
+    assert len(queries) >= 8
+    empty = [(title, e) for title, e in queries if not query(e)]
+    assert not empty, f"dashboard queries without data: {empty}"
+    roles = {r["metric"]["role"] for r in query(MUST_BE_POSITIVE[0])}
+    assert roles == {"prefill", "decode"}
+
+
 # ---------------------------------------------------------------------------- chaos across hosts
 
 def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4) -> tuple[int, str, dict]:

@@ -108,10 +108,20 @@ def test_none_path_uses_no_hit_and_forwards_whole_layers():
     assert [a.first_token for a in put_and_send(t)] == [0] * L
 
 
-def test_none_path_drops_a_planned_hit():
+def test_oracle_keeps_the_hit_resident_loads_nothing_and_forwards_only_the_new_tokens():
+    """Oracle ("none" with a hit, paper §9): no read, no paced load, no send of the hit."""
     t = core("none")
-    setup(t)
-    assert t.hit_tokens == 0
+    t.start()
+    t.allocated()
+    t.prepare_sent("d0.e0", "p0", ("h", 1), None, 5.0)
+    new = [LayerSlots(layer, 100 + layer, [(0, (PROMPT - HIT) * B)]) for layer in ALL]
+    with pytest.raises(ProtocolError):          # whole-prompt slots: the DE expects the hit
+        PrefillTransfer(info("none"), L, B).prepare_replied([fwd(layer) for layer in ALL])
+    assert t.prepare_replied(new, pace_loads=True) == [MarkReady(ALL), Report("read_done"),
+                                                        HandOff()]
+    assert t.hit_tokens == HIT and t.output_range(0) == (HIT, PROMPT) and t.read_bytes == 0
+    sent = put_and_send(t)
+    assert [(a.first_token, a.last_token) for a in sent] == [(HIT, PROMPT)] * L
 
 
 def test_de_path_pulls_layer_zero_alone_then_hands_off_on_its_reply():

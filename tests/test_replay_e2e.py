@@ -56,8 +56,14 @@ async def test_every_mode_hits_what_the_previous_turn_wrote(tmp_path, mode):
         res = await replay(ClusterTarget.from_inprocess(c), SPEC, progress=False,
                            sample_s=0.1)
         assert c.leaks() == {n: 0 for n in c.nodes}
+        # what each prefill engine computed: (hit it attended over, new tokens it prefilled)
+        prefilled = [(t.hit_tokens, t.new_tokens) for h in c.engines.values()
+                     for e in h.engines if hasattr(e, "timings") for t in e.timings]
     s, checks = res["summary"], res["summary"]["checks"]
     assert checks["all_finished"] and s["finished"] == 12
+    hits = {(r["hit_tokens"], r["prompt_tokens"] - r["hit_tokens"]) for r in res["records"]}
+    if mode == "oracle":          # only the new tokens were prefilled, the hit was resident
+        assert set(prefilled) == hits and any(h for h, _ in prefilled)
     assert checks["hit_predicted"] == 12 and checks["hit_mismatches"] == 0, \
         checks["hit_mismatch_examples"]
     assert checks["turns_hitting_previous_write"] == 9     # turns 1..3 of 3 agents
@@ -65,13 +71,20 @@ async def test_every_mode_hits_what_the_previous_turn_wrote(tmp_path, mode):
     assert checks["storage_read_matches_hits"], (checks["storage_read_bytes"],
                                                  checks["storage_read_bytes_expected"])
     assert checks["output_length_wrong"] == 0
+    assert checks["pe_to_de_matches_new_tokens"] in (True, None), \
+        (s["bytes"]["pe_to_de"], checks["pe_to_de_bytes_expected"])
     sides = s["read_sides"]
     b = s["bytes"]
     if mode in ("basic", "+layer"):
         assert "de" not in sides and b["storage_read_de_path"] == 0
         assert b["storage_read_pe_path"] > 0
     elif mode == "oracle":
+        # the paper's bound: the hit costs no I/O (nothing read, nothing of it sent PE -> DE,
+        # nothing of it written back) and no compute (the PE prefilled only the new tokens)
         assert set(sides) == {"none"} and b["storage_read_pe_path"] == 0
+        assert b["storage_read_de_path"] == 0 and b["de_to_pe"] == 0
+        assert checks["pe_to_de_matches_new_tokens"] is True
+        assert s["tokens"]["hit"] > 0 and checks["turns_hitting_previous_write"] == 9
     elif mode == "+dpl":
         assert sides.get("pe") and sides.get("de") and b["de_to_pe"] > 0
     assert s["links"]["nodes"] == ["d0", "d1", "p0"]
@@ -106,3 +119,18 @@ async def test_mooncake_requests_hit_prefixes_other_requests_stored(tmp_path):
     assert recs[1]["hit_tokens"] == 128        # trace blocks 0 and 1, stored by request 0
     assert res["summary"]["checks"]["storage_read_matches_hits"]
     assert res["summary"]["checks"]["every_prompt_verified"]
+
+
+async def test_oracle_with_engines_over_their_sockets(tmp_path):
+    """The oracle's resident hit travels to engines attached over the engine socket too
+    (``[cluster] remote_engines``): only the new tokens prefilled and forwarded, all checked."""
+    spec = AgenticSpec("32k", agents=2, seed=3, scale=0.0625, max_turns=3)
+    c0 = cluster().with_mode("oracle").with_overrides(cluster={"remote_engines": True})
+    async with start_cluster(c0, storage_root=tmp_path) as c:
+        res = await replay(ClusterTarget.from_inprocess(c), spec, progress=False,
+                           sample_s=0.1)
+        assert c.leaks() == {n: 0 for n in c.nodes}
+    s, checks = res["summary"], res["summary"]["checks"]
+    assert checks["all_finished"] and checks["every_prompt_verified"]
+    assert checks["pe_to_de_matches_new_tokens"] is True and s["tokens"]["hit"] > 0
+    assert checks["output_length_wrong"] == 0 and s["bytes"]["de_to_pe"] == 0

@@ -4,7 +4,8 @@ The paper's DE-side mechanism (§2.4–2.7) as a plain class fed events and retu
 :class:`~services.de_loader.attempt.DecodeAttempt` is the asyncio shell that runs them:
 
 * prepare → the DE buffer region ``[L, prompt, B]`` is allocated → PE/none path: one
-  :class:`PostReceive` per layer for ``[l, 0:prompt]``; DE path: :class:`ReadHit` into
+  :class:`PostReceive` per layer for ``[l, 0:prompt]`` (oracle, "none" with a hit: only
+  ``[l, hit:prompt]``, the hit is resident); DE path: :class:`ReadHit` into
   ``[l, 0:hit]`` (fewer blocks found than planned shortens the hit);
 * DE path, per ``PullLayers`` once the read is done: post the returns of ``[l, hit:prompt]``
   (the shortened hit) and send ``[l, 0:hit]`` into the PE's slots (:class:`SendLayers`);
@@ -231,7 +232,10 @@ class DecodeTransfer:
         if info.read_side == "de":
             return [ReadHit(info.hit_blocks)]
         self.read_done = True
-        return [PostReceive(layer, 0) for layer in range(self.spec.num_layers)]
+        # PE path: the whole prompt comes from the PE; oracle ("none" with a hit): the hit is
+        # resident here already (paper §9's bound), only [l, hit:prompt] comes
+        first = info.hit_tokens if info.read_side == "none" else 0
+        return [PostReceive(layer, first) for layer in range(self.spec.num_layers)]
 
     # ------------------------------------------------------------------ DE read / receives
     def hit_blocks_read(self, found_blocks: int, nbytes: int | None = None) -> list[Action]:
@@ -318,6 +322,10 @@ class DecodeTransfer:
             if hit_tokens != self.hit_tokens:
                 raise InvalidArgument(f"PrefillDone: hit {hit_tokens}, the DE read "
                                       f"{self.hit_tokens}")
+        elif info.read_side == "none":
+            if hit_tokens != info.hit_tokens:
+                raise InvalidArgument(f"PrefillDone: hit {hit_tokens}, the oracle's resident "
+                                      f"hit is {info.hit_tokens}")
         elif not 0 <= hit_tokens <= info.hit_tokens or hit_tokens % info.block_tokens:
             raise InvalidArgument(f"PrefillDone: hit {hit_tokens} outside the plan's "
                                   f"{info.hit_tokens}")

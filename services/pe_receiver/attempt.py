@@ -4,14 +4,15 @@ Sequence (docs/datapath.md):
 
 1. allocate the request region ``[L, prompt, B]`` in the PE buffer → report ``allocated``;
 2. ``PrepareDecode`` to the plan's DE loader (it allocates its region; on the PE/none path it
-   posts one receive per layer ``[l, 0:prompt]`` and says where);
+   posts one receive per layer ``[l, 0:prompt]``, ``[l, hit:prompt]`` in the oracle, and says
+   where);
 3. hit KV: PE path — read the hit Full Blocks from the gateway, scattered per layer into
    ``[l, 64j:64(j+1)]``; DE path — pull layers from the DE loader, ``lookahead_layers`` ahead
    of the engine (receives posted first, then ``PullLayers``); the first reply gives the usable
    hit → report ``read_done`` and hand the request to its engine;
 4. the engine awaits layer ``l`` (a view), writes the new tokens' KV into ``output(l)`` and puts
    the layer; it is forwarded: ``[l, 0:prompt]`` (PE/none path) or ``[l, hit:prompt]`` (DE
-   path) — one message per layer;
+   path; oracle, where the hit is resident on both engines) — one message per layer;
 5. when the engine finishes: all layers sent → ``PrefillDone`` → report ``prefill_done``.
 
 What may happen when — look-ahead, back-pressure, hit shortening, what to free — is decided by

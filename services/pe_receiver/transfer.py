@@ -243,8 +243,9 @@ class PrefillTransfer:
         if side == "de":
             self.pulling, self.t_pull_start = True, now
             return self._next_pulls()
-        if side == "none":
-            self.hit_tokens = 0
+        # "none" with a hit is the oracle bound (paper §9): the hit's KV is assumed resident
+        # on both engines, so nothing is read, loaded or sent for it and only the new tokens
+        # are prefilled; hit_tokens stays the planned hit (docs/datapath.md "Oracle")
         for ls in forward:
             self.fwd[ls.layer] = ls
         self.hit_final = True
@@ -256,12 +257,17 @@ class PrefillTransfer:
 
     def _check_forward(self, forward: Sequence[LayerSlots]) -> None:
         want = [] if self.info.read_side == "de" else list(range(self.num_layers))
-        row = self.info.prompt_tokens * self.row_bytes
+        row = (self.info.prompt_tokens - self._forward_first()) * self.row_bytes
         got = [ls.layer for ls in forward]
         if got != want or any(sum(n for _, n in ls.slots) != row for ls in forward):
             raise with_hop(ProtocolError(
                 f"DE loader answered PrepareDecode with forward slots for layers "
                 f"{got[:8]}..., expected {len(want)} layers of {row} B"), "de_loader")
+
+    def _forward_first(self) -> int:
+        """First token forwarded to the DE: 0 on the PE path (the DE lacks the hit), the hit
+        on the DE path (the DE read it) and in the oracle (the DE holds it already)."""
+        return 0 if self.info.read_side == "pe" else self.hit_tokens
 
     def _hand_off(self) -> list[Action]:
         self.engine_holds, self.phase = True, "engine"
@@ -273,7 +279,7 @@ class PrefillTransfer:
 
     # ------------------------------------------------------------------ PE path: load
     def _start_loads(self, pace: bool) -> list[Action]:
-        if not (self.hit_tokens * self.row_bytes and pace):
+        if not (self.hit_tokens * self.row_bytes and pace) or self.info.read_side == "none":
             self.loaded = self.num_layers
             self.ready = [True] * self.num_layers
             return [MarkReady(tuple(range(self.num_layers)))]
@@ -408,8 +414,7 @@ class PrefillTransfer:
         if slots is None:
             return []
         self.sending = True
-        first = self.hit_tokens if self.info.read_side == "de" else 0
-        return [SendLayer(layer, slots, first, self.info.prompt_tokens)]
+        return [SendLayer(layer, slots, self._forward_first(), self.info.prompt_tokens)]
 
     def layer_sent(self, layer: int) -> list[Action]:
         self.sent, self.sending = layer + 1, False

@@ -5,7 +5,8 @@
   mode: layer ``l+1`` loads while ``l`` computes; whole mode: every layer first), checks it
   against the stored pattern, spends ``prefill_s / L`` of the cost model (× ``time_scale``),
   writes the new tokens' KV (``kv_pattern``) and puts the layer.
-* :class:`DecodeEngineSim` — checks the full prompt KV, copies it ("H2D"), then decodes all
+* :class:`DecodeEngineSim` — checks the full prompt KV (oracle: the new tokens' part; the hit
+  is resident by assumption), copies it ("H2D"), then decodes all
   its requests together, one step per ``decode_step_s``; token ids are deterministic
   (``kv_pattern.token_id``); every block of prompt tail + generated tokens that has KV goes
   back through ``new_block``/``put_block``.
@@ -120,7 +121,10 @@ class PrefillEngineSim:
             hit_kv = await h.layer(layer)
             self._timing[h.request_id].wait_s += time.monotonic() - t0
             key = (h.request_id, layer)
-            if self.cfg.verify and h.hit_tokens and key not in self._verified:
+            # oracle ("none" with a hit): the hit is resident by assumption, nothing was
+            # loaded into these rows, so there is nothing to check
+            if self.cfg.verify and h.hit_tokens and h.info.read_side != "none" \
+                    and key not in self._verified:
                 self._verify(h, hit_kv, layer)
                 self._verified.add(key)
             return True
@@ -240,9 +244,12 @@ class DecodeEngineSim:
 
     def _verify(self, req: DecodeRequest) -> None:
         info = req.info
+        # oracle: the hit's rows were never sent (resident in this engine's HBM by
+        # assumption); the new tokens' KV, the part that crossed PE -> DE, is checked
+        first = req.hit_tokens if info.read_side == "none" else 0
         for layer in range(self.spec.num_layers):
-            bad = check_tokens(req.layer(layer), self.spec, info.block_keys, info.tail_key,
-                               layer, 0, info.prompt_tokens)
+            bad = check_tokens(req.layer(layer)[first:], self.spec, info.block_keys,
+                               info.tail_key, layer, first, info.prompt_tokens)
             if bad is not None:
                 self.counters["prompt_mismatches"] += 1
                 raise ChecksumMismatch(f"decode engine {self.port.engine_id}: prompt KV of "

@@ -36,6 +36,8 @@ from .netns import HostNet
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "deploy" / "systemd"
 SCHEDULER_PORT, GATEWAY_PORT, RPC_PORT, ETCD_PORT = 7700, 7400, 7500, 2379
+# Prometheus /metrics of every service, the Kubernetes manifests' ports (deploy/kubernetes)
+SCHEDULER_METRICS_PORT, NODE_METRICS_PORT, GATEWAY_METRICS_PORT = 9100, 9101, 9102
 NODES = {"p0": "prefill", "d0": "decode", "d1": "decode"}
 HOST_NAMES = ["ctl", "p0", "d0", "d1", "cli"]
 SPARE_HOSTS = ["spare", "nostore"]       # bad-input cases: "nostore" has no storage mount
@@ -50,9 +52,11 @@ def cluster_data(net: HostNet, *, base: str = "configs/local-1p2d.toml", etcd: b
     ctl = net.hosts["ctl"].address
     c = data["cluster"]
     c.update(host="0.0.0.0", scheduler_host=ctl, scheduler_port=SCHEDULER_PORT,
+             scheduler_metrics_port=SCHEDULER_METRICS_PORT,
              data_dir="state", storage_root=str(net.mount_point / "dualpath"))
     c["nodes"] = [{"id": nid, "role": role, "host": net.hosts[nid].address,
-                   "gateway_port": GATEWAY_PORT, "rpc_port": RPC_PORT}
+                   "gateway_port": GATEWAY_PORT, "rpc_port": RPC_PORT,
+                   "metrics_port": NODE_METRICS_PORT, "gateway_metrics_port": GATEWAY_METRICS_PORT}
                   for nid, role in NODES.items()]
     data.setdefault("transport", {})["traffic_classes"] = {
         "kv": {"options": {"TLS": tls, "NET_DEVICES": "all"}}}

@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.check:
         failed = [k for k in ("all_finished", "storage_read_matches_hits", "every_prompt_verified")
                   if not checks.get(k)] + (["hit_mismatches"] if checks["hit_mismatches"] else [])
+        if checks.get("pe_to_de_matches_new_tokens") is False:   # None: a retry's partial sends
+            failed.append("pe_to_de_matches_new_tokens")
         if failed:
             print(f"dualpath replay: checks failed: {', '.join(failed)}", file=sys.stderr)
             return 1
         print("checks passed: every request finished, hits as predicted, storage bytes = hits, "
-              "every prompt verified byte for byte")
+              "every prompt verified byte for byte, PE->DE bytes as the read sides predict")
     return 0 if checks["all_finished"] else 1
 
 

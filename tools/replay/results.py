@@ -206,7 +206,14 @@ def _byte_checks(records: list[RequestRecord], fin: list[RequestRecord], b: dict
     verified = _sum(sampler, "de_loader", "engine_verified_requests")
     mism = (_sum(sampler, "de_loader", "engine_prompt_mismatches")
             + _sum(sampler, "pe_receiver", "engine_hit_mismatches"))
+    # PE -> DE: the whole prompt on the PE path; past the usable hit on the DE path and in
+    # the oracle (there the hit is resident on the DE: none of it may cross). Exact only when
+    # no attempt failed part-way (its partial sends are not counted anywhere): None then.
+    fwd = sum((r.prompt_tokens - (0 if r.read_side == "pe" else (r.hit_tokens or 0)))
+              * bytes_per_token for r in fin)
+    fwd_ok = abs(b["pe_to_de"] - fwd) < 1 if not failed_attempts(records) else None
     return {"storage_read_bytes": read, "storage_read_bytes_expected": expect,
+            "pe_to_de_bytes_expected": fwd, "pe_to_de_matches_new_tokens": fwd_ok,
             "storage_read_bytes_failed_attempts": retried,
             "storage_read_matches_hits": abs(read - expect) < 1,
             "engine_verified_requests": verified, "engine_byte_mismatches": mism,

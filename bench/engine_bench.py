@@ -1,6 +1,7 @@
 """``dualpath bench engine``: a later turn's TTFT on real vLLM, dualpath loading vs recompute.
 
-Real vLLM (CPU backend) on SmolLM2-135M, all instances in their own processes from the vLLM
+Real vLLM (CPU backend) on SmolLM2-135M in float32 (docs/vllm.md "Why the equality tests run
+fp32"), each role pinned to its own core, all instances in their own processes from the vLLM
 venv: a prefill instance with the DualPathConnector attached to a PE receiver, a decode
 instance attached to a DE loader (an in-process dualpath data path: gateways on this host's
 disk, PE receiver, DE loader), a plain instance (no connector, prefix caching off: vLLM

@@ -14,7 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from common.errors import DeadlineExceeded, InvalidArgument, NotFound, PeerFailed
+from common.errors import (DeadlineExceeded, InvalidArgument, NotFound, PeerFailed,
+                           Unavailable)
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
 from services.engine_api.remote import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
@@ -93,15 +94,21 @@ class EngineSource:
                              token_ids)
 
     def _claim_or_detach(self, method: str, request_id: str, timeout_s: float) -> Any:
-        """Claim through the attachment; when the node is gone (its service died or restarted:
-        PeerFailed, or no answer at all) drop the attachment so the next request connects and
-        attaches again — a restarted node service is re-attached without restarting vLLM.
-        This request fails either way and vLLM recomputes it."""
-        try:
-            return self._claim(getattr(self.client(), method), request_id, timeout_s)
-        except (PeerFailed, DeadlineExceeded, OSError):
-            self.close()
-            raise
+        """Claim through the attachment. When the node is gone — its service died, stopped or
+        restarted (PeerFailed, Unavailable, no answer, a socket error) — drop the attachment:
+        a restarted node service is re-attached without restarting vLLM. An attachment that
+        was already dead before this request (the node restarted while we idled) is replaced
+        once at once, so the first request after a restart still loads through dualpath;
+        otherwise this request fails and vLLM recomputes it."""
+        for retry in (False, True):
+            stale = self._client is not None
+            try:
+                return self._claim(getattr(self.client(), method), request_id, timeout_s)
+            except (PeerFailed, Unavailable, DeadlineExceeded, OSError) as e:
+                self.close()
+                if retry or not stale or isinstance(e, DeadlineExceeded):
+                    raise
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _claim(claim: Any, request_id: str, timeout_s: float) -> Any:

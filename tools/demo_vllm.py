@@ -80,11 +80,14 @@ async def demo(agents: int, turns: int, first: int, out: Path) -> int:
             finally:
                 for p in procs:
                     await stop(p)
-    table = [[r["turn"], r["agent"], r["prompt"], f"{100 * r['hit'] / r['prompt']:.0f}%",
-              r["side"], f"{r['ttft_dp']:.3f}", f"{r['ttft_rc']:.3f}",
-              f"{r['ttft_dp'] / r['ttft_rc']:.2f}", "yes" if r["equal"] else "NO"] for r in rows]
-    print_table(["turn", "agent", "prompt", "hit", "read side", "TTFT dualpath s",
-                 "TTFT recompute s", "ratio", "equal"], table)
+    cols = ["turn", "agent", "prompt", "hit", "read side", "TTFT dualpath s",
+            "TTFT recompute s", "ratio", "equal"]
+    table = [dict(zip(cols, [r["turn"], r["agent"], r["prompt"],
+                             f"{100 * r['hit'] / r['prompt']:.0f}%", r["side"],
+                             f"{r['ttft_dp']:.3f}", f"{r['ttft_rc']:.3f}",
+                             f"{r['ttft_dp'] / r['ttft_rc']:.2f}",
+                             "yes" if r["equal"] else "NO"])) for r in rows]
+    print_table(table, cols)
     later = [r for r in rows if r["turn"] > 0]
     summary = {"agents": agents, "turns": turns, "requests": len(rows),
                "all_equal": all(r["equal"] for r in rows),

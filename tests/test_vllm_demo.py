@@ -1,0 +1,33 @@
+"""``dualpath demo --engine vllm`` (``make demo-vllm``) end to end, small: two agents, two
+turns — real vLLM prefill and decode behind the front, every turn through dualpath and
+recomputed; the demo's own checks (outputs equal) decide its exit code, and its JSON says
+what it measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.vllm_env import require_vllm
+from tools.vllm_engines import REPO
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def test_demo_vllm_runs_agents_through_dualpath_and_compares_with_recompute(tmp_path):
+    require_vllm()
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "demo", "--engine", "vllm",
+                          "--agents", "2", "--turns", "2", "--first-tokens", "600",
+                          "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=1100)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    res = json.loads((tmp_path / "demo-vllm.json").read_text())
+    s = res["summary"]
+    assert s["all_equal"] and s["requests"] == 4
+    assert s["hit_rate_from_turn_2"] >= 0.85, s
+    assert sum(s["read_sides"].values()) == 2                      # both turn-2 requests hit
+    assert [r["hit"] for r in res["turns"] if r["turn"] == 0] == [0, 0]
+    assert "TTFT dualpath s" in out.stdout

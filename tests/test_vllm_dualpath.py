@@ -18,11 +18,10 @@ import asyncio
 
 import pytest
 
-from tools.vllm_engines import PRESET, Engine, agent_text_tokens
+from tools.vllm_engines import agent_text_tokens, datapath_overrides, start_pd_plain
 from common.kv import block_keys_from_tokens
 from tests.helpers import until
 from tests.test_datapath import BT, plan, report
-from tests.test_engine_ipc import sockets
 from tests.vllm_env import require_vllm
 from tools.cluster.inprocess import local_datapath
 
@@ -35,7 +34,6 @@ GEN = 16
 # tokens; turn 6 reaches 1,250 + 5 x (16 + 40) + 16 = 1,546 tokens of context
 FIRST = 1250
 APPEND = 40
-MiB = 1 << 20
 
 
 def bytes_read(c) -> float:
@@ -46,20 +44,10 @@ def bytes_read(c) -> float:
 async def test_multi_turn_greedy_outputs_equal_plain_vllm(tmp_path, side):
     _, model = require_vllm()
     text = agent_text_tokens(model)
-    overrides = {**sockets(tmp_path), "kv": {"preset": PRESET},
-                 "pe_receiver": {"buffer_bytes": 192 * MiB, "engines": 1,
-                                 "engine_socket": str(tmp_path / "p0.sock")},
-                 "de_loader": {"buffer_bytes": 192 * MiB, "engines": 1,
-                               "engine_socket": str(tmp_path / "d0.sock")},
-                 "gateway_service": {"staging_bytes": 32 * MiB, "max_batch_bytes": 8 * MiB}}
+    overrides = datapath_overrides(tmp_path)
     async with local_datapath(tmp_path, scheduler=False, engines=False,
                               overrides=overrides) as c:
-        engines = await Engine.start_all([
-            (model, "prefill", tmp_path, ["--socket", str(tmp_path / "p0.sock"),
-                                          "--engine-id", "p0.e0"]),
-            (model, "decode", tmp_path, ["--socket", str(tmp_path / "d0.sock"),
-                                         "--engine-id", "d0.e0"]),
-            (model, "plain", tmp_path, [])])
+        engines = await start_pd_plain(model, tmp_path)
         prefill, decode, plain = engines
         try:
             await run_conversation(c, prefill, decode, plain, text, side)

@@ -15,25 +15,18 @@ import pytest
 from common.kv import block_keys_from_tokens
 from tests.helpers import until
 from tests.test_datapath import BT, plan, report
-from tests.test_engine_ipc import sockets
 from tests.vllm_env import require_vllm
 from tools.cluster.inprocess import local_datapath, node_service
-from tools.vllm_engines import PRESET, Engine, agent_text_tokens
+from tools.vllm_engines import Engine, agent_text_tokens, datapath_overrides, start_pd_plain
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-MiB = 1 << 20
 GEN = 8
 FIRST = 700
 
 
 def overrides(tmp_path) -> dict:
-    return {**sockets(tmp_path), "kv": {"preset": PRESET},
-            "pe_receiver": {"buffer_bytes": 96 * MiB, "engines": 1,
-                            "engine_socket": str(tmp_path / "p0.sock")},
-            "de_loader": {"buffer_bytes": 96 * MiB, "engines": 1,
-                          "engine_socket": str(tmp_path / "d0.sock")},
-            "gateway_service": {"staging_bytes": 32 * MiB, "max_batch_bytes": 8 * MiB}}
+    return datapath_overrides(tmp_path, buffer_mib=96)
 
 
 async def restart_de(c, stack_svc) -> object:
@@ -60,12 +53,7 @@ async def test_de_loader_killed_mid_request_then_restarted(tmp_path):
     restarted: list = []
     async with local_datapath(tmp_path, scheduler=False, engines=False,
                               overrides=overrides(tmp_path)) as c:
-        engines = await Engine.start_all([
-            (model, "prefill", tmp_path, ["--socket", str(tmp_path / "p0.sock"),
-                                          "--engine-id", "p0.e0"]),
-            (model, "decode", tmp_path, ["--socket", str(tmp_path / "d0.sock"),
-                                         "--engine-id", "d0.e0"]),
-            (model, "plain", tmp_path, [])])
+        engines = await start_pd_plain(model, tmp_path)
         prefill, decode, plain = engines
         try:
             prompt = text[:FIRST]

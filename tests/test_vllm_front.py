@@ -18,15 +18,13 @@ import json
 import pytest
 
 from tests.helpers import until
-from tests.test_engine_ipc import sockets
 from tests.vllm_env import require_vllm
 from tools.cluster.inprocess import local_datapath
-from tools.vllm_engines import PRESET
+from tools.vllm_engines import PRESET, datapath_overrides
 from tools.vllm_serve import ahttp, free_port, front, healthy, stop, tokenize, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-MiB = 1 << 20
 TURNS = 6
 GEN = 16
 # an agent's turns: a long context, short appends (tool results); from turn 2 the hit is every
@@ -38,13 +36,8 @@ APPEND = 40
 
 async def test_front_multi_turn_agent_over_http(tmp_path):
     _, model = require_vllm()
-    overrides = {**sockets(tmp_path), "kv": {"preset": PRESET},
-                 "scheduler": {"model": PRESET, "policy": "dualpath"},
-                 "pe_receiver": {"buffer_bytes": 192 * MiB, "engines": 1,
-                                 "engine_socket": str(tmp_path / "p0.sock")},
-                 "de_loader": {"buffer_bytes": 192 * MiB, "engines": 1,
-                               "engine_socket": str(tmp_path / "d0.sock")},
-                 "gateway_service": {"staging_bytes": 32 * MiB, "max_batch_bytes": 8 * MiB}}
+    overrides = datapath_overrides(tmp_path,
+                                   scheduler={"model": PRESET, "policy": "dualpath"})
     async with local_datapath(tmp_path, engines=False, overrides=overrides) as c:
         ports = {"p0.e0": free_port(), "d0.e0": free_port()}
         procs = [await vllm_server(model, "prefill", str(tmp_path / "p0.sock"), "p0.e0",

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
 GEN = 16
 APPEND = 40
 
@@ -39,7 +38,7 @@ def agent_text(agent: int) -> str:
 async def demo(agents: int, turns: int, first: int, out: Path) -> int:
     from tools.cluster.inprocess import local_datapath
     from tools.tables import print_table
-    from tools.vllm_engines import PRESET, model_dir
+    from tools.vllm_engines import PRESET, datapath_overrides, model_dir
     from tools.vllm_serve import ahttp, free_port, front, healthy, stop, tokenize, vllm_server
 
     model = model_dir()
@@ -51,13 +50,7 @@ async def demo(agents: int, turns: int, first: int, out: Path) -> int:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dualpath-demo-vllm-") as tmp_s:
         tmp = Path(tmp_s)
-        overrides = {
-            "kv": {"preset": PRESET}, "scheduler": {"model": PRESET, "policy": "dualpath"},
-            "pe_receiver": {"buffer_bytes": 192 * MiB, "engines": 1,
-                            "engine_socket": str(tmp / "p0.sock")},
-            "de_loader": {"buffer_bytes": 192 * MiB, "engines": 1,
-                          "engine_socket": str(tmp / "d0.sock")},
-            "gateway_service": {"staging_bytes": 32 * MiB, "max_batch_bytes": 8 * MiB}}
+        overrides = datapath_overrides(tmp, scheduler={"model": PRESET, "policy": "dualpath"})
         async with local_datapath(tmp, engines=False, overrides=overrides) as c:
             ports = {"p0.e0": free_port(), "d0.e0": free_port()}
             urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}

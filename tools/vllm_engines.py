@@ -128,6 +128,29 @@ class Engine:
         await self.proc.wait()
 
 
+def datapath_overrides(root: Path, buffer_mib: int = 192, **extra: dict) -> dict:
+    """Config overrides of the in-process data path a vLLM pair attaches to: the model's KV
+    preset, one engine per node on ``root``'s p0.sock / d0.sock, buffers sized for its blocks."""
+    mib = 1 << 20
+    out: dict = {
+        "kv": {"preset": PRESET},
+        "pe_receiver": {"buffer_bytes": buffer_mib * mib, "engines": 1,
+                        "engine_socket": str(root / "p0.sock")},
+        "de_loader": {"buffer_bytes": buffer_mib * mib, "engines": 1,
+                      "engine_socket": str(root / "d0.sock")},
+        "gateway_service": {"staging_bytes": 32 * mib, "max_batch_bytes": 8 * mib}}
+    out.update(extra)
+    return out
+
+
+async def start_pd_plain(model: Path, root: Path) -> list[Engine]:
+    """A prefill instance on p0's socket, a decode instance on d0's, and plain vLLM."""
+    return await Engine.start_all([
+        (model, "prefill", root, ["--socket", str(root / "p0.sock"), "--engine-id", "p0.e0"]),
+        (model, "decode", root, ["--socket", str(root / "d0.sock"), "--engine-id", "d0.e0"]),
+        (model, "plain", root, [])])
+
+
 def kill_group(pgid: int) -> None:
     """SIGKILL every process left in a group started with ``start_new_session``."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -66,6 +66,7 @@ def test_roundtrip_matches_vllm_cpu_attention_view():
     assert r["token_bytes"] == 768 and r["bytes_shape"] == [400, 768]
     assert r["k_equal"] and r["v_equal"], "gathered K/V rows differ from vLLM's own view"
     assert r["scatter_equal"] and r["untouched_zero"]
+    assert r["range_equal"], "the block-wise load wrote other bytes than the token path"
 
 
 def test_fresh_instance_loading_dualpath_kv_matches_plain_vllm(engine_runs):

@@ -45,7 +45,7 @@ from integrations.vllm.geometry import (
     VERIFIED_ISAS,
     CacheGeometry,
     gather_layer_into,
-    scatter_layer,
+    scatter_range,
     token_slots,
 )
 from integrations.vllm.kv_spec import check_same_layout, spec_from_vllm
@@ -302,8 +302,8 @@ class DualPathConnector(KVConnectorBase_V1):
                 continue
             try:
                 src = session.layer(layer, self._timeout_s)[start:stop]
-                slots = token_slots(step.block_ids, self._block_size, start, stop)
-                scatter_layer(self._geom, self._live_cache(layer), slots, torch.from_numpy(src))
+                scatter_range(self._geom, self._live_cache(layer), step.block_ids, start, stop,
+                              torch.from_numpy(src))
             except Exception as e:  # noqa: BLE001 -- any load failure means: recompute
                 self._fail_load(step, layer, e)
 

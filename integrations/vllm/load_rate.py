@@ -5,7 +5,7 @@ bench engine`` runs it): a cache tensor of the shape vLLM 0.32's CPU backend reg
 SmolLM2-135M (``[blocks, 3 heads, 128, 2 x 64]`` per layer, 30 layers), a request whose vLLM
 blocks are scattered over it (shuffled ids, as after other requests came and went), and the
 hit as dualpath hands it over (``uint8 [tokens, B]`` per layer in the arena). Timed: the
-connector's own ``scatter_layer`` for every layer (what ``wait_for_layer_load`` does after the
+connector's own ``scatter_range`` for every layer (what ``wait_for_layer_load`` does after the
 bytes arrived) against ``torch.Tensor.copy_`` of the same bytes between two flat buffers — the
 floor for moving them once. Prints one JSON line.
 """
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from integrations.vllm.geometry import CacheGeometry, scatter_layer, token_slots
+from integrations.vllm.geometry import CacheGeometry, scatter_range
 
 LAYERS, HEADS, HEAD, BLOCK = 30, 3, 64, 128
 
@@ -31,7 +31,6 @@ def measure(tokens: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     caches = [torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD, dtype=dtype) for _ in range(LAYERS)]
     geom = CacheGeometry.of_cache(caches[0])
     ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))[:blocks].tolist()
-    slots = token_slots(ids, BLOCK, 0, tokens)
     src = [torch.randint(0, 255, (tokens, geom.token_bytes), dtype=torch.uint8)
            for _ in range(LAYERS)]
     flat_dst = [torch.empty(tokens * geom.token_bytes, dtype=torch.uint8) for _ in range(LAYERS)]
@@ -40,7 +39,7 @@ def measure(tokens: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     for _ in range(repeats):
         t0 = time.perf_counter()
         for layer in range(LAYERS):
-            scatter_layer(geom, caches[layer], slots, src[layer])
+            scatter_range(geom, caches[layer], ids, 0, tokens, src[layer])
         load.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for layer in range(LAYERS):

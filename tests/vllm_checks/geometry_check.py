@@ -28,6 +28,7 @@ def roundtrip() -> dict:
         CacheGeometry,
         gather_layer,
         scatter_layer,
+        scatter_range,
         token_slots,
     )
 
@@ -50,6 +51,15 @@ def roundtrip() -> dict:
     blk = torch.tensor(block_ids)[t // 128]
     k_ref = torch.stack([key_t[b, :, :, o] for b, o in zip(blk.tolist(), (t % 128).tolist())])
     v_ref = torch.stack([value[b, :, o] for b, o in zip(blk.tolist(), (t % 128).tolist())])
+    # the block-wise load (whole vLLM blocks at once) writes what the token path writes, for
+    # ranges starting and ending inside, on and across block boundaries
+    range_equal = True
+    for a, b in [(0, 400), (64, 384), (100, 300), (128, 256), (5, 6), (127, 129), (0, 512)]:
+        src = gather_layer(geom, cache, token_slots(block_ids, 128, a, b))
+        x, y = torch.zeros_like(cache), torch.zeros_like(cache)
+        scatter_layer(geom, x, token_slots(block_ids, 128, a, b), src)
+        scatter_range(geom, y, block_ids, a, b, src)
+        range_equal &= bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
     touched = torch.zeros(40, dtype=torch.bool)
     touched[block_ids] = True
     return {
@@ -59,6 +69,7 @@ def roundtrip() -> dict:
         "v_equal": bool(torch.equal(kv[:, 1], v_ref)),
         "scatter_equal": bool(torch.equal(gather_layer(geom, fresh, slots), data)),
         "untouched_zero": bool((fresh[~touched] == 0).all()),
+        "range_equal": range_equal,
     }
 
 

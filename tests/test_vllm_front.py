@@ -13,6 +13,7 @@ keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -112,3 +113,26 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
             assert (status, off["token_ids"], off["hit_tokens"]) == (200, ref, 0), raw
         prompt = prompt + dp["token_ids"] + ids[cursor:cursor + APPEND]
         cursor += APPEND
+
+
+async def test_front_refuses_a_dead_or_wrong_scheduler(tmp_path):
+    """--scheduler naming a port nobody listens on, or a server that is not a dualpath
+    scheduler (it answers HTTP): the front exits with status 2 and says so; nothing served."""
+    _, model = require_vllm()
+
+    async def not_a_scheduler(reader, writer):
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(not_a_scheduler, "127.0.0.1", 0)
+    wrong = server.sockets[0].getsockname()[1]
+    try:
+        for port in (free_port(), wrong):
+            with pytest.raises(RuntimeError, match="exited before READY"):
+                await front(model, port, {"p0.e0": "http://127.0.0.1:9"}, tmp_path)
+            log = (tmp_path / "front.log").read_text()
+            assert f"scheduler at 127.0.0.1:{port} did not answer as a scheduler" in log, log[-2000:]
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -390,12 +391,22 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
                             "recompute_engine": a.recompute_engine}, FrontConfig)
 
 
+class FrontStartError(Exception):
+    """The front could not start (its scheduler is dead or is not a scheduler)."""
+
+
 async def serve(cfg: FrontConfig) -> None:
     from transformers import AutoTokenizer
 
     front = Front(cfg, AutoTokenizer.from_pretrained(cfg.tokenizer))
     runner = web.AppRunner(front.app())
-    await runner.setup()
+    try:
+        await runner.setup()                  # on_startup: connects to the scheduler (10 s)
+    except (DualpathError, OSError) as e:
+        await front.sched.close()
+        raise FrontStartError(f"front: the dualpath scheduler at {cfg.scheduler_host}:"
+                              f"{cfg.scheduler_port} did not answer as a scheduler ({e}); "
+                              "nothing was served") from None
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     port = runner.addresses[0][1]
@@ -413,8 +424,12 @@ async def serve(cfg: FrontConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(cfg))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(cfg))
+    except FrontStartError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

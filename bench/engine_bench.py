@@ -35,7 +35,7 @@ from tools.vllm_engines import (DTYPE, PRESET, REPO, VLLM_PYTHON, Engine, agent_
 GOAL = 0.30
 BT = 64
 GEN = 8
-REPEATS = 3
+REPEATS = 5
 MiB = 1 << 20
 
 
@@ -92,7 +92,10 @@ async def _context(c, prefill, decode, plain, example, prompt, keys_of) -> dict[
             "dualpath_ttft_ms": round(med(dp) * 1e3, 1),
             "recompute_ttft_ms": round(med(rc) * 1e3, 1),
             "example_ttft_ms": round(med(ex) * 1e3, 1),
-            "ratio_vs_recompute": med(dp) / med(rc), "ratio_vs_example": med(dp) / med(ex)}
+            "ratio_vs_recompute": med(dp) / med(rc), "ratio_vs_example": med(dp) / med(ex),
+            "samples_ms": {"dualpath": [round(t * 1e3, 1) for t in dp],
+                           "recompute": [round(t * 1e3, 1) for t in rc],
+                           "example": [round(t * 1e3, 1) for t in ex]}}
 
 
 async def _through_dualpath(c, prefill, decode, prompt, rid, keys_of) -> tuple[float, int]:

@@ -246,18 +246,9 @@ class Front:
             raise DualpathError(f"request {rid}: finished without a placement")
         decoded = await attempt
         self.metrics.hit_tokens.inc(placed.hit_tokens)
-        text = self.tok.decode(decoded["token_ids"], skip_special_tokens=True)
-        choice: dict[str, Any] = ({"message": {"role": "assistant", "content": text}} if chat
-                                  else {"text": text})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "model": self.cfg.model_name,
-                "choices": [{"index": 0, **choice, "finish_reason": decoded["finish_reason"]}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(decoded["token_ids"]),
-                          "total_tokens": len(ids) + len(decoded["token_ids"])},
-                "dualpath": {"request_id": rid, "hit_tokens": placed.hit_tokens,
-                             "read_side": placed.read_side, "pe_engine": placed.pe_engine,
-                             "de_engine": placed.de_engine, "token_ids": decoded["token_ids"],
-                             "ttft_s": decoded["ttft_s"], "e2e_s": time.monotonic() - t0}}
+        return self._response(rid, ids, chat, decoded, t0, hit_tokens=placed.hit_tokens,
+                              read_side=placed.read_side, pe_engine=placed.pe_engine,
+                              de_engine=placed.de_engine)
 
     async def _recompute(self, rid: str, ids: list[int], body: CompletionBody,
                          out: web.StreamResponse | None, chat: bool) -> dict[str, Any]:
@@ -266,28 +257,25 @@ class Front:
         (prefix caching off on the instances). No scheduler involved, same response shape."""
         t0 = time.monotonic()
         engine = self.cfg.recompute_engine or next(iter(self.cfg.engines))
-        toks: list[int] = []
-        ttft, finish_reason = None, None
-        async for chunk in self._stream(self._url(engine), ids, body.max_tokens, None):
-            choice = chunk["choices"][0]
-            new = list(choice.get("token_ids") or [])
-            if new and ttft is None:
-                ttft = time.monotonic() - t0
-            toks.extend(new)
-            finish_reason = choice.get("finish_reason") or finish_reason
-            if out is not None and new:
-                await out.write(self._sse(rid, new, chat))
+        decoded = await self._relay(self._url(engine), ids, body.max_tokens, None, out, [],
+                                    rid, chat, t0)
+        return self._response(rid, ids, chat, decoded, t0, hit_tokens=0, read_side="off",
+                              pe_engine=engine, de_engine=engine)
+
+    def _response(self, rid: str, ids: list[int], chat: bool, decoded: dict[str, Any],
+                  t0: float, **dualpath: Any) -> dict[str, Any]:
+        """The OpenAI-shaped body, with the ``dualpath`` object (placement, token ids, TTFT)."""
+        toks = decoded["token_ids"]
         text = self.tok.decode(toks, skip_special_tokens=True)
         choice: dict[str, Any] = ({"message": {"role": "assistant", "content": text}} if chat
                                   else {"text": text})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "model": self.cfg.model_name,
-                "choices": [{"index": 0, **choice, "finish_reason": finish_reason or "length"}],
+                "choices": [{"index": 0, **choice, "finish_reason": decoded["finish_reason"]}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
                           "total_tokens": len(ids) + len(toks)},
-                "dualpath": {"request_id": rid, "hit_tokens": 0, "read_side": "off",
-                             "pe_engine": engine, "de_engine": engine, "token_ids": toks,
-                             "ttft_s": ttft, "e2e_s": time.monotonic() - t0}}
+                "dualpath": {"request_id": rid, **dualpath, "token_ids": toks,
+                             "ttft_s": decoded["ttft_s"], "e2e_s": time.monotonic() - t0}}
 
     def _url(self, engine: str) -> str:
         try:
@@ -304,25 +292,33 @@ class Front:
         t0 = time.monotonic()
         prefill = asyncio.create_task(self._post(self._url(p.pe_engine), ids, 1, plan))
         try:
-            toks: list[int] = []
-            finish_reason = None
-            ttft = None
-            async for chunk in self._stream(self._url(p.de_engine), ids, body.max_tokens,
-                                            {"request_id": p.request_id}):
-                choice = chunk["choices"][0]
-                new = list(choice.get("token_ids") or [])
-                if new and ttft is None:
-                    ttft = time.monotonic() - t0
-                    self.metrics.ttft.observe(ttft)
-                toks.extend(new)
-                finish_reason = choice.get("finish_reason") or finish_reason
-                if out is not None and len(toks) > len(sent):
-                    fresh = toks[len(sent):]
-                    sent.extend(fresh)
-                    await out.write(self._sse(p.request_id, fresh, chat))
+            decoded = await self._relay(self._url(p.de_engine), ids, body.max_tokens,
+                                        {"request_id": p.request_id}, out, sent, p.request_id,
+                                        chat, t0)
             await prefill
         finally:
             prefill.cancel()
+        return decoded
+
+    async def _relay(self, url: str, ids: list[int], max_tokens: int,
+                     plan: dict[str, Any] | None, out: web.StreamResponse | None,
+                     sent: list[int], rid: str, chat: bool, t0: float) -> dict[str, Any]:
+        """Stream one vLLM completion; forward tokens not in ``sent`` yet (a re-planned
+        attempt does not repeat what the client has); its tokens, finish reason and TTFT."""
+        toks: list[int] = []
+        finish_reason, ttft = None, None
+        async for chunk in self._stream(url, ids, max_tokens, plan):
+            choice = chunk["choices"][0]
+            new = list(choice.get("token_ids") or [])
+            if new and ttft is None:
+                ttft = time.monotonic() - t0
+                self.metrics.ttft.observe(ttft)
+            toks.extend(new)
+            finish_reason = choice.get("finish_reason") or finish_reason
+            if out is not None and len(toks) > len(sent):
+                fresh = toks[len(sent):]
+                sent.extend(fresh)
+                await out.write(self._sse(rid, fresh, chat))
         return {"token_ids": toks, "finish_reason": finish_reason or "length", "ttft_s": ttft}
 
     def _sse(self, rid: str, toks: list[int], chat: bool) -> bytes:

@@ -33,6 +33,7 @@ from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, Cla
                              SecondToken, TookKV,
                              WaitLayer, union_members)
 from common.rpc import check_handler_coverage
+import services.engine_api.server
 from services.engine_api.prompt import next_block_key
 from services.engine_api.remote import EngineClient
 from services.scheduler.client import SchedulerClient
@@ -263,21 +264,29 @@ async def test_wrong_versions_are_refused(tmp_path, monkeypatch):
         assert not rpc.sessions
 
 
-async def test_a_claim_of_a_request_that_failed_before_it_is_answered_at_once(tmp_path):
-    """The node failed the request before the engine claimed it (its hit is not in storage):
-    the claim gets Cancelled with the reason at once — not NotFound after its whole timeout —
-    so a P/D engine (the vLLM connector) computes without dualpath instead of hanging."""
+async def test_a_claim_of_a_request_that_failed_before_it_is_answered_at_once(tmp_path,
+                                                                            monkeypatch):
+    """The node failed the request before the engine claimed it (its deadline passed while it
+    waited for an engine): the claim gets Cancelled with the reason at once — not NotFound
+    after its whole timeout — so a P/D engine (the vLLM connector) computes without dualpath
+    instead of hanging. An id the node never had a plan for is refused after the unknown-id
+    grace (InvalidArgument), not after the claim's timeout either."""
     async with local_datapath(tmp_path, scheduler=False, engines=False,
                               overrides=sockets(tmp_path)) as c:
         pe = c.pe["p0"]
-        pe.submit_plan(plan(c, "gone", tokens(3 * BT, 7), 2, "pe"))     # 2 blocks never stored
-        await until(lambda: report(pe, "gone", "failed") is not None, what="the plan failed")
+        pe.submit_plan(plan(c, "gone", tokens(3 * BT, 7), 0, "none", deadline=2.0))
+        await until(lambda: report(pe, "gone", "failed") is not None, timeout=60,
+                    what="the plan failed")
         eng = await client(tmp_path)
         try:
             with pytest.raises(Cancelled, match="failed on p0"):    # the claim may wait 300 s
                 await asyncio.wait_for(eng.claim_prefill("gone", 300.0), 60.0)
             with pytest.raises(NotFound):                 # never seen: still a plain NotFound
                 await eng.claim_prefill("never", 0.2)
+            # ... until the unknown-id grace is over: then refused (not its whole timeout)
+            monkeypatch.setattr(services.engine_api.server, "UNKNOWN_GRACE_S", 0.5)
+            with pytest.raises(InvalidArgument, match="unknown to p0"):
+                await asyncio.wait_for(eng.claim_prefill("never", 300.0), 60.0)
         finally:
             await eng.close()
 

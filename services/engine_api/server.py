@@ -47,6 +47,10 @@ log = structlog.get_logger(__name__)
 MAX_WAIT_S = 60.0          # longest one NextRequest / ClaimRequest / WaitLayer blocks
 MAX_ITEMS = 64             # most requests one NextRequest hands out
 CLAIM_RECHECK_S = 0.25     # a waiting claim re-checks whether another engine got the id
+# a claim of an id this node has no attempt of, nor a recent failure, after this long is an
+# unknown id (a plan reaches the node at placement: the scheduler's binding, the PE's
+# PrepareDecode): refused, so a bogus id in an engine's request costs it this, not its timeout
+UNKNOWN_GRACE_S = 30.0
 
 
 @dataclass(eq=False)
@@ -255,6 +259,7 @@ class EngineApiServer:
         port = self._open_port(sess)
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
+        unknown_at = loop.time() + UNKNOWN_GRACE_S
         while not sess.closed:
             if (item := port.take(rid)) is not None:
                 return self._assign(sess, [item])
@@ -267,6 +272,10 @@ class EngineApiServer:
                 raise Cancelled(f"request {rid!r} failed on {self.node_id} before "
                                 f"{sess.engine_id} claimed it ({why}); a re-plan brings a new "
                                 "attempt, or the engine computes without dualpath")
+            if owner is None and loop.time() >= unknown_at:
+                self.counters["claims_unknown"] += 1
+                raise InvalidArgument(f"request {rid!r} is unknown to {self.node_id}: no plan "
+                                      f"for it arrived within {UNKNOWN_GRACE_S:.3g}s of the claim")
             left = end - loop.time()
             if left <= 0:
                 break

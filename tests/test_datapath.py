@@ -56,7 +56,8 @@ def report(svc, rid: str, stage: str):
 
 async def no_leaks(c) -> None:
     await until(lambda: not any(c.leaks().values()) and not c.pe["p0"].attempts
-                and not c.de["d0"].attempts, what=f"pools empty (used pages {c.leaks()})")
+                and not c.de["d0"].attempts, timeout=30,
+                what=f"pools empty (used pages {c.leaks()})")
 
 
 # ---------------------------------------------------------------- through the scheduler

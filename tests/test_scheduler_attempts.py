@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 
 from common.metrics import registry
 from common.protocol import RequestFailed, RequestFinished
-from tests.test_scheduler_service import nxt, run_stages, running
+from tests.test_scheduler_service import nxt, queued_r, run_stages, running
 
 
 def failed_attempts(hop: str, code: str) -> float:
@@ -18,10 +18,7 @@ def failed_attempts(hop: str, code: str) -> float:
 async def test_a_retried_request_records_each_attempts_reason_and_read_bytes():
     before = failed_attempts("pe_buffer", "DEADLINE_EXCEEDED")
     async with running() as env:
-        p0, d0 = await env.pair()
-        fe = await env.client()
-        stream = fe.submit("r", "s", 200, 3)
-        await nxt(stream)
+        p0, d0, stream = await queued_r(env)
         await d0.fetch()
         plan = (await p0.fetch()).plans[0]
         await nxt(stream)
@@ -52,10 +49,7 @@ async def test_a_retried_request_records_each_attempts_reason_and_read_bytes():
 
 async def test_a_failed_request_names_every_attempt():
     async with running({"max_replans": 1}) as env:
-        p0, d0 = await env.pair()
-        fe = await env.client()
-        stream = fe.submit("r", "s", 200, 3)
-        await nxt(stream)
+        p0, d0, stream = await queued_r(env)
         for attempt in (0, 1):
             await d0.fetch()
             await p0.fetch()

@@ -11,8 +11,8 @@ from common.protocol import FirstToken, Heartbeat, RegisterNode, RequestFailed, 
 from services.scheduler.client import SchedulerClient
 from services.scheduler.service import SchedulerService
 from tests.helpers import until
-from tests.test_scheduler_service import (BT, RPC, assert_idle, keys, make_cfg, nxt, run_stages,
-                                          running)
+from tests.test_scheduler_service import (BT, RPC, assert_idle, keys, make_cfg, nxt, queued_r,
+                                          run_stages, running)
 
 
 # --------------------------------------------------------------------------- leases, re-plans
@@ -79,10 +79,7 @@ async def test_decode_node_lease_expiry_replans_onto_the_other_de_and_read_side(
 
 async def test_lease_expiry_beyond_max_replans_fails_with_the_reason():
     async with running({"max_replans": 0}) as env:
-        p0, d0 = await env.pair()
-        fe = await env.client()
-        stream = fe.submit("r", "s", 200, 3)
-        await nxt(stream)
+        p0, d0, stream = await queued_r(env)
         await d0.fetch()
         await p0.fetch()
         await nxt(stream)
@@ -97,10 +94,7 @@ async def test_lease_expiry_beyond_max_replans_fails_with_the_reason():
 
 async def test_retryable_failure_replans_until_the_bound_then_fails():
     async with running({"max_replans": 1}) as env:
-        p0, d0 = await env.pair()
-        fe = await env.client()
-        stream = fe.submit("r", "s", 200, 3)
-        await nxt(stream)
+        p0, d0, stream = await queued_r(env)
         for attempt in (0, 1):
             await d0.fetch()
             plan = (await p0.fetch()).plans[0]
@@ -118,10 +112,7 @@ async def test_retryable_failure_replans_until_the_bound_then_fails():
 
 async def test_non_retryable_failure_fails_at_once():
     async with running() as env:
-        p0, d0 = await env.pair()
-        fe = await env.client()
-        stream = fe.submit("r", "s", 200, 3)
-        await nxt(stream)
+        p0, d0, stream = await queued_r(env)
         await d0.fetch()
         plan = (await p0.fetch()).plans[0]
         await nxt(stream)
@@ -136,10 +127,7 @@ async def test_non_retryable_failure_fails_at_once():
 
 async def test_restart_with_a_new_epoch_replaces_the_old_registration():
     async with running() as env:
-        p0, d0 = await env.pair()
-        fe = await env.client()
-        stream = fe.submit("r", "s", 200, 3)
-        await nxt(stream)
+        p0, d0, stream = await queued_r(env)
         await d0.fetch()
         await p0.fetch()
         await nxt(stream)

@@ -113,6 +113,16 @@ async def nxt(stream) -> Any:
     return await asyncio.wait_for(stream.__anext__(), WAIT_S)
 
 
+async def queued_r(env) -> tuple[Any, Any, Any]:
+    """The usual start: a PE/DE pair, a frontend, request ``r`` submitted and queued;
+    ``(p0, d0, its event stream)``."""
+    p0, d0 = await env.pair()
+    fe = await env.client()
+    stream = fe.submit("r", "s", 200, 3)
+    await nxt(stream)
+    return p0, d0, stream
+
+
 async def ended(stream) -> bool:
     with contextlib.suppress(StopAsyncIteration):
         await nxt(stream)

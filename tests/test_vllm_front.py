@@ -18,11 +18,11 @@ import json
 
 import pytest
 
-from tests.helpers import until
 from tests.vllm_env import require_vllm
 from tools.cluster.inprocess import local_datapath
 from tools.vllm_engines import PRESET, datapath_overrides
-from tools.vllm_serve import ahttp, free_port, front, healthy, stop, tokenize, vllm_server
+from tools.vllm_serve import (ahttp, free_port, front, stop, tokenize, vllm_server,
+                              wait_healthy)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -47,9 +47,7 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
                                    ports["d0.e0"], tmp_path)]
         try:
             urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}
-            for url in urls.values():
-                await until(lambda url=url: healthy(url), timeout=900, interval=1.0,
-                            what=f"vLLM at {url} healthy")
+            await wait_healthy(urls.values())
             front_proc, front_url = await front(model, c.scheduler.port, urls, tmp_path)
             procs.append(front_proc)
             await check_plain_endpoints(front_url)

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tools.vllm_serve import (ahttp, free_port, front, stop, tokenize, vllm_server,
+                              wait_healthy)
+
 GEN = 16
 APPEND = 40
 
@@ -39,7 +42,6 @@ async def demo(agents: int, turns: int, first: int, out: Path) -> int:
     from tools.cluster.inprocess import local_datapath
     from tools.tables import print_table
     from tools.vllm_engines import PRESET, datapath_overrides, model_dir
-    from tools.vllm_serve import ahttp, free_port, front, healthy, stop, tokenize, vllm_server
 
     model = model_dir()
     if model is None:
@@ -62,14 +64,13 @@ async def demo(agents: int, turns: int, first: int, out: Path) -> int:
                                                ports["p0.e0"], tmp))
                 procs.append(await vllm_server(model, "decode", str(tmp / "d0.sock"), "d0.e0",
                                                ports["d0.e0"], tmp))
-                for url in urls.values():
-                    await _wait(lambda url=url: healthy(url), 900, f"vLLM at {url}")
+                await wait_healthy(urls.values())
                 front_proc, front_url = await front(model, c.scheduler.port, urls, tmp)
                 procs.append(front_proc)
                 print(f"front at {front_url}; {agents} agents x {turns} turns", flush=True)
                 texts = [await tokenize(urls["p0.e0"], str(model), agent_text(a))
                          for a in range(agents)]
-                rows = await _conversations(front_url, texts, turns, first, ahttp)
+                rows = await _conversations(front_url, texts, turns, first)
             finally:
                 for p in procs:
                     await stop(p)
@@ -99,8 +100,8 @@ async def demo(agents: int, turns: int, first: int, out: Path) -> int:
     return 0 if summary["all_equal"] else 1
 
 
-async def _conversations(front_url: str, texts: list[list[int]], turns: int, first: int,
-                         ahttp) -> list[dict[str, Any]]:
+async def _conversations(front_url: str, texts: list[list[int]], turns: int,
+                         first: int) -> list[dict[str, Any]]:
     """Each turn: every agent once through dualpath, then the same prompt recomputed."""
     prompts = [t[:first] for t in texts]
     cursors = [first] * len(texts)
@@ -109,8 +110,8 @@ async def _conversations(front_url: str, texts: list[list[int]], turns: int, fir
         for a, prompt in enumerate(prompts):
             body = {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
                     "session_id": f"agent-{a}"}
-            dp = await _complete(front_url, body, ahttp)
-            rc = await _complete(front_url, {**body, "kv_loading": False}, ahttp)
+            dp = await _complete(front_url, body)
+            rc = await _complete(front_url, {**body, "kv_loading": False})
             rows.append({"turn": turn, "agent": a, "prompt": len(prompt),
                          "hit": dp["hit_tokens"], "side": dp["read_side"],
                          "ttft_dp": dp["ttft_s"], "ttft_rc": rc["ttft_s"],
@@ -123,19 +124,11 @@ async def _conversations(front_url: str, texts: list[list[int]], turns: int, fir
     return rows
 
 
-async def _complete(front_url: str, body: dict, ahttp) -> dict[str, Any]:
+async def _complete(front_url: str, body: dict) -> dict[str, Any]:
     status, raw = await ahttp("POST", f"{front_url}/v1/completions", body, 900)
     if status != 200:
         raise RuntimeError(f"front answered {status}: {raw[:300]!r}")
     return dict(json.loads(raw)["dualpath"])
-
-
-async def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(pred):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
-        await asyncio.sleep(1.0)
 
 
 def main(argv: list[str] | None = None) -> int:

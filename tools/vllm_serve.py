@@ -52,6 +52,16 @@ def healthy(url: str) -> bool:
         return False
 
 
+async def wait_healthy(urls, timeout_s: float = 900.0) -> None:
+    """Until every vLLM server answers ``/health`` (a load is 20-40 s here), or TimeoutError."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    for url in urls:
+        while not await asyncio.to_thread(healthy, url):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"vLLM at {url} not healthy after {timeout_s:.0f} s")
+            await asyncio.sleep(1.0)
+
+
 async def start(args: list[str], env: dict, log_path: Path,
                 pipe_stdout: bool = False) -> asyncio.subprocess.Process:
     """A process in its own group; its output goes to ``log_path`` (stdout piped for the

@@ -134,12 +134,12 @@ def scatter_range(geom: CacheGeometry, cache: torch.Tensor, block_ids: Sequence[
     if last <= first:
         scatter_layer(geom, cache, token_slots(block_ids, bs, start, stop), src)
         return
+    if last > len(block_ids):                          # before any write
+        raise ValueError(f"tokens up to {stop} need {last} blocks of {bs}, the request has "
+                         f"{len(block_ids)}")
     head, tail = first * bs, last * bs
     if head > start:
         scatter_layer(geom, cache, token_slots(block_ids, bs, start, head), src[:head - start])
-    if last > len(block_ids):
-        raise ValueError(f"tokens up to {stop} need {last} blocks of {bs}, the request has "
-                         f"{len(block_ids)}")
     ids = torch.as_tensor(list(block_ids[first:last]), dtype=torch.int64)
     mid = src[head - start:tail - start].contiguous().view(geom.dtype)
     kv = mid.view(last - first, bs, 2, geom.num_kv_heads, geom.head_size)

@@ -9,6 +9,7 @@ import pytest
 
 from common.errors import InvalidArgument
 from common.kv import block_keys_from_mooncake
+from tests.helpers import skip_or_fail
 from tools.replay.results import percentiles
 from tools.replay.workloads import (AgenticSpec, AgenticWorkload, PromptBuilder, TraceSpec,
                                        load_mooncake)
@@ -92,8 +93,9 @@ def test_mooncake_requests_map_hash_ids_onto_our_keys(tmp_path):
         load_mooncake(TraceSpec(str(f), scale=0.3))
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not present")
 def test_the_conversation_trace_loads():
+    if not TRACE.exists():
+        skip_or_fail(f"the shared Mooncake trace is not present at {TRACE}")
     reqs = load_mooncake(TraceSpec(str(TRACE), limit=300, speed=10.0))
     assert len(reqs) == 300 and reqs == sorted(reqs, key=lambda r: r.t_s)
     assert all(len(r.keys) <= r.prompt_tokens // 64 for r in reqs)

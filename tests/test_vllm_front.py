@@ -87,6 +87,14 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
                               {"model": "smollm2", "prompt": head, "max_tokens": 4})
     assert status == 200, raw
     assert json.loads(raw)["usage"]["prompt_tokens"] == len(await tokenize(plain_url, model, head))
+    # chat: the template's ids (transformers 5 returns them in a mapping), role markers included
+    status, raw = await ahttp("POST", f"{front}/v1/chat/completions",
+                              {"model": "smollm2", "max_tokens": 4,
+                               "messages": [{"role": "user", "content": head}]})
+    assert status == 200, raw
+    chat = json.loads(raw)
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"]
+    assert chat["usage"]["prompt_tokens"] > len(await tokenize(plain_url, model, head))
     prompt, cursor = ids[:FIRST], FIRST
     for turn in range(TURNS):
         status, raw = await ahttp("POST", f"{front}/v1/completions",

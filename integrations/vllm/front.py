@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
 
 import aiohttp
@@ -44,6 +44,16 @@ log = structlog.get_logger(__name__)
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
+
+
+def chat_token_ids(rendered: Any) -> list[int]:
+    """The token ids of ``apply_chat_template(tokenize=True)``: transformers 5 returns a
+    mapping (``BatchEncoding``, ids under ``input_ids``) where 4.x returned the list itself —
+    iterating the mapping would submit its keys as token ids."""
+    ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
+    if ids and isinstance(ids[0], list):       # a batch of one conversation
+        ids = ids[0]
+    return [int(t) for t in ids]
 
 class FrontConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the scheduler and the engines are, and the limits the front states."""
@@ -182,10 +192,11 @@ class Front:
             if not body.messages:
                 raise HttpError(400, "chat completions need a non-empty 'messages'", "invalid_body")
             try:
-                return list(self.tok.apply_chat_template(body.messages, add_generation_prompt=True,
-                                                         tokenize=True))
+                rendered = self.tok.apply_chat_template(body.messages, add_generation_prompt=True,
+                                                        tokenize=True)
             except Exception as e:  # noqa: BLE001 -- a bad message list is the caller's error
                 raise HttpError(400, f"bad messages: {e}", "invalid_body") from None
+            return chat_token_ids(rendered)
         if isinstance(body.prompt, str):
             return list(self.tok(body.prompt)["input_ids"])
         if isinstance(body.prompt, list) and all(0 <= t < len(self.tok) for t in body.prompt):

@@ -108,7 +108,7 @@ class PeerProc:
 @pytest.fixture(scope="module", autouse=True)
 def single_copy_opt_in():
     """This module also exercises the opt-in single-copy path (off by default: see
-    common.ucx_env.single_copy_supported); its peers inherit the setting."""
+    common.transport.ucx_env.single_copy_supported); its peers inherit the setting."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DUALPATH_UCX_SINGLE_COPY", "1")
         yield
@@ -360,7 +360,7 @@ async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
     """ucxx requests hold raw pointers, not references: a wait given up on (deadline, cancel)
     parks its buffer until UCX completed the request, and a stop keeps it for good — freed
     earlier, a late write would land in reused heap memory (a crash far from its cause)."""
-    import common.transport as transport_mod
+    import common.transport.page_transport as transport_mod
 
     class Pending:           # a UCX request that has not completed (yet)
         done = polled = False
@@ -403,7 +403,7 @@ def test_connects_given_up_on_never_corrupt_memory(reliability):
     """Hundreds of connects whose budget runs out mid-handshake, then allocator churn and a
     real transfer (in a subprocess: the failure is a segfault). ucxx 0.52's own handshake
     freed its receive buffer on timeout while UCX still wrote the peer's bytes into it;
-    unpatched, this crashed 3 runs of 3 (common/ucxx_handshake.py)."""
+    unpatched, this crashed 3 runs of 3 (common/transport/handshake.py)."""
     proc = subprocess.run([sys.executable, "-m", "tests.connect_stress", "300"], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
@@ -421,10 +421,10 @@ def test_handshake_patch_is_installed():
     import ucxx._lib_async.application_context as app
     import ucxx._lib_async.listener as listener
 
-    from common import transport, ucxx_handshake
-    transport._ucxx()
-    assert app.exchange_peer_info is ucxx_handshake.exchange_peer_info
-    assert listener.exchange_peer_info is ucxx_handshake.exchange_peer_info
+    from common.transport import handshake, ucx
+    ucx.ucxx()
+    assert app.exchange_peer_info is handshake.exchange_peer_info
+    assert listener.exchange_peer_info is handshake.exchange_peer_info
 
 
 # ---------------------------------------------------------------- single copy (same host)

@@ -19,7 +19,7 @@ import pytest
 from common.config import TransportConfig
 from common.errors import ConfigError
 from common.transport import PageTransport
-from common.transport_staging import StagingQueue, staged_bytes
+from common.transport.staging import StagingQueue, staged_bytes
 from tests.transport_peer import gather, pattern
 
 KIB, MIB = 1024, 1024 * 1024

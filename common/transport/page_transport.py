@@ -1,7 +1,7 @@
 """UCX page transport: write a byte stream into a peer's registered arena slots.
 
-With :mod:`common.transport_ucx` (the ``ucxx`` import, the UCX context, link and transfer
-book-keeping) and :mod:`common.ucxx_handshake` (a memory-safe replacement for ucxx's endpoint
+With :mod:`common.transport.ucx` (the ``ucxx`` import, the UCX context, link and transfer
+book-keeping) and :mod:`common.transport.handshake` (a memory-safe replacement for ucxx's endpoint
 handshake, installed on first use), the only code of dualpath that touches ``ucxx`` (DESIGN
 §5). The receiver posts every
 receive of a transfer in advance (:meth:`PageTransport.expect`), straight into its arena
@@ -47,11 +47,11 @@ Settings (measured, docs/performance.md):
   endpoint with a dead one.
 
 Layers: :class:`PageTransport` (state, lifecycle, stats; this module) on
-:class:`~common.transport_transfers.TransferEngine` (receive, send, failure) on
-:class:`~common.transport_links.LinkTable` (links, handshakes, single-copy endpoints, parked
+:class:`~common.transport.transfers.TransferEngine` (receive, send, failure) on
+:class:`~common.transport.links.LinkTable` (links, handshakes, single-copy endpoints, parked
 buffers).
 
-Tags: ``transfer_id << 20 | message_index`` (``common.transport_plan``); tag matching is
+Tags: ``transfer_id << 20 | message_index`` (``common.transport.plan``); tag matching is
 worker-wide, so transfer ids come from the *receiving* transport (:meth:`new_transfer_id`).
 """
 
@@ -66,16 +66,16 @@ import structlog
 
 from common.config import TransportConfig
 from common.errors import ConfigError
-from common.transport_plan import StagingPool, TransferIdSource
-from common.transport_staging import STAGING_ALIGN, StagingQueue, staged_bytes
-from common.transport_transfers import TransferEngine
-from common.transport_ucx import Link as _Link
-from common.transport_ucx import Peer, ReceiveHandle
-from common.transport_ucx import Transfer as _Transfer
-from common.transport_ucx import claim_progress as _claim_progress
-from common.transport_ucx import create_context as _create_context
-from common.transport_ucx import ucxx as _ucxx  # noqa: F401  (tests import ucxx through here)
-from common.ucx_env import (WorkerProgress, apply_ucx_env, local_host_id, local_process_id,
+from common.transport.plan import StagingPool, TransferIdSource
+from common.transport.staging import STAGING_ALIGN, StagingQueue, staged_bytes
+from common.transport.transfers import TransferEngine
+from common.transport.ucx import Link as _Link
+from common.transport.ucx import Peer, ReceiveHandle
+from common.transport.ucx import Transfer as _Transfer
+from common.transport.ucx import claim_progress as _claim_progress
+from common.transport.ucx import create_context as _create_context
+from common.transport.ucx import ucxx as _ucxx  # noqa: F401  (tests import ucxx through here)
+from common.transport.ucx_env import (WorkerProgress, apply_ucx_env, local_host_id, local_process_id,
                             single_copy_supported)
 
 __all__ = ["PageTransport", "Peer", "ReceiveHandle"]

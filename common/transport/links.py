@@ -2,8 +2,8 @@
 single-copy endpoints, and the parking of buffers that ucxx requests may still point into.
 
 A layer of :class:`common.transport.PageTransport` (which holds the state, the lifecycle and
-the module doc that explains the design); :mod:`common.transport_transfers` builds the
-transfers on these links. Only ``common/transport*.py`` and ``common/ucxx_handshake.py``
+the module doc that explains the design); :mod:`common.transport.transfers` builds the
+transfers on these links. Only ``common/transport*.py`` and ``common/transport/handshake.py``
 touch ``ucxx`` (DESIGN §5).
 """
 
@@ -18,15 +18,15 @@ import structlog
 
 from common.config import TransportConfig
 from common.errors import DeadlineExceeded, PeerFailed, ProtocolError, Unavailable
-from common.transport_plan import (HELLO_BYTES, HELLO_VERSION, StagingPool, TransferHello,
+from common.transport.plan import (HELLO_BYTES, HELLO_VERSION, StagingPool, TransferHello,
                                    TransferIdSource, check_same_plan, decode_hello,
                                    encode_hello, fit_hello, single_copy_link)
-from common.transport_ucx import Link as _Link
-from common.transport_ucx import Peer
-from common.transport_ucx import Transfer as _Transfer
-from common.transport_ucx import claim_progress as _claim_progress
-from common.transport_ucx import ucxx as _ucxx
-from common.ucx_env import WorkerProgress, process_gone
+from common.transport.ucx import Link as _Link
+from common.transport.ucx import Peer
+from common.transport.ucx import Transfer as _Transfer
+from common.transport.ucx import claim_progress as _claim_progress
+from common.transport.ucx import ucxx as _ucxx
+from common.transport.ucx_env import WorkerProgress, process_gone
 
 log = structlog.get_logger("common.transport")
 

@@ -3,7 +3,7 @@ the UCX context of one traffic class, and the book-keeping of links and transfer
 
 Split from :mod:`common.transport` (which holds the transfer logic) so that file stays
 readable; together they are still the only place dualpath touches ``ucxx`` (DESIGN §5), plus
-:mod:`common.ucxx_handshake`.
+:mod:`common.transport.handshake`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 
 import structlog
 
-from common import ucxx_handshake
 from common.errors import ConfigError
-from common.transport_plan import MessagePlan
-from common.ucx_env import options_overridden_by_env
+from common.transport import handshake
+from common.transport.plan import MessagePlan
+from common.transport.ucx_env import options_overridden_by_env
 
 log = structlog.get_logger("common.transport")
 
@@ -39,7 +39,7 @@ def ucxx() -> SimpleNamespace:
         from ucxx.types import Tag, TagMaskFull
         _ucx = SimpleNamespace(lib=lib, Array=Array, app=app, Tag=Tag, Mask=TagMaskFull,
                                Error=lib.UCXError)
-        ucxx_handshake.install()  # ucxx's own handshake frees buffers UCX still writes into
+        handshake.install()  # ucxx's own handshake frees buffers UCX still writes into
     return _ucx
 
 

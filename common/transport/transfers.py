@@ -2,8 +2,8 @@
 packed messages through staging), the send side, and what a failure part-way does.
 
 A layer of :class:`common.transport.PageTransport` (its module doc explains the design) on top
-of :class:`common.transport_links.LinkTable`. Only ``common/transport*.py`` and
-``common/ucxx_handshake.py`` touch ``ucxx`` (DESIGN §5).
+of :class:`common.transport.links.LinkTable`. Only ``common/transport*.py`` and
+``common/transport/handshake.py`` touch ``ucxx`` (DESIGN §5).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import structlog
 
 from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InvalidArgument,
                            PeerFailed, ProtocolError)
-from common.transport_links import LinkTable
-from common.transport_plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
+from common.transport.links import LinkTable
+from common.transport.plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
                                    SourceMap, check_flat_bytes, check_transfer_id,
                                    is_device_array, plan_messages)
-from common.transport_staging import StagingQueue
-from common.transport_ucx import Peer, ReceiveHandle
-from common.transport_ucx import Transfer as _Transfer
-from common.transport_ucx import ucxx as _ucxx
+from common.transport.staging import StagingQueue
+from common.transport.ucx import Peer, ReceiveHandle
+from common.transport.ucx import Transfer as _Transfer
+from common.transport.ucx import ucxx as _ucxx
 
 log = structlog.get_logger("common.transport")
 
@@ -49,7 +49,7 @@ class TransferEngine(LinkTable):
         pool), in stream order — send the same list to the peer (``PageSlots``). Direct
         messages land in the arena; packed ones (small, non-contiguous runs) in staging, then
         are scattered — those beyond the free staging are posted as staging frees up, in
-        order across transfers (:mod:`common.transport_staging`). ``deadline_s`` is the
+        order across transfers (:mod:`common.transport.staging`). ``deadline_s`` is the
         budget from now. Device (cupy) arenas take direct messages only. ``await
         handle.wait()`` before reading the arena; after a failure or ``await
         handle.cancel()`` no receive targets it any more.
@@ -130,7 +130,7 @@ class TransferEngine(LinkTable):
 
     def _drain_staging(self) -> None:
         """Give free staging to waiting packed receives, oldest first (strict FIFO across
-        transfers: see :mod:`common.transport_staging` for the deadlock this prevents)."""
+        transfers: see :mod:`common.transport.staging` for the deadlock this prevents)."""
         if self._staging_queue and self._state == "running" and \
                 self._staging_queue.drain(self._post_packed):
             self._progress.kick()

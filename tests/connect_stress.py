@@ -31,8 +31,8 @@ async def main(n: int) -> None:
                 await a.endpoint(b.address, deadline_s=rng.choice(BUDGETS))
             except DualpathError:
                 failed += 1
-            for link in list(a._all_links):      # the next attempt connects afresh
-                a._abort_link(link, "connect stress")
+            for link in list(a.links._all_links):      # the next attempt connects afresh
+                a.links.abort(link, "connect stress")
             churn = [bytearray(16) for _ in range(200)]   # reuse freed pymalloc blocks
             del churn
             if i % 50 == 0:

@@ -127,7 +127,7 @@ def peer():
 async def local():
     t = PageTransport(TransportConfig(**CFG), "local")
     await t.start()
-    ctx = weakref.ref(t._ctx)
+    ctx = weakref.ref(t.links._ctx)
     try:
         yield t
     finally:
@@ -377,7 +377,7 @@ async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
     buf1, buf2 = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
     ref1, ref2 = weakref.ref(buf1), weakref.ref(buf2)
     for req, buf in ((first, buf1), (second, buf2)):
-        task = asyncio.create_task(local._wait_one(req, buf))
+        task = asyncio.create_task(local.links._wait_one(req, buf))
         await until(lambda req=req: req.polled, what="the wait to poll its request")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -387,7 +387,7 @@ async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
     assert ref1() is not None and ref2() is not None
     assert local.stats()["requests_parked_now"] == 2
     first.done = True                     # UCX is done with it: now it may go
-    local._prune_parked()
+    local.links._prune_parked()
     gc.collect()
     assert ref1() is None and ref2() is not None
     orphaned = len(transport_mod._ORPHANED)
@@ -433,7 +433,7 @@ async def test_single_copy_receiver_needs_the_commit(monkeypatch):
     """Data over the worker-address endpoint completes only with the sender's commit."""
     cfg = TransportConfig(**CFG)
     async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
-        if not a._worker_address:
+        if not a.links.worker_address:
             pytest.skip(f"no single copy here: {a.single_copy_reason}")
         slots = [(0, 3 * MIB), (4 * MIB, 64 * KIB)]
         data = pattern(41, 3 * MIB + 64 * KIB)
@@ -446,7 +446,7 @@ async def test_single_copy_receiver_needs_the_commit(monkeypatch):
 
         async def no_commit(tx):
             return None
-        monkeypatch.setattr(b, "_send_commit", no_commit)
+        monkeypatch.setattr(b.transfers, "_send_commit", no_commit)
         arena, tid = arena_for(slots), a.new_transfer_id()
         handle = await a.expect(b.address, tid, arena, slots, 1.0)
         before = a.stats()["messages_received"]
@@ -459,12 +459,12 @@ async def test_single_copy_receiver_needs_the_commit(monkeypatch):
 async def test_single_copy_endpoint_failure_falls_back_to_the_link(monkeypatch):
     cfg = TransportConfig(**CFG)
     async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
-        if not a._worker_address:
+        if not a.links.worker_address:
             pytest.skip(f"no single copy here: {a.single_copy_reason}")
 
         async def refuse(*args, **kw):
             raise ValueError("no endpoint from this address")
-        monkeypatch.setattr(b._ctx, "create_endpoint_from_worker_address", refuse)
+        monkeypatch.setattr(b.links._ctx, "create_endpoint_from_worker_address", refuse)
         slots = [(0, 2 * MIB)]
         data = pattern(42, 2 * MIB)
         arena, tid = arena_for(slots), a.new_transfer_id()
@@ -477,7 +477,7 @@ async def test_single_copy_endpoint_failure_falls_back_to_the_link(monkeypatch):
 
 @pytest.mark.slow
 async def test_same_host_peers_use_single_copy(peer, local):
-    if not local._worker_address:
+    if not local.links.worker_address:
         pytest.skip(f"no single copy here: {local.single_copy_reason}")
     slots = [(0, 5 * MIB)]
     arena = await receive_from(peer, local, slots, seed=32)

@@ -1,10 +1,11 @@
-"""The endpoint side of the page transport: links to peers, their handshake, the
-single-copy endpoints, and the parking of buffers that ucxx requests may still point into.
+"""The endpoints of one page transport: links to peers, their handshake, the single-copy
+endpoints, and the parking of buffers that ucxx requests may still point into.
 
-A layer of :class:`common.transport.PageTransport` (which holds the state, the lifecycle and
-the module doc that explains the design); :mod:`common.transport.transfers` builds the
-transfers on these links. Only ``common/transport*.py`` and ``common/transport/handshake.py``
-touch ``ucxx`` (DESIGN §5).
+:class:`Links` owns all of that state. :class:`~common.transport.transfers.Transfers` is given
+a ``Links`` and asks it for a usable link to a peer (connecting on first use), the endpoint to
+send page messages on, and to abort a link a transfer failed on; the facade
+:class:`~common.transport.page_transport.PageTransport` creates both (the package doc explains
+the design).
 """
 
 from __future__ import annotations
@@ -18,80 +19,120 @@ import structlog
 
 from common.config import TransportConfig
 from common.errors import DeadlineExceeded, PeerFailed, ProtocolError, Unavailable
-from common.transport.plan import (HELLO_BYTES, HELLO_VERSION, StagingPool, TransferHello,
-                                   TransferIdSource, check_same_plan, decode_hello,
-                                   encode_hello, fit_hello, single_copy_link)
-from common.transport.ucx import Link as _Link
-from common.transport.ucx import Peer
-from common.transport.ucx import Transfer as _Transfer
-from common.transport.ucx import claim_progress as _claim_progress
-from common.transport.ucx import ucxx as _ucxx
-from common.transport.ucx_env import WorkerProgress, process_gone
+from common.transport.plan import (HELLO_BYTES, HELLO_VERSION, TransferHello, check_same_plan,
+                                   decode_hello, encode_hello, fit_hello, single_copy_link)
+from common.transport.ucx import Link, Peer, claim_progress, ucxx
+from common.transport.ucx_env import (WorkerProgress, local_host_id, local_process_id,
+                                      process_gone)
 
 log = structlog.get_logger("common.transport")
 
 _GONE_CHECKS, _GONE_RECHECK_S = 5, 2.0  # is a failed single-copy peer's process gone?
 
 
-class LinkTable:
-    """Links to peer transports, keyed by their listener address (a PageTransport layer).
+class Links:
+    """Links to peer transports, keyed by their listener address, over one UCX context.
 
-    The attributes are set by ``PageTransport.__init__``/``start``; they are declared here so
-    every layer is type-checked against the same state.
+    Made by a starting transport from its UCX context and progress driver; :meth:`listen`
+    accepts peers, :meth:`begin_close` then :meth:`close` end it (``state``: running →
+    closing → closed). The transfers of the transport read ``running`` to know whether a
+    failure is the transport stopping.
     """
 
-    _cfg: TransportConfig
-    node_id: str
-    _ids: TransferIdSource
-    _links: dict[Peer, _Link]
-    _all_links: set[_Link]
-    _connecting: dict[Peer, asyncio.Lock]
-    _receiving: dict[int, _Transfer]
-    _active: set[_Transfer]
-    _handshaking: set[Any]
-    _retired: collections.OrderedDict[int, None]
-    _state: str
-    _ctx: Any
-    _listener: Any
-    _worker_progress: WorkerProgress | None
-    _loop: asyncio.AbstractEventLoop | None
-    _staging_pool: StagingPool | None
-    _worker_address: bytes
-    _host_id: str
-    _process_id: str
-    _data_eps: dict[bytes, Any]
-    _parked: list[tuple[Any, Any]]
-    _n: collections.Counter[str]
+    def __init__(self, cfg: TransportConfig, node_id: str, ctx: Any, progress: WorkerProgress,
+                 single_copy: bool) -> None:
+        self.node_id = node_id
+        self.state = "running"
+        # our worker's address, sent in the hello when single copy is allowed here (else b"")
+        self.worker_address = bytes(ctx.worker.address.tobytes()) if single_copy else b""
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._cfg, self._ctx, self._progress = cfg, ctx, progress
+        self._loop = asyncio.get_running_loop()
+        self._host_id = local_host_id() if single_copy else ""
+        self._process_id = local_process_id()
+        self._listener: Any = None
+        self._links: dict[Peer, Link] = {}
+        self._all_links: set[Link] = set()
+        self._connecting: dict[Peer, asyncio.Lock] = {}
+        self._handshaking: set[Any] = set()
+        self._data_eps: dict[bytes, Any] = {}    # peer worker address -> endpoint (single copy)
+        self._parked: list[tuple[Any, Any]] = []  # (request, buffers it points into): park()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def listen(self) -> None:
+        """Accept peers on ``cfg.port`` (0: any free port)."""
+        claim_progress(self._loop)
+        self._listener = self._ctx.create_listener(
+            self._on_accept, port=self._cfg.port, endpoint_error_handling=True,
+            connect_timeout=self._cfg.connect_timeout_s)
 
     @property
-    def _progress(self) -> WorkerProgress:
-        """The progress driver; set by ``start()`` (kept, closed, after ``stop()``)."""
-        if self._worker_progress is None:
-            raise RuntimeError(f"page transport of {self.node_id} was never started")
-        return self._worker_progress
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def check_running(self) -> None:
+        if self.state != "running":
+            raise Unavailable(f"page transport of {self.node_id} is {self.state}, not running")
 
     @property
-    def _staging(self) -> StagingPool:
-        """The staging pool of a started transport (released by ``stop()``)."""
-        if self._staging_pool is None:
-            raise RuntimeError(f"page transport of {self.node_id} is {self._state}: no staging")
-        return self._staging_pool
+    def address(self) -> Peer:
+        """The ``(host, port)`` peers connect to (``cfg.host`` is advertised as is)."""
+        self.check_running()
+        return (self._cfg.host, int(self._listener.port))
 
-    def _check_running(self) -> None:
-        if self._state != "running":
-            raise Unavailable(f"page transport of {self.node_id} is {self._state}, not running")
+    @property
+    def handlers_active(self) -> int:
+        """Accept handlers (handshakes) the listener still runs."""
+        return int(self._listener.active_clients) if self._listener is not None else 0
 
-    def _park(self, req: Any, keep: Any) -> None:
+    def begin_close(self, reason: str) -> None:
+        """Stop registering links and abort every link and handshake (receives on them fail)."""
+        self.state = "closing"
+        for link in list(self._all_links):
+            self.abort(link, reason)
+        for ep in list(self._handshaking):
+            ep.abort()
+
+    def close(self) -> None:
+        """Abort the single-copy endpoints, close the listener and let go of the context."""
+        for ep in self._data_eps.values():
+            ep.abort()
+        self._data_eps.clear()
+        if self._listener is not None:
+            self._listener.close()
+        self._listener = self._ctx = None
+        self.worker_address = b""
+        self._links.clear()
+        self._all_links.clear()
+        self.state = "closed"
+
+    def progress_now(self) -> bool:
+        """Progress the worker once, outside the driver; False once the context is released."""
+        if self._ctx is None:
+            return False
+        self._ctx.worker.progress()
+        return True
+
+    # ------------------------------------------------------------------ parked buffers
+
+    def park(self, req: Any, keep: Any) -> None:
         """ucxx requests hold raw pointers, never references: a request that may still
         complete keeps the buffers it points into alive (here) until it has completed."""
         if req is not None and not req.completed:
             self._prune_parked()
             self._parked.append((req, keep))
-            self._n["requests_parked"] += 1
+            self.counts["requests_parked"] += 1
 
     def _prune_parked(self) -> None:
         if self._parked:
             self._parked = [(r, k) for r, k in self._parked if not r.completed]
+
+    def take_parked(self) -> list[Any]:
+        """At stop: hand over what still-pending requests point into (the caller keeps it)."""
+        self._prune_parked()
+        keep, self._parked = [k for _, k in self._parked], []
+        return keep
 
     # ------------------------------------------------------------------ endpoints
 
@@ -99,12 +140,13 @@ class LinkTable:
         """The ucxx endpoint page messages to ``peer`` travel on (connecting if needed) — for
         baselines/diagnostics: on a single-copy link the worker-address endpoint (no error
         handling: a dead peer is not reported on it), else the link's own endpoint."""
-        self._check_running()
+        self.check_running()
         budget = self._cfg.connect_timeout_s if deadline_s is None else deadline_s
-        link = await self._link_to((peer[0], peer[1]), asyncio.get_running_loop().time() + budget)
-        return await self._data_ep(link)
+        link = await self.link_to((peer[0], peer[1]), asyncio.get_running_loop().time() + budget)
+        return await self.data_ep(link)
 
-    async def _link_to(self, peer: Peer, deadline_at: float) -> _Link:
+    async def link_to(self, peer: Peer, deadline_at: float) -> Link:
+        """A usable link to ``peer``, connecting (once, whoever asks) if there is none."""
         link = self._links.get(peer)
         if link is not None and link.usable:
             return link
@@ -114,8 +156,8 @@ class LinkTable:
                 return link
             return await self._connect(peer, deadline_at)
 
-    async def _connect(self, peer: Peer, deadline_at: float) -> _Link:
-        u, loop, cfg = _ucxx(), asyncio.get_running_loop(), self._cfg
+    async def _connect(self, peer: Peer, deadline_at: float) -> Link:
+        u, loop, cfg = ucxx(), asyncio.get_running_loop(), self._cfg
         budget = min(cfg.connect_timeout_s, deadline_at - loop.time())
         if budget <= 0:
             raise DeadlineExceeded(f"deadline passed before connecting to {peer}")
@@ -123,7 +165,7 @@ class LinkTable:
         try:
             with self._progress.busy():
                 async with asyncio.timeout(budget):
-                    _claim_progress(loop)
+                    claim_progress(loop)
                     ep = await self._ctx.create_endpoint(
                         peer[0], peer[1], endpoint_error_handling=True, connect_timeout=budget)
                     await self._send_hello(ep)
@@ -138,13 +180,13 @@ class LinkTable:
                 raise DeadlineExceeded(f"deadline passed while connecting to {peer}") from e
             raise Unavailable(f"cannot connect to page transport {peer[0]}:{peer[1]} "
                               f"({type(e).__name__}: {e}) — is the peer started?") from e
-        self._n["connects"] += 1
+        self.counts["connects"] += 1
         link = self._register(self._new_link(peer, ep, hello))
         await self._open_data_ep(link)
         return link
 
     async def _on_accept(self, ep: Any) -> None:
-        if self._state != "running":
+        if self.state != "running":
             ep.abort()
             return
         self._handshaking.add(ep)
@@ -156,25 +198,25 @@ class LinkTable:
                     self._check_hello(hello)
             link = self._register(self._new_link((hello.host, hello.port), ep, hello))
             await self._open_data_ep(link)
-            self._n["accepts"] += 1
-        except (TimeoutError, ProtocolError, Unavailable, _ucxx().Error) as e:
+            self.counts["accepts"] += 1
+        except (TimeoutError, ProtocolError, Unavailable, ucxx().Error) as e:
             log.warning("peer_handshake_failed", error=repr(e))
             ep.abort()
         finally:
             self._handshaking.discard(ep)
 
-    def _new_link(self, addr: Peer, ep: Any, hello: TransferHello) -> _Link:
+    def _new_link(self, addr: Peer, ep: Any, hello: TransferHello) -> Link:
         single = single_copy_link(self._hello(), hello)
-        return _Link(addr, ep, hello.node_id, single_copy=single,
-                     peer_worker_address=hello.worker_address if single else b"",
-                     peer_process=hello.process)
+        return Link(addr, ep, hello.node_id, single_copy=single,
+                    peer_worker_address=hello.worker_address if single else b"",
+                    peer_process=hello.process)
 
-    async def _open_data_ep(self, link: _Link) -> None:
-        """Make the single-copy endpoint to the link's peer worker now (see the module doc)."""
+    async def _open_data_ep(self, link: Link) -> None:
+        """Make the single-copy endpoint to the link's peer worker now (see the package doc)."""
         if not link.single_copy or link.peer_worker_address in self._data_eps:
             return
-        u = _ucxx()
-        _claim_progress(asyncio.get_running_loop())
+        u = ucxx()
+        claim_progress(asyncio.get_running_loop())
         try:
             ep = await self._ctx.create_endpoint_from_worker_address(
                 u.lib.UCXAddress.create_from_buffer(link.peer_worker_address),
@@ -182,13 +224,13 @@ class LinkTable:
         except Exception as e:  # a bad address, a UCX refusal: data then goes over link.ep
             log.warning("single_copy_endpoint_failed", peer=link.addr, error=repr(e))
             return
-        if self._state != "running" or link.peer_worker_address in self._data_eps:
+        if self.state != "running" or link.peer_worker_address in self._data_eps:
             ep.abort()
             return
         self._data_eps[link.peer_worker_address] = ep
-        self._n["single_copy_endpoints"] += 1
+        self.counts["single_copy_endpoints"] += 1
 
-    async def _data_ep(self, link: _Link) -> Any:
+    async def data_ep(self, link: Link) -> Any:
         """The endpoint this side sends page messages to ``link`` on."""
         if not link.single_copy:
             return link.ep
@@ -200,21 +242,21 @@ class LinkTable:
             ep = self._data_eps.get(link.peer_worker_address)
         return link.ep if ep is None else ep
 
-    def _forget_if_gone(self, link: _Link, checks_left: int = _GONE_CHECKS) -> None:
+    def _forget_if_gone(self, link: Link, checks_left: int = _GONE_CHECKS) -> None:
         """Close the single-copy endpoint of a failed link's peer once its process has ended
         (a process that just closed its endpoints may still be exiting: look again later)."""
         addr = link.peer_worker_address
-        if not link.single_copy or addr not in self._data_eps or self._state != "running":
+        if not link.single_copy or addr not in self._data_eps or self.state != "running":
             return
         if any(other.usable and other.peer_worker_address == addr for other in self._all_links):
             return  # the peer is connected again: it is alive
         if process_gone(link.peer_process):
             self._data_eps.pop(addr).abort()
-        elif checks_left > 1 and self._loop is not None:
+        elif checks_left > 1:
             self._loop.call_later(_GONE_RECHECK_S, self._forget_if_gone, link, checks_left - 1)
 
-    def _register(self, link: _Link) -> _Link:
-        if self._state != "running":
+    def _register(self, link: Link) -> Link:
+        if self.state != "running":
             link.ep.abort()
             raise Unavailable(f"page transport of {self.node_id} is stopping")
         self._all_links.add(link)
@@ -225,17 +267,18 @@ class LinkTable:
         log.debug("endpoint_registered", peer=link.addr, node_id=link.node_id)
         return link
 
-    def _on_link_closed(self, link: _Link) -> None:
+    def _on_link_closed(self, link: Link) -> None:
         if link.failure is None:
             link.failure = "endpoint closed (peer failed or left)"
         if self._links.get(link.addr) is link:
             del self._links[link.addr]
-        if link.single_copy and self._loop is not None:  # not inside UCX's callback
+        if link.single_copy:  # not inside UCX's callback
             self._loop.call_soon_threadsafe(self._forget_if_gone, link)
-        if self._worker_progress is not None:
-            self._worker_progress.kick()
+        self._progress.kick()
 
-    def _abort_link(self, link: _Link, reason: str) -> None:
+    def abort(self, link: Link, reason: str) -> None:
+        """Abort ``link``'s endpoint: UCX cancels every request posted on it (a half-received
+        tag sequence is never reused); the next transfer to that peer connects afresh."""
         if link.failure is None:
             link.failure = reason
         if self._links.get(link.addr) is link:
@@ -243,23 +286,25 @@ class LinkTable:
         self._all_links.discard(link)
         self._forget_if_gone(link)
         if link.ep._ep is not None:
-            self._n["endpoint_aborts"] += 1
+            self.counts["endpoint_aborts"] += 1
             log.info("endpoint_aborted", peer=link.addr, reason=reason)
             link.ep.abort()
+
+    # ------------------------------------------------------------------ handshake
 
     def _hello(self) -> TransferHello:
         cfg = self._cfg
         return fit_hello(TransferHello(HELLO_VERSION, self.node_id, cfg.host,
                                        int(self._listener.port), cfg.max_message_bytes,
-                                       cfg.pack_below_bytes, self._worker_address,
+                                       cfg.pack_below_bytes, self.worker_address,
                                        self._host_id, self._process_id))
 
     async def _send_hello(self, ep: Any) -> None:
-        u, buf = _ucxx(), encode_hello(self._hello())
+        u, buf = ucxx(), encode_hello(self._hello())
         await self._wait_one(ep._ep.tag_send(u.Array(buf), u.Tag(ep._tags["msg_send"])), buf)
 
     async def _recv_hello(self, ep: Any) -> TransferHello:
-        u, buf = _ucxx(), np.zeros(HELLO_BYTES, dtype=np.uint8)
+        u, buf = ucxx(), np.zeros(HELLO_BYTES, dtype=np.uint8)
         await self._wait_one(ep._ep.tag_recv(u.Array(buf), u.Tag(ep._tags["msg_recv"]), u.Mask),
                              buf)
         return decode_hello(buf)
@@ -274,5 +319,18 @@ class LinkTable:
             while not req.completed:
                 await self._progress.tick()
         finally:
-            self._park(req, buf)
+            self.park(req, buf)
         req.check_error()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges of the endpoint side (part of ``PageTransport.stats``)."""
+        out = {k: float(self.counts.get(k, 0)) for k in (
+            "connects", "accepts", "endpoint_aborts", "single_copy_endpoints", "requests_parked")}
+        out["requests_parked_now"] = float(len(self._parked))
+        out["endpoints"] = float(sum(1 for link in self._all_links if link.usable))
+        out["single_copy_links"] = float(sum(1 for link in self._all_links
+                                             if link.usable and link.single_copy))
+        out["single_copy_endpoints_open"] = float(len(self._data_eps))
+        return out

@@ -46,7 +46,7 @@ from tools.config import DualpathConfig
 from common.kv import PRESETS, block_keys_from_tokens
 from common.logging import configure_logging
 from common.protocol import Endpoint, RequestPlan
-from common.transport_plan import plan_messages
+from common.transport.plan import plan_messages
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = PRESETS["deepseek-v3.2"]

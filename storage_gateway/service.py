@@ -57,7 +57,7 @@ from common.service import Service
 from common.shm import ShmMappings, valid_name
 from common.shm import ShmUnavailable as SegmentUnavailable
 from common.transport import PageTransport
-from common.transport_plan import check_transfer_id, plan_messages
+from common.transport.plan import check_transfer_id, plan_messages
 from storage_gateway.destinations import stream_block_pieces
 from storage_gateway.config import GatewayNodeConfig, GatewayServiceConfig
 from storage_gateway.store import GatewayStore

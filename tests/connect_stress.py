@@ -14,10 +14,9 @@ import sys
 
 import numpy as np
 
-from common import ucxx_handshake
 from common.config import TransportConfig
 from common.errors import DualpathError
-from common.transport import PageTransport
+from common.transport import PageTransport, handshake
 
 BUDGETS = (1e-5, 1e-4, 3e-4, 1e-3, 3e-3)
 
@@ -32,8 +31,8 @@ async def main(n: int) -> None:
                 await a.endpoint(b.address, deadline_s=rng.choice(BUDGETS))
             except DualpathError:
                 failed += 1
-            for link in list(a._all_links):      # the next attempt connects afresh
-                a._abort_link(link, "connect stress")
+            for link in list(a.links._all_links):      # the next attempt connects afresh
+                a.links.abort(link, "connect stress")
             churn = [bytearray(16) for _ in range(200)]   # reuse freed pymalloc blocks
             del churn
             if i % 50 == 0:
@@ -53,7 +52,7 @@ async def main(n: int) -> None:
         await handle.wait()
         got = np.concatenate([arena[o:o + n_] for o, n_ in slots])
         assert np.array_equal(got, data), "bytes differ after the connect stress"
-        print(f"handshakes still pending {ucxx_handshake.pending()}", flush=True)
+        print(f"handshakes still pending {handshake.pending()}", flush=True)
     print("ok", flush=True)
 
 

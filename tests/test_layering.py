@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 # module names (and their submodules) the core must not load
 FORBIDDEN = (
     "asyncio", "ucxx", "uvloop",
-    "common.transport", "common.transport_ucx", "common.ucxx_handshake",
+    "common.transport",
     "common.rpc", "common.rpc_client", "common.rpc_server",
     "common.service", "services.node.base", "tools",
 )

@@ -74,7 +74,7 @@ def put_and_send(t: PrefillTransfer) -> list[SendLayer]:
 # ---------------------------------------------------------------------------- layering
 def test_importing_the_core_loads_no_io_service_or_tools_module():
     code = ("import sys, services.pe_receiver.transfer\n"
-            "bad = ('ucxx', 'asyncio', 'common.transport', 'common.transport_ucx', 'common.rpc',"
+            "bad = ('ucxx', 'asyncio', 'common.transport', 'common.transport.ucx', 'common.rpc',"
             " 'common.rpc_server', 'common.rpc_client', 'common.service', 'services.node.base')\n"
             "print([m for m in sys.modules if m in bad or m == 'tools' or "
             "m.startswith(('tools.', 'ucxx.', 'common.transport'))])")

@@ -108,7 +108,7 @@ class PeerProc:
 @pytest.fixture(scope="module", autouse=True)
 def single_copy_opt_in():
     """This module also exercises the opt-in single-copy path (off by default: see
-    common.ucx_env.single_copy_supported); its peers inherit the setting."""
+    common.transport.ucx_env.single_copy_supported); its peers inherit the setting."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DUALPATH_UCX_SINGLE_COPY", "1")
         yield
@@ -127,7 +127,7 @@ def peer():
 async def local():
     t = PageTransport(TransportConfig(**CFG), "local")
     await t.start()
-    ctx = weakref.ref(t._ctx)
+    ctx = weakref.ref(t.links._ctx)
     try:
         yield t
     finally:
@@ -360,7 +360,7 @@ async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
     """ucxx requests hold raw pointers, not references: a wait given up on (deadline, cancel)
     parks its buffer until UCX completed the request, and a stop keeps it for good — freed
     earlier, a late write would land in reused heap memory (a crash far from its cause)."""
-    import common.transport as transport_mod
+    import common.transport.page_transport as transport_mod
 
     class Pending:           # a UCX request that has not completed (yet)
         done = polled = False
@@ -377,7 +377,7 @@ async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
     buf1, buf2 = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
     ref1, ref2 = weakref.ref(buf1), weakref.ref(buf2)
     for req, buf in ((first, buf1), (second, buf2)):
-        task = asyncio.create_task(local._wait_one(req, buf))
+        task = asyncio.create_task(local.links._wait_one(req, buf))
         await until(lambda req=req: req.polled, what="the wait to poll its request")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -387,7 +387,7 @@ async def test_a_request_given_up_on_keeps_its_buffer_alive(local):
     assert ref1() is not None and ref2() is not None
     assert local.stats()["requests_parked_now"] == 2
     first.done = True                     # UCX is done with it: now it may go
-    local._prune_parked()
+    local.links._prune_parked()
     gc.collect()
     assert ref1() is None and ref2() is not None
     orphaned = len(transport_mod._ORPHANED)
@@ -403,7 +403,7 @@ def test_connects_given_up_on_never_corrupt_memory(reliability):
     """Hundreds of connects whose budget runs out mid-handshake, then allocator churn and a
     real transfer (in a subprocess: the failure is a segfault). ucxx 0.52's own handshake
     freed its receive buffer on timeout while UCX still wrote the peer's bytes into it;
-    unpatched, this crashed 3 runs of 3 (common/ucxx_handshake.py)."""
+    unpatched, this crashed 3 runs of 3 (common/transport/handshake.py)."""
     proc = subprocess.run([sys.executable, "-m", "tests.connect_stress", "300"], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
@@ -421,10 +421,10 @@ def test_handshake_patch_is_installed():
     import ucxx._lib_async.application_context as app
     import ucxx._lib_async.listener as listener
 
-    from common import transport, ucxx_handshake
-    transport._ucxx()
-    assert app.exchange_peer_info is ucxx_handshake.exchange_peer_info
-    assert listener.exchange_peer_info is ucxx_handshake.exchange_peer_info
+    from common.transport import handshake, ucx
+    ucx.ucxx()
+    assert app.exchange_peer_info is handshake.exchange_peer_info
+    assert listener.exchange_peer_info is handshake.exchange_peer_info
 
 
 # ---------------------------------------------------------------- single copy (same host)
@@ -433,7 +433,7 @@ async def test_single_copy_receiver_needs_the_commit(monkeypatch):
     """Data over the worker-address endpoint completes only with the sender's commit."""
     cfg = TransportConfig(**CFG)
     async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
-        if not a._worker_address:
+        if not a.links.worker_address:
             pytest.skip(f"no single copy here: {a.single_copy_reason}")
         slots = [(0, 3 * MIB), (4 * MIB, 64 * KIB)]
         data = pattern(41, 3 * MIB + 64 * KIB)
@@ -446,7 +446,7 @@ async def test_single_copy_receiver_needs_the_commit(monkeypatch):
 
         async def no_commit(tx):
             return None
-        monkeypatch.setattr(b, "_send_commit", no_commit)
+        monkeypatch.setattr(b.transfers, "_send_commit", no_commit)
         arena, tid = arena_for(slots), a.new_transfer_id()
         handle = await a.expect(b.address, tid, arena, slots, 1.0)
         before = a.stats()["messages_received"]
@@ -459,12 +459,12 @@ async def test_single_copy_receiver_needs_the_commit(monkeypatch):
 async def test_single_copy_endpoint_failure_falls_back_to_the_link(monkeypatch):
     cfg = TransportConfig(**CFG)
     async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
-        if not a._worker_address:
+        if not a.links.worker_address:
             pytest.skip(f"no single copy here: {a.single_copy_reason}")
 
         async def refuse(*args, **kw):
             raise ValueError("no endpoint from this address")
-        monkeypatch.setattr(b._ctx, "create_endpoint_from_worker_address", refuse)
+        monkeypatch.setattr(b.links._ctx, "create_endpoint_from_worker_address", refuse)
         slots = [(0, 2 * MIB)]
         data = pattern(42, 2 * MIB)
         arena, tid = arena_for(slots), a.new_transfer_id()
@@ -477,7 +477,7 @@ async def test_single_copy_endpoint_failure_falls_back_to_the_link(monkeypatch):
 
 @pytest.mark.slow
 async def test_same_host_peers_use_single_copy(peer, local):
-    if not local._worker_address:
+    if not local.links.worker_address:
         pytest.skip(f"no single copy here: {local.single_copy_reason}")
     slots = [(0, 5 * MIB)]
     arena = await receive_from(peer, local, slots, seed=32)

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidArgument, ProtocolError
-from common.transport_plan import (COMMIT_INDEX, HELLO_BYTES, INDEX_BITS, MAX_MESSAGES,
+from common.transport.plan import (COMMIT_INDEX, HELLO_BYTES, INDEX_BITS, MAX_MESSAGES,
                                    MAX_TRANSFER_ID, SourceMap, StagingPool, TransferHello,
                                    TransferIdSource, check_same_plan, check_transfer_id,
                                    decode_hello, encode_hello, fit_hello, make_tag,
                                    plan_messages, single_copy_link)
-from common.ucx_env import (apply_ucx_env, local_host_id, options_overridden_by_env,
+from common.transport.ucx_env import (apply_ucx_env, local_host_id, options_overridden_by_env,
                             single_copy_supported)
 from tests.transport_peer import pattern
 

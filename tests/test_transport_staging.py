@@ -19,7 +19,7 @@ import pytest
 from common.config import TransportConfig
 from common.errors import ConfigError
 from common.transport import PageTransport
-from common.transport_staging import StagingQueue, staged_bytes
+from common.transport.staging import StagingQueue, staged_bytes
 from tests.transport_peer import gather, pattern
 
 KIB, MIB = 1024, 1024 * 1024
@@ -89,16 +89,16 @@ async def test_a_cancelled_transfer_gives_up_its_place_in_the_staging_queue():
         senders = [b, c, b]
         handles = [await a.expect(s.address, tid, arena, transfer_slots(k), 20.0)
                    for k, (s, tid) in enumerate(zip(senders, tids))]
-        assert [len(a._receiving[t].deferred) for t in tids] == [0, 1, 1]
+        assert [len(a.transfers._receiving[t].deferred) for t in tids] == [0, 1, 1]
         await handles[1].cancel()
-        assert tids[1] not in a._receiving and len(a._staging_queue) == 1
+        assert tids[1] not in a.transfers._receiving and len(a.transfers._staging_queue) == 1
         await b.send(a.address, tids[0], [data[0]], transfer_slots(0), 10.0)
         await asyncio.wait_for(handles[0].wait(), 10.0)
         await b.send(a.address, tids[2], [data[2]], transfer_slots(2), 10.0)
         await asyncio.wait_for(handles[2].wait(), 10.0)
         for k in (0, 2):
             assert np.array_equal(gather(arena, transfer_slots(k)), data[k])
-        assert a.stats()["staging_in_use_bytes"] == 0 and len(a._staging_queue) == 0
+        assert a.stats()["staging_in_use_bytes"] == 0 and len(a.transfers._staging_queue) == 0
 
 
 def test_staging_that_cannot_hold_an_aligned_message_is_refused_at_construction():

@@ -117,8 +117,9 @@ class GetStatsReply(Message, tag="stats.reply", frozen=True):
 class PageSlots(Message, tag="pages.slots", frozen=True, array_like=True):
     """Receiver-side destination of one UCX transfer: ``(offset, nbytes)`` runs in its pool.
 
-    The sender cuts its messages with ``common.transport.plan_messages`` over these slots, the
-    receiver posts the same messages, so both agree on tags without per-page control traffic.
+    The sender cuts its messages with ``common.transport.plan.plan_messages`` over these
+    slots, the receiver posts the same messages, so both agree on tags without per-page
+    control traffic.
     Offsets also make the descriptor usable by a one-sided RMA backend later.
     """
 

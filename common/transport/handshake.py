@@ -95,7 +95,8 @@ def install() -> bool:
         if current is None or list(inspect.signature(current).parameters) != _SIGNATURE:
             log.warning("ucxx_handshake_not_patched", module=mod.__name__,
                         reason="exchange_peer_info changed in this ucxx: check whether its "
-                               "buffers still die before their requests (common/ucxx_handshake)")
+                               "buffers still die before their requests "
+                               "(common/transport/handshake.py)")
             done = False
             continue
         mod.exchange_peer_info = exchange_peer_info

@@ -1,9 +1,11 @@
-"""The transfers of the page transport: the receive side (receives posted in advance,
-packed messages through staging), the send side, and what a failure part-way does.
+"""The transfers of one page transport: the receive side (receives posted in advance, packed
+messages through staging), the send side, and what a failure part-way does.
 
-A layer of :class:`common.transport.PageTransport` (its module doc explains the design) on top
-of :class:`common.transport_links.LinkTable`. Only ``common/transport*.py`` and
-``common/ucxx_handshake.py`` touch ``ucxx`` (DESIGN §5).
+:class:`Transfers` is given the transport's :class:`~common.transport.links.Links` and its
+progress driver, and owns everything about transfers in flight: the receives posted, the
+staging pool and its FIFO queue, the ids retired after a failure. A transfer asks the links
+for a usable link to its peer and, when it fails part-way, has them abort that link (the
+package doc explains the design).
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from typing import Any
 import numpy as np
 import structlog
 
+from common.config import TransportConfig
 from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InvalidArgument,
                            PeerFailed, ProtocolError)
-from common.transport_links import LinkTable
-from common.transport_plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
-                                   SourceMap, check_flat_bytes, check_transfer_id,
+from common.transport.links import Links
+from common.transport.plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
+                                   SourceMap, StagingPool, check_flat_bytes, check_transfer_id,
                                    is_device_array, plan_messages)
-from common.transport_staging import StagingQueue
-from common.transport_ucx import Peer, ReceiveHandle
-from common.transport_ucx import Transfer as _Transfer
-from common.transport_ucx import ucxx as _ucxx
+from common.transport.staging import STAGING_ALIGN, StagingQueue
+from common.transport.ucx import Peer, ReceiveHandle, Transfer, ucxx
+from common.transport.ucx_env import WorkerProgress
 
 log = structlog.get_logger("common.transport")
 
@@ -34,10 +36,57 @@ _RETIRED_IDS = 4096          # failed transfer ids remembered (never reused)
 _SETTLE_S = 5.0              # bound on waiting for cancelled requests to complete
 
 
-class TransferEngine(LinkTable):
-    """Transfers over the links of :class:`LinkTable` (a PageTransport layer)."""
+class Transfers:
+    """Transfers in flight over the given :class:`Links`, on both sides.
 
-    _staging_queue: StagingQueue[_Transfer, MessagePlan]   # packed receives waiting (FIFO)
+    Made by a starting transport; :meth:`cancel_receives` and :meth:`close` end it.
+    """
+
+    def __init__(self, cfg: TransportConfig, links: Links, progress: WorkerProgress) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._cfg, self._links, self._progress = cfg, links, progress
+        self._staging_pool: StagingPool | None = StagingPool(
+            cfg.staging_bytes, align=STAGING_ALIGN, on_free=progress.kick)
+        # packed receives waiting for staging (FIFO across transfers)
+        self._staging_queue: StagingQueue[Transfer, MessagePlan] = StagingQueue()
+        self._receiving: dict[int, Transfer] = {}
+        self._active: set[Transfer] = set()
+        self._retired: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers (either side) whose requests may still be pending."""
+        return len(self._active)
+
+    @property
+    def _staging(self) -> StagingPool:
+        """The staging pool of a started transport (released by :meth:`close`)."""
+        if self._staging_pool is None:
+            raise RuntimeError(f"page transport of {self._links.node_id} is "
+                               f"{self._links.state}: no staging")
+        return self._staging_pool
+
+    def cancel_receives(self) -> None:
+        """The transport stops: cancel every receive task (each cleans up as it ends)."""
+        for rx in list(self._receiving.values()):
+            if rx.task is not None:   # set before expect() yields: always, in practice
+                rx.task.cancel()
+
+    @property
+    def staging_pool(self) -> StagingPool | None:
+        """The staging pool (None once closed): kept alive by a stop that orphans requests."""
+        return self._staging_pool
+
+    def unsettled(self) -> list[Any]:
+        """At stop, after the drain: what the requests of each transfer still in flight point
+        into (the caller keeps it alive: UCX may still write there)."""
+        return [(t.keep, t.arena, t.commit) for t in self._active]
+
+    def close(self) -> None:
+        """Let go of the staging pool (a stop that orphans requests keeps it alive)."""
+        self._staging_pool = None
 
     # ------------------------------------------------------------------ receive
 
@@ -49,12 +98,12 @@ class TransferEngine(LinkTable):
         pool), in stream order — send the same list to the peer (``PageSlots``). Direct
         messages land in the arena; packed ones (small, non-contiguous runs) in staging, then
         are scattered — those beyond the free staging are posted as staging frees up, in
-        order across transfers (:mod:`common.transport_staging`). ``deadline_s`` is the
+        order across transfers (:mod:`common.transport.staging`). ``deadline_s`` is the
         budget from now. Device (cupy) arenas take direct messages only. ``await
         handle.wait()`` before reading the arena; after a failure or ``await
         handle.cancel()`` no receive targets it any more.
         """
-        self._check_running()
+        self._links.check_running()
         check_transfer_id(transfer_id)
         if transfer_id in self._receiving or transfer_id in self._retired:
             raise InvalidArgument(f"transfer id {transfer_id} is in use or was aborted; "
@@ -64,11 +113,11 @@ class TransferEngine(LinkTable):
         self._check_slots(plan, arena)
         loop = asyncio.get_running_loop()
         deadline_at = loop.time() + deadline_s
-        link = await self._link_to((peer[0], peer[1]), deadline_at)
+        link = await self._links.link_to((peer[0], peer[1]), deadline_at)
         if transfer_id in self._receiving:
             raise InvalidArgument(f"transfer id {transfer_id} is already expected")
-        rx = _Transfer(transfer_id, link, plan, plan[-1].stream_end if plan else 0,
-                       collections.deque(), collections.deque(), arena, keep=arena)
+        rx = Transfer(transfer_id, link, plan, plan[-1].stream_end if plan else 0,
+                      collections.deque(), collections.deque(), arena, keep=arena)
         self._receiving[transfer_id] = rx
         self._active.add(rx)
         try:
@@ -96,8 +145,8 @@ class TransferEngine(LinkTable):
                 if off + n > size:
                     raise InvalidArgument(f"slot ({off}, {n}) ends beyond the arena ({size} B)")
 
-    def _post_receives(self, rx: _Transfer) -> None:
-        u, ep, base = _ucxx(), rx.link.ep._ep, rx.transfer_id << INDEX_BITS
+    def _post_receives(self, rx: Transfer) -> None:
+        u, ep, base = ucxx(), rx.link.ep._ep, rx.transfer_id << INDEX_BITS
         Array, Tag, mask, arena = u.Array, u.Tag, u.Mask, rx.arena
         if rx.link.single_copy:
             buf = np.zeros(COMMIT_BYTES, np.uint8)
@@ -113,11 +162,11 @@ class TransferEngine(LinkTable):
         self._drain_staging()
         self._progress.kick()
 
-    def _post_packed(self, rx: _Transfer, msg: MessagePlan) -> bool:
+    def _post_packed(self, rx: Transfer, msg: MessagePlan) -> bool:
         stg = self._staging.try_alloc(msg.nbytes)
         if stg is None:
             return False
-        u = _ucxx()
+        u = ucxx()
         try:
             req = rx.link.ep._ep.tag_recv(u.Array(self._staging.view(stg, msg.nbytes)),
                                           u.Tag((rx.transfer_id << INDEX_BITS) | msg.index),
@@ -130,26 +179,26 @@ class TransferEngine(LinkTable):
 
     def _drain_staging(self) -> None:
         """Give free staging to waiting packed receives, oldest first (strict FIFO across
-        transfers: see :mod:`common.transport_staging` for the deadlock this prevents)."""
-        if self._staging_queue and self._state == "running" and \
+        transfers: see :mod:`common.transport.staging` for the deadlock this prevents)."""
+        if self._staging_queue and self._links.running and \
                 self._staging_queue.drain(self._post_packed):
             self._progress.kick()
 
-    async def _receive(self, rx: _Transfer, deadline_at: float, deadline_s: float) -> None:
+    async def _receive(self, rx: Transfer, deadline_at: float, deadline_s: float) -> None:
         try:
             async with asyncio.timeout_at(deadline_at):
                 await self._receive_loop(rx)
-            self._n["transfers_received_ok"] += 1
-            self._n["bytes_received"] += rx.nbytes
+            self.counts["transfers_received_ok"] += 1
+            self.counts["bytes_received"] += rx.nbytes
         except BaseException as e:
-            self._n["transfers_received_failed"] += 1
+            self.counts["transfers_received_failed"] += 1
             raise await self._fail(rx, e, "receive", deadline_s) from e
         finally:
             self._receiving.pop(rx.transfer_id, None)
             self._active.discard(rx)
             self._staging_queue.remove(rx)
 
-    async def _receive_loop(self, rx: _Transfer) -> None:
+    async def _receive_loop(self, rx: Transfer) -> None:
         posted, deferred, staging = rx.posted, rx.deferred, self._staging
         while posted or deferred:
             self._drain_staging()   # deferred messages are posted here, by any transfer's loop
@@ -159,7 +208,7 @@ class TransferEngine(LinkTable):
             if posted and posted[0][0].completed:
                 req, msg, stg = posted.popleft()
                 req.check_error()
-                self._n["messages_received"] += 1
+                self.counts["messages_received"] += 1
                 if stg is not None:
                     self._scatter(rx.arena, msg, stg)
                     staging.free(stg)
@@ -181,8 +230,8 @@ class TransferEngine(LinkTable):
         for off, n in msg.pieces:
             arena[off:off + n] = src[pos:pos + n]
             pos += n
-        self._n["packed_messages"] += 1
-        self._n["packed_bytes"] += msg.nbytes
+        self.counts["packed_messages"] += 1
+        self.counts["packed_bytes"] += msg.nbytes
 
     # ------------------------------------------------------------------ send
 
@@ -198,7 +247,7 @@ class TransferEngine(LinkTable):
         A cancelled caller gets ``CancelledError`` after the endpoint was aborted and all
         sends completed; failures raise PeerFailed / DeadlineExceeded / InvalidArgument.
         """
-        self._check_running()
+        self._links.check_running()
         check_transfer_id(transfer_id)
         for i, view in enumerate(src):
             check_flat_bytes(view, f"src[{i}]")
@@ -210,22 +259,22 @@ class TransferEngine(LinkTable):
                                   f"the receiver's slots hold {total} B")
         loop = asyncio.get_running_loop()
         deadline_at = loop.time() + deadline_s
-        link = await self._link_to((peer[0], peer[1]), deadline_at)
-        tx = _Transfer(transfer_id, link, plan, total, collections.deque(), collections.deque(),
-                       keep=tuple(src))
+        link = await self._links.link_to((peer[0], peer[1]), deadline_at)
+        tx = Transfer(transfer_id, link, plan, total, collections.deque(), collections.deque(),
+                      keep=tuple(src))
         self._active.add(tx)
         try:
             async with asyncio.timeout_at(deadline_at):
                 device = any(is_device_array(v) for v in src)
-                ep = link.ep if device else await self._data_ep(link)
+                ep = link.ep if device else await self._links.data_ep(link)
                 await self._send_loop(tx, ep, source, device,
                                       inflight or self._cfg.max_inflight_messages)
                 if link.single_copy:
                     await self._send_commit(tx)
-            self._n["transfers_sent_ok"] += 1
-            self._n["bytes_sent"] += total
+            self.counts["transfers_sent_ok"] += 1
+            self.counts["bytes_sent"] += total
         except BaseException as e:
-            self._n["transfers_sent_failed"] += 1
+            self.counts["transfers_sent_failed"] += 1
             err = await self._fail(tx, e, "send", deadline_s)
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -233,9 +282,9 @@ class TransferEngine(LinkTable):
         finally:
             self._active.discard(tx)
 
-    async def _send_loop(self, tx: _Transfer, ep: Any, source: SourceMap, device: bool,
+    async def _send_loop(self, tx: Transfer, ep: Any, source: SourceMap, device: bool,
                          limit: int) -> None:
-        u, staging, window, link = _ucxx(), self._staging, tx.posted, tx.link
+        u, staging, window, link = ucxx(), self._staging, tx.posted, tx.link
         ep, base = ep._ep, tx.transfer_id << INDEX_BITS
         Array, Tag, plan, i, count = u.Array, u.Tag, tx.plan, 0, len(tx.plan)
         while i < count or window:
@@ -254,7 +303,7 @@ class TransferEngine(LinkTable):
                         break
                     buf = staging.view(stg, msg.nbytes)
                     source.gather_into(buf, msg.stream_offset)
-                    self._n["gathered_bytes"] += msg.nbytes
+                    self.counts["gathered_bytes"] += msg.nbytes
                 window.append((ep.tag_send(Array(buf), Tag(base | i)), msg, stg))
                 i += 1
                 posted += 1
@@ -266,13 +315,13 @@ class TransferEngine(LinkTable):
                 if stg is not None:
                     staging.free(stg)
                 reaped += 1
-            self._n["messages_sent"] += reaped
+            self.counts["messages_sent"] += reaped
             if not posted and not reaped:
                 await self._progress.tick()
 
-    async def _send_commit(self, tx: _Transfer) -> None:
+    async def _send_commit(self, tx: Transfer) -> None:
         """After every message completed (the receiver took every byte): the commit."""
-        u, link = _ucxx(), tx.link
+        u, link = ucxx(), tx.link
         if not link.usable:
             raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
         buf = np.array([tx.nbytes], np.uint64).view(np.uint8)
@@ -289,7 +338,7 @@ class TransferEngine(LinkTable):
 
     # ------------------------------------------------------------------ failure
 
-    async def _fail(self, t: _Transfer, exc: BaseException, side: str,
+    async def _fail(self, t: Transfer, exc: BaseException, side: str,
                     deadline_s: float) -> DualpathError:
         """Abort the endpoint, wait until no request of ``t`` is pending, type the error."""
         self._staging_queue.remove(t)  # before any await: no receive is posted for it any more
@@ -297,7 +346,7 @@ class TransferEngine(LinkTable):
         if side == "receive":
             self._retire(t.transfer_id)
         if t.posted or t.deferred or t.commit is not None:
-            self._abort_link(t.link, f"{side} of transfer {t.transfer_id} failed: {err.code}")
+            self._links.abort(t.link, f"{side} of transfer {t.transfer_id} failed: {err.code}")
         if side == "send" and t.link.single_copy:
             self._abandon(t)   # the receiver fails without our commit: buffers are free now
         await self._settle(t)
@@ -307,19 +356,19 @@ class TransferEngine(LinkTable):
                     error=err.code.value, detail=err.message)
         return err
 
-    def _classify(self, t: _Transfer, exc: BaseException, side: str,
+    def _classify(self, t: Transfer, exc: BaseException, side: str,
                   deadline_s: float) -> DualpathError:
         what = f"{side} of transfer {t.transfer_id} with {t.link.addr[0]}:{t.link.addr[1]}"
         if isinstance(exc, DualpathError):
             return exc
-        if self._state != "running":
+        if not self._links.running:
             return Cancelled(f"{what}: transport stopping")
         if isinstance(exc, TimeoutError):
             return DeadlineExceeded(f"{what}: deadline of {deadline_s:.3g}s passed with "
                                     f"{len(t.posted) + len(t.deferred)} messages outstanding")
         if isinstance(exc, asyncio.CancelledError):
             return Cancelled(f"{what}: cancelled")
-        if isinstance(exc, _ucxx().Error):
+        if isinstance(exc, ucxx().Error):
             cause = t.link.failure or f"{type(exc).__name__}: {exc}"
             return PeerFailed(f"{what}: peer {t.link.node_id or t.link.addr} failed ({cause})")
         return PeerFailed(f"{what}: {type(exc).__name__}: {exc}")
@@ -329,25 +378,24 @@ class TransferEngine(LinkTable):
         while len(self._retired) > _RETIRED_IDS:
             self._retired.popitem(last=False)
 
-    def _abandon(self, t: _Transfer) -> None:
+    def _abandon(self, t: Transfer) -> None:
         """Drop a failed single-copy send's requests: the data endpoint cannot cancel them
         (they complete only if the receiver takes the bytes), and without the commit no
         receiver counts bytes read from these buffers, so they go back to the caller now."""
         for req, _, stg in t.posted:
             if not req.completed:  # (UCX may only read these buffers later, never write)
-                self._n["sends_abandoned"] += 1
+                self.counts["sends_abandoned"] += 1
             if stg is not None:
                 self._staging.free(stg)
         t.posted = collections.deque()
 
-    async def _settle(self, t: _Transfer) -> None:
+    async def _settle(self, t: Transfer) -> None:
         """Cancelled/aborted requests must complete before buffers go back to the caller."""
         if t.commit is not None:  # posted on the link's endpoint: the abort cancels it
             t.posted.append((t.commit[0], None, None))
             t.keep, t.commit = (t.keep, t.commit[1]), None
         end = time.monotonic() + _SETTLE_S
-        while self._ctx is not None:
-            self._ctx.worker.progress()
+        while self._links.progress_now():
             pending: collections.deque[tuple[Any, Any, int | None]] = collections.deque()
             for entry in t.posted:
                 if not entry[0].completed:
@@ -362,6 +410,23 @@ class TransferEngine(LinkTable):
         if t.posted:  # their staging stays allocated and their buffers parked: UCX may still
             log.error("transfer_requests_not_settled", transfer_id=t.transfer_id,  # write
                       pending=len(t.posted))
+            pool = self._staging_pool
             for req, _, _ in t.posted:
-                self._park(req, (t.keep, self._staging_pool.buffer if self._staging_pool else None))
+                self._links.park(req, (t.keep, pool.buffer if pool else None))
             t.posted = collections.deque()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges of the transfers (part of ``PageTransport.stats``)."""
+        out = {k: float(self.counts.get(k, 0)) for k in (
+            "bytes_sent", "bytes_received", "messages_sent", "messages_received",
+            "transfers_sent_ok", "transfers_sent_failed", "transfers_received_ok",
+            "transfers_received_failed", "packed_messages", "packed_bytes", "gathered_bytes",
+            "sends_abandoned")}
+        staging = self._staging_pool
+        out["staging_in_use_bytes"] = float(staging.in_use if staging else 0)
+        out["staging_peak_bytes"] = float(staging.peak if staging else 0)
+        out["staging_capacity_bytes"] = float(staging.capacity if staging else 0)
+        out["transfers_active"] = float(len(self._active))
+        return out

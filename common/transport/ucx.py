@@ -1,9 +1,7 @@
 """The ucxx side of the page transport: the lazy ``ucxx`` import (with the handshake patch),
-the UCX context of one traffic class, and the book-keeping of links and transfers.
-
-Split from :mod:`common.transport` (which holds the transfer logic) so that file stays
-readable; together they are still the only place dualpath touches ``ucxx`` (DESIGN §5), plus
-:mod:`common.ucxx_handshake`.
+the UCX context of one traffic class, and the records of links and transfers that
+:class:`~common.transport.links.Links` and :class:`~common.transport.transfers.Transfers`
+keep (plain data: the logic is theirs).
 """
 
 from __future__ import annotations
@@ -16,10 +14,10 @@ from typing import Any
 
 import structlog
 
-from common import ucxx_handshake
 from common.errors import ConfigError
-from common.transport_plan import MessagePlan
-from common.ucx_env import options_overridden_by_env
+from common.transport import handshake
+from common.transport.plan import MessagePlan
+from common.transport.ucx_env import options_overridden_by_env
 
 log = structlog.get_logger("common.transport")
 
@@ -39,7 +37,7 @@ def ucxx() -> SimpleNamespace:
         from ucxx.types import Tag, TagMaskFull
         _ucx = SimpleNamespace(lib=lib, Array=Array, app=app, Tag=Tag, Mask=TagMaskFull,
                                Error=lib.UCXError)
-        ucxx_handshake.install()  # ucxx's own handshake frees buffers UCX still writes into
+        handshake.install()  # ucxx's own handshake frees buffers UCX still writes into
     return _ucx
 
 
@@ -92,7 +90,8 @@ class Link:
 
     ``ep`` (error handling on) carries hellos, receives, commits and liveness; on a
     ``single_copy`` link the sender's messages go over the transport's endpoint to the peer's
-    worker (``PageTransport._data_eps``), made without error handling (cma single copy).
+    worker (kept by :class:`~common.transport.links.Links`), made without error handling
+    (cma single copy).
     """
 
     addr: Peer
@@ -121,7 +120,7 @@ class Transfer:
     arena: Any = None
     task: asyncio.Task | None = None
     commit: Any = None            # receiver: the posted commit receive (single-copy links)
-    keep: Any = None              # what the requests point into (sources / arena): see _park
+    keep: Any = None              # what the requests point into (sources / arena): see Links.park
 
 
 class ReceiveHandle:

@@ -105,7 +105,7 @@ def single_copy_supported(tls: str | None,
 
 def cuda_present() -> bool:
     """Whether this process sees a CUDA device (cupy; False without it)."""
-    from common.transport_plan import cuda_available
+    from common.transport.plan import cuda_available
     return cuda_available()
 
 

@@ -1,0 +1,336 @@
+"""The endpoints of one page transport: links to peers, their handshake, the single-copy
+endpoints, and the parking of buffers that ucxx requests may still point into.
+
+:class:`Links` owns all of that state. :class:`~common.transport.transfers.Transfers` is given
+a ``Links`` and asks it for a usable link to a peer (connecting on first use), the endpoint to
+send page messages on, and to abort a link a transfer failed on; the facade
+:class:`~common.transport.page_transport.PageTransport` creates both (the package doc explains
+the design).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+import numpy as np
+import structlog
+
+from common.config import TransportConfig
+from common.errors import DeadlineExceeded, PeerFailed, ProtocolError, Unavailable
+from common.transport.plan import (HELLO_BYTES, HELLO_VERSION, TransferHello, check_same_plan,
+                                   decode_hello, encode_hello, fit_hello, single_copy_link)
+from common.transport.ucx import Link, Peer, claim_progress, ucxx
+from common.transport.ucx_env import (WorkerProgress, local_host_id, local_process_id,
+                                      process_gone)
+
+log = structlog.get_logger("common.transport")
+
+_GONE_CHECKS, _GONE_RECHECK_S = 5, 2.0  # is a failed single-copy peer's process gone?
+
+
+class Links:
+    """Links to peer transports, keyed by their listener address, over one UCX context.
+
+    Made by a starting transport from its UCX context and progress driver; :meth:`listen`
+    accepts peers, :meth:`begin_close` then :meth:`close` end it (``state``: running →
+    closing → closed). The transfers of the transport read ``running`` to know whether a
+    failure is the transport stopping.
+    """
+
+    def __init__(self, cfg: TransportConfig, node_id: str, ctx: Any, progress: WorkerProgress,
+                 single_copy: bool) -> None:
+        self.node_id = node_id
+        self.state = "running"
+        # our worker's address, sent in the hello when single copy is allowed here (else b"")
+        self.worker_address = bytes(ctx.worker.address.tobytes()) if single_copy else b""
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._cfg, self._ctx, self._progress = cfg, ctx, progress
+        self._loop = asyncio.get_running_loop()
+        self._host_id = local_host_id() if single_copy else ""
+        self._process_id = local_process_id()
+        self._listener: Any = None
+        self._links: dict[Peer, Link] = {}
+        self._all_links: set[Link] = set()
+        self._connecting: dict[Peer, asyncio.Lock] = {}
+        self._handshaking: set[Any] = set()
+        self._data_eps: dict[bytes, Any] = {}    # peer worker address -> endpoint (single copy)
+        self._parked: list[tuple[Any, Any]] = []  # (request, buffers it points into): park()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def listen(self) -> None:
+        """Accept peers on ``cfg.port`` (0: any free port)."""
+        claim_progress(self._loop)
+        self._listener = self._ctx.create_listener(
+            self._on_accept, port=self._cfg.port, endpoint_error_handling=True,
+            connect_timeout=self._cfg.connect_timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def check_running(self) -> None:
+        if self.state != "running":
+            raise Unavailable(f"page transport of {self.node_id} is {self.state}, not running")
+
+    @property
+    def address(self) -> Peer:
+        """The ``(host, port)`` peers connect to (``cfg.host`` is advertised as is)."""
+        self.check_running()
+        return (self._cfg.host, int(self._listener.port))
+
+    @property
+    def handlers_active(self) -> int:
+        """Accept handlers (handshakes) the listener still runs."""
+        return int(self._listener.active_clients) if self._listener is not None else 0
+
+    def begin_close(self, reason: str) -> None:
+        """Stop registering links and abort every link and handshake (receives on them fail)."""
+        self.state = "closing"
+        for link in list(self._all_links):
+            self.abort(link, reason)
+        for ep in list(self._handshaking):
+            ep.abort()
+
+    def close(self) -> None:
+        """Abort the single-copy endpoints, close the listener and let go of the context."""
+        for ep in self._data_eps.values():
+            ep.abort()
+        self._data_eps.clear()
+        if self._listener is not None:
+            self._listener.close()
+        self._listener = self._ctx = None
+        self.worker_address = b""
+        self._links.clear()
+        self._all_links.clear()
+        self.state = "closed"
+
+    def progress_now(self) -> bool:
+        """Progress the worker once, outside the driver; False once the context is released."""
+        if self._ctx is None:
+            return False
+        self._ctx.worker.progress()
+        return True
+
+    # ------------------------------------------------------------------ parked buffers
+
+    def park(self, req: Any, keep: Any) -> None:
+        """ucxx requests hold raw pointers, never references: a request that may still
+        complete keeps the buffers it points into alive (here) until it has completed."""
+        if req is not None and not req.completed:
+            self._prune_parked()
+            self._parked.append((req, keep))
+            self.counts["requests_parked"] += 1
+
+    def _prune_parked(self) -> None:
+        if self._parked:
+            self._parked = [(r, k) for r, k in self._parked if not r.completed]
+
+    def take_parked(self) -> list[Any]:
+        """At stop: hand over what still-pending requests point into (the caller keeps it)."""
+        self._prune_parked()
+        keep, self._parked = [k for _, k in self._parked], []
+        return keep
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def endpoint(self, peer: Peer, deadline_s: float | None = None) -> Any:
+        """The ucxx endpoint page messages to ``peer`` travel on (connecting if needed) — for
+        baselines/diagnostics: on a single-copy link the worker-address endpoint (no error
+        handling: a dead peer is not reported on it), else the link's own endpoint."""
+        self.check_running()
+        budget = self._cfg.connect_timeout_s if deadline_s is None else deadline_s
+        link = await self.link_to((peer[0], peer[1]), asyncio.get_running_loop().time() + budget)
+        return await self.data_ep(link)
+
+    async def link_to(self, peer: Peer, deadline_at: float) -> Link:
+        """A usable link to ``peer``, connecting (once, whoever asks) if there is none."""
+        link = self._links.get(peer)
+        if link is not None and link.usable:
+            return link
+        async with self._connecting.setdefault(peer, asyncio.Lock()):
+            link = self._links.get(peer)
+            if link is not None and link.usable:
+                return link
+            return await self._connect(peer, deadline_at)
+
+    async def _connect(self, peer: Peer, deadline_at: float) -> Link:
+        u, loop, cfg = ucxx(), asyncio.get_running_loop(), self._cfg
+        budget = min(cfg.connect_timeout_s, deadline_at - loop.time())
+        if budget <= 0:
+            raise DeadlineExceeded(f"deadline passed before connecting to {peer}")
+        ep = None
+        try:
+            with self._progress.busy():
+                async with asyncio.timeout(budget):
+                    claim_progress(loop)
+                    ep = await self._ctx.create_endpoint(
+                        peer[0], peer[1], endpoint_error_handling=True, connect_timeout=budget)
+                    await self._send_hello(ep)
+                    hello = await self._recv_hello(ep)
+                    self._check_hello(hello)
+        except (TimeoutError, ProtocolError, u.Error, OSError, RuntimeError) as e:
+            if ep is not None:
+                ep.abort()
+            if isinstance(e, ProtocolError):
+                raise
+            if loop.time() >= deadline_at:
+                raise DeadlineExceeded(f"deadline passed while connecting to {peer}") from e
+            raise Unavailable(f"cannot connect to page transport {peer[0]}:{peer[1]} "
+                              f"({type(e).__name__}: {e}) — is the peer started?") from e
+        self.counts["connects"] += 1
+        link = self._register(self._new_link(peer, ep, hello))
+        await self._open_data_ep(link)
+        return link
+
+    async def _on_accept(self, ep: Any) -> None:
+        if self.state != "running":
+            ep.abort()
+            return
+        self._handshaking.add(ep)
+        try:
+            with self._progress.busy():
+                async with asyncio.timeout(self._cfg.connect_timeout_s):
+                    hello = await self._recv_hello(ep)
+                    await self._send_hello(ep)  # ours first: the client reports a mismatch
+                    self._check_hello(hello)
+            link = self._register(self._new_link((hello.host, hello.port), ep, hello))
+            await self._open_data_ep(link)
+            self.counts["accepts"] += 1
+        except (TimeoutError, ProtocolError, Unavailable, ucxx().Error) as e:
+            log.warning("peer_handshake_failed", error=repr(e))
+            ep.abort()
+        finally:
+            self._handshaking.discard(ep)
+
+    def _new_link(self, addr: Peer, ep: Any, hello: TransferHello) -> Link:
+        single = single_copy_link(self._hello(), hello)
+        return Link(addr, ep, hello.node_id, single_copy=single,
+                    peer_worker_address=hello.worker_address if single else b"",
+                    peer_process=hello.process)
+
+    async def _open_data_ep(self, link: Link) -> None:
+        """Make the single-copy endpoint to the link's peer worker now (see the package doc)."""
+        if not link.single_copy or link.peer_worker_address in self._data_eps:
+            return
+        u = ucxx()
+        claim_progress(asyncio.get_running_loop())
+        try:
+            ep = await self._ctx.create_endpoint_from_worker_address(
+                u.lib.UCXAddress.create_from_buffer(link.peer_worker_address),
+                endpoint_error_handling=False)
+        except Exception as e:  # a bad address, a UCX refusal: data then goes over link.ep
+            log.warning("single_copy_endpoint_failed", peer=link.addr, error=repr(e))
+            return
+        if self.state != "running" or link.peer_worker_address in self._data_eps:
+            ep.abort()
+            return
+        self._data_eps[link.peer_worker_address] = ep
+        self.counts["single_copy_endpoints"] += 1
+
+    async def data_ep(self, link: Link) -> Any:
+        """The endpoint this side sends page messages to ``link`` on."""
+        if not link.single_copy:
+            return link.ep
+        ep = self._data_eps.get(link.peer_worker_address)
+        if ep is None:
+            if not link.usable:
+                raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
+            await self._open_data_ep(link)
+            ep = self._data_eps.get(link.peer_worker_address)
+        return link.ep if ep is None else ep
+
+    def _forget_if_gone(self, link: Link, checks_left: int = _GONE_CHECKS) -> None:
+        """Close the single-copy endpoint of a failed link's peer once its process has ended
+        (a process that just closed its endpoints may still be exiting: look again later)."""
+        addr = link.peer_worker_address
+        if not link.single_copy or addr not in self._data_eps or self.state != "running":
+            return
+        if any(other.usable and other.peer_worker_address == addr for other in self._all_links):
+            return  # the peer is connected again: it is alive
+        if process_gone(link.peer_process):
+            self._data_eps.pop(addr).abort()
+        elif checks_left > 1:
+            self._loop.call_later(_GONE_RECHECK_S, self._forget_if_gone, link, checks_left - 1)
+
+    def _register(self, link: Link) -> Link:
+        if self.state != "running":
+            link.ep.abort()
+            raise Unavailable(f"page transport of {self.node_id} is stopping")
+        self._all_links.add(link)
+        link.ep.set_close_callback(self._on_link_closed, cb_args=(link,))
+        current = self._links.get(link.addr)
+        if current is None or not current.usable:
+            self._links[link.addr] = link
+        log.debug("endpoint_registered", peer=link.addr, node_id=link.node_id)
+        return link
+
+    def _on_link_closed(self, link: Link) -> None:
+        if link.failure is None:
+            link.failure = "endpoint closed (peer failed or left)"
+        if self._links.get(link.addr) is link:
+            del self._links[link.addr]
+        if link.single_copy:  # not inside UCX's callback
+            self._loop.call_soon_threadsafe(self._forget_if_gone, link)
+        self._progress.kick()
+
+    def abort(self, link: Link, reason: str) -> None:
+        """Abort ``link``'s endpoint: UCX cancels every request posted on it (a half-received
+        tag sequence is never reused); the next transfer to that peer connects afresh."""
+        if link.failure is None:
+            link.failure = reason
+        if self._links.get(link.addr) is link:
+            del self._links[link.addr]
+        self._all_links.discard(link)
+        self._forget_if_gone(link)
+        if link.ep._ep is not None:
+            self.counts["endpoint_aborts"] += 1
+            log.info("endpoint_aborted", peer=link.addr, reason=reason)
+            link.ep.abort()
+
+    # ------------------------------------------------------------------ handshake
+
+    def _hello(self) -> TransferHello:
+        cfg = self._cfg
+        return fit_hello(TransferHello(HELLO_VERSION, self.node_id, cfg.host,
+                                       int(self._listener.port), cfg.max_message_bytes,
+                                       cfg.pack_below_bytes, self.worker_address,
+                                       self._host_id, self._process_id))
+
+    async def _send_hello(self, ep: Any) -> None:
+        u, buf = ucxx(), encode_hello(self._hello())
+        await self._wait_one(ep._ep.tag_send(u.Array(buf), u.Tag(ep._tags["msg_send"])), buf)
+
+    async def _recv_hello(self, ep: Any) -> TransferHello:
+        u, buf = ucxx(), np.zeros(HELLO_BYTES, dtype=np.uint8)
+        await self._wait_one(ep._ep.tag_recv(u.Array(buf), u.Tag(ep._tags["msg_recv"]), u.Mask),
+                             buf)
+        return decode_hello(buf)
+
+    def _check_hello(self, hello: TransferHello) -> None:
+        check_same_plan(self._hello(), hello)
+
+    async def _wait_one(self, req: Any, buf: Any) -> None:
+        """Wait for one request on ``buf``; a timed-out or cancelled wait parks ``buf``."""
+        self._progress.kick()
+        try:
+            while not req.completed:
+                await self._progress.tick()
+        finally:
+            self.park(req, buf)
+        req.check_error()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges of the endpoint side (part of ``PageTransport.stats``)."""
+        out = {k: float(self.counts.get(k, 0)) for k in (
+            "connects", "accepts", "endpoint_aborts", "single_copy_endpoints", "requests_parked")}
+        out["requests_parked_now"] = float(len(self._parked))
+        out["endpoints"] = float(sum(1 for link in self._all_links if link.usable))
+        out["single_copy_links"] = float(sum(1 for link in self._all_links
+                                             if link.usable and link.single_copy))
+        out["single_copy_endpoints_open"] = float(len(self._data_eps))
+        return out

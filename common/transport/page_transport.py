@@ -1,0 +1,200 @@
+"""The page transport of one process: a small facade over :class:`Links` and
+:class:`Transfers` (the package doc explains the design and who does what).
+
+It checks the config, and at ``start()`` makes the UCX context and progress driver both
+objects run on; ``stop()`` ends them in the order the buffer rules need. The services use
+only this API: ``start``/``stop``, ``expect``, ``send``, ``endpoint``, ``address``,
+``new_transfer_id`` and ``stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from common.config import TransportConfig
+from common.errors import ConfigError, Unavailable
+from common.transport.links import Links
+from common.transport.plan import TransferIdSource
+from common.transport.staging import STAGING_ALIGN, staged_bytes
+from common.transport.transfers import Transfers
+from common.transport.ucx import Peer, ReceiveHandle, claim_progress, create_context
+from common.transport.ucx_env import WorkerProgress, apply_ucx_env, single_copy_supported
+
+log = structlog.get_logger("common.transport")
+
+# Buffers a stopped transport could not prove idle (a request still pending at stop): ucxx
+# requests hold raw pointers, not references, so freeing these could let a late UCX write land
+# in reused heap memory. Kept for the life of the process (counted in ``requests_orphaned``).
+_ORPHANED: list[Any] = []
+
+# every key of stats(), in order (0 until the part that counts it has started)
+_STATS = (
+    "bytes_sent", "bytes_received", "messages_sent", "messages_received",
+    "transfers_sent_ok", "transfers_sent_failed", "transfers_received_ok",
+    "transfers_received_failed", "packed_messages", "packed_bytes", "gathered_bytes",
+    "connects", "accepts", "endpoint_aborts", "single_copy_endpoints",
+    "sends_abandoned", "requests_parked", "requests_orphaned", "requests_parked_now",
+    "staging_in_use_bytes", "staging_peak_bytes", "staging_capacity_bytes", "endpoints",
+    "single_copy_links", "single_copy_endpoints_open", "transfers_active",
+    "ucx_options_skipped")
+
+
+class PageTransport:
+    """UCX page transport of one process (one context/worker for the KV traffic class)."""
+
+    def __init__(self, cfg: TransportConfig, node_id: str) -> None:
+        if cfg.kv_class not in cfg.traffic_classes:
+            raise ConfigError(f"transport.kv_class {cfg.kv_class!r} is not one of "
+                              f"transport.traffic_classes {sorted(cfg.traffic_classes)}")
+        if cfg.max_message_bytes <= 0 or cfg.max_inflight_messages <= 0:
+            raise ConfigError("transport.max_message_bytes and max_inflight_messages must be > 0")
+        if cfg.staging_bytes < staged_bytes(cfg.max_message_bytes):  # or a packed message
+            raise ConfigError(                                          # could never be posted
+                f"transport.staging_bytes ({cfg.staging_bytes}) must hold one message of "
+                f"max_message_bytes ({cfg.max_message_bytes}) rounded up to {STAGING_ALIGN} B")
+        self._cfg, self.node_id = cfg, node_id
+        self._ids = TransferIdSource()
+        self._lock = asyncio.Lock()
+        self._stopped = False    # stop() before start(): the transport never starts
+        self._progress: WorkerProgress | None = None
+        self._links: Links | None = None
+        self._transfers: Transfers | None = None
+        self._n: collections.Counter[str] = collections.Counter()   # requests_orphaned
+        self.single_copy_reason = ""
+        self.skipped_options: list[str] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def _state(self) -> str:
+        if self._links is not None:
+            return self._links.state    # running, closing, closed
+        return "closed" if self._stopped else "init"
+
+    @property
+    def links(self) -> Links:
+        """The endpoints of a started transport (for diagnostics and tests)."""
+        if self._links is None:
+            raise Unavailable(f"page transport of {self.node_id} is {self._state}, not running")
+        return self._links
+
+    @property
+    def transfers(self) -> Transfers:
+        """The transfers of a started transport (for diagnostics and tests)."""
+        if self._transfers is None:
+            raise Unavailable(f"page transport of {self.node_id} is {self._state}, not running")
+        return self._transfers
+
+    async def start(self) -> None:
+        """Create the UCX context, the progress driver, the links (listening) and transfers."""
+        async with self._lock:
+            if self._state != "init":
+                return
+            cfg, loop = self._cfg, asyncio.get_running_loop()
+            env = apply_ucx_env(cfg.shared_memory)
+            claim_progress(loop)
+            options = cfg.traffic_classes[cfg.kv_class].ucx_options()
+            ctx, self.skipped_options = create_context(options, cfg.kv_class)
+            single, self.single_copy_reason = single_copy_supported(options.get("TLS"))
+            progress = WorkerProgress(ctx.worker, loop)
+            try:
+                links = Links(cfg, self.node_id, ctx, progress, single_copy=single)
+                transfers = Transfers(cfg, links, progress)
+                links.listen()
+            except BaseException:
+                progress.close()
+                raise
+            self._progress, self._links, self._transfers = progress, links, transfers
+            log.info("transport_started", node_id=self.node_id, host=cfg.host,
+                     port=links.address[1], traffic_class=cfg.kv_class,
+                     options=options, skipped=self.skipped_options, env_set=env,
+                     single_copy=bool(links.worker_address),
+                     single_copy_reason=self.single_copy_reason)
+
+    async def stop(self) -> None:
+        """Stop accepting, cancel transfers, close endpoints, release UCX (idempotent)."""
+        async with self._lock:
+            links, transfers, progress = self._links, self._transfers, self._progress
+            if links is None or transfers is None or progress is None or not links.running:
+                self._stopped = True
+                return
+            links.begin_close("transport stopping")   # before any await: no new link
+            transfers.cancel_receives()
+            await self._drain(links, transfers, progress, self._cfg.connect_timeout_s)
+            self._orphan_unsettled(links, transfers)
+            links.close()
+            progress.close()
+            transfers.close()
+            log.info("transport_stopped", node_id=self.node_id,
+                     **(links.counts + transfers.counts + self._n))
+
+    def _orphan_unsettled(self, links: Links, transfers: Transfers) -> None:
+        """At stop: keep alive every buffer a request may still write into or read from."""
+        parked, unsettled = links.take_parked(), transfers.unsettled()  # (the drain timed out)
+        if parked or unsettled:
+            _ORPHANED.append([*parked, *unsettled, transfers.staging_pool])
+            self._n["requests_orphaned"] += len(parked) + len(unsettled)
+            log.warning("transport_buffers_orphaned", requests=len(parked),
+                        transfers=len(unsettled))
+
+    @staticmethod
+    async def _drain(links: Links, transfers: Transfers, progress: WorkerProgress,
+                     timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while (transfers.in_flight or links.handlers_active) and time.monotonic() < end:
+            await asyncio.wait([progress.tick()], timeout=0.01)
+        if transfers.in_flight or links.handlers_active:
+            log.warning("transport_stop_timed_out", transfers=transfers.in_flight,
+                        handlers=links.handlers_active)
+
+    async def __aenter__(self) -> PageTransport:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ the API
+
+    @property
+    def address(self) -> Peer:
+        """The ``(host, port)`` peers connect to (``cfg.host`` is advertised as is)."""
+        return self.links.address
+
+    def new_transfer_id(self) -> int:
+        """A transfer id unique on this (receiving) transport; the sender uses it as is."""
+        return self._ids.next()
+
+    async def endpoint(self, peer: Peer, deadline_s: float | None = None) -> Any:
+        """The ucxx endpoint page messages to ``peer`` travel on (see :meth:`Links.endpoint`)."""
+        return await self.links.endpoint(peer, deadline_s)
+
+    async def expect(self, peer: Peer, transfer_id: int, arena: Any,
+                     slots: Sequence[tuple[int, int]], deadline_s: float) -> ReceiveHandle:
+        """Post every receive of ``transfer_id`` from ``peer`` into ``arena`` ``slots`` now
+        (see :meth:`Transfers.expect`); ``await handle.wait()`` before reading the arena."""
+        return await self.transfers.expect(peer, transfer_id, arena, slots, deadline_s)
+
+    async def send(self, peer: Peer, transfer_id: int, src: Sequence[Any],
+                   slots: Sequence[tuple[int, int]], deadline_s: float,
+                   inflight: int | None = None) -> None:
+        """Send the concatenation of ``src`` into the receiver's ``slots`` (its PageSlots);
+        returns when every message has left (see :meth:`Transfers.send`)."""
+        await self.transfers.send(peer, transfer_id, src, slots, deadline_s, inflight)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics (bytes, messages, transfers, staging, endpoints)."""
+        out = dict.fromkeys(_STATS, 0.0)
+        if self._links is not None:
+            out.update(self._links.stats())
+        if self._transfers is not None:
+            out.update(self._transfers.stats())
+        out["requests_orphaned"] = float(self._n["requests_orphaned"])
+        out["ucx_options_skipped"] = float(len(self.skipped_options))
+        return out

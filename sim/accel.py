@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 MODULES = ("sim.events", "sim.flows", "sim.stats", "sim.workload", "sim.engines", "sim.cluster",
-           "services.scheduler.state", "services.scheduler.policy", "services.scheduler.batching",
+           "services.scheduler.core.state", "services.scheduler.core.policy", "services.compute_model.batching",
            "services.scheduler.core")
 GROUP = "dualpath_sim"                   # mypyc's shared library: ``dualpath_sim__mypyc``
 ENV_MODE = "DUALPATH_SIM_ACCEL"

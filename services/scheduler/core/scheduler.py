@@ -274,6 +274,15 @@ class Scheduler:
             n.read_q = tokens
 
     # ------------------------------------------------------------------ introspection
+    def holds(self, request_id: str) -> bool:
+        """Whether the core holds ``request_id``: submitted and not yet completed, cancelled or
+        given up (over ``max_replans``)."""
+        return request_id in self._requests
+
+    def attempt(self, request_id: str) -> int:
+        """How often a held request has been re-planned (0 while on its first plan)."""
+        return self._get(request_id).attempt
+
     def phase(self, request_id: str) -> Phase:
         p = self._get(request_id)
         if p.de is None:

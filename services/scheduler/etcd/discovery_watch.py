@@ -29,7 +29,7 @@ from common.errors import Unavailable
 
 from .discovery import NodeRecord, nodes_prefix
 from .election import EtcdEndpoints
-from .service_config import EtcdConfig
+from ..service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
 

@@ -69,8 +69,9 @@ class RequestLifecycle:
                 continue
             self.close_attempt(rs, "failed", "scheduler", code, reason)
             self.revoke(rs, reason)
-            keep_de = self.core.phase(rid) is Phase.BOUND
-            rs.next_attempt(self.core.attempt(rid), keep_de)
+            phase, attempt = self.core.held(rid) or (None, rs.attempt + 1)
+            keep_de = phase is Phase.BOUND
+            rs.next_attempt(attempt, keep_de)
             self.counters["replans"] += 1
             if keep_de:                          # same DE, new attempt: tell its loader again
                 self.outboxes.rebind(rs)

@@ -50,7 +50,7 @@ class ProgressReports:
         if msg.scheduler_epoch not in (0, self.gate.epoch):
             return self._earlier_report(msg)
         rs = self.table.get(msg.request_id)
-        if rs is None or rs.attempt != msg.attempt or not self.core.holds(rs.request_id):
+        if rs is None or rs.attempt != msg.attempt or self.core.held(rs.request_id) is None:
             self.counters["stale_reports"] += 1
             if rs is not None and msg.stage == "failed":
                 rs.late_failure(msg.attempt, msg.read_bytes)

@@ -105,20 +105,20 @@ class SchedulerService(Service):
         self.discovery: Any = None          # etcd mode: the leader's ``ClusterView``
         self._host = host or s.host or cfg.rpc.host
         self._port = s.port if port is None else port
-        shared = {"counters": self.counters, "work": self.work}
+        counters, work, log = self.counters, self.work, self.log
         self.lifecycle = RequestLifecycle(self.core, self.table, self.outboxes, hits=self.hits,
                                           promised=self.promised,
-                                          block_tokens=self.kv.block_tokens, log=self.log,
-                                          **shared)
+                                          block_tokens=self.kv.block_tokens,
+                                          counters=counters, work=work, log=log)
         self.frontends = FrontendChannel(self.core, self.table, self.lifecycle, settings=s,
                                          kv=self.kv, gate=self.gate, hits=self.hits,
-                                         promised=self.promised, kept=self.kept, log=self.log,
-                                         **shared)
+                                         promised=self.promised, kept=self.kept,
+                                         counters=counters, work=work, log=log)
         self.nodes = NodeChannel(self.core, self.table, self.lifecycle, self.outboxes,
                                  self.leases, settings=s, kv=self.kv, gate=self.gate,
-                                 log=self.log, **shared)
+                                 counters=counters, work=work, log=log)
         self.progress = ProgressReports(self.core, self.table, self.lifecycle, gate=self.gate,
-                                        kept=self.kept, **shared)
+                                        kept=self.kept, counters=counters, work=work)
         self.handlers: dict[type, Any] = {
             SubmitRequest: self.frontends.on_submit, CancelRequest: self.frontends.on_cancel,
             GetClusterStatus: self._on_status, RegisterNode: self.nodes.on_register,

@@ -68,8 +68,8 @@ class RequestTable:
 
     # ------------------------------------------------------------------ status
     def phase(self, rs: RequestState) -> Phase | None:
-        rid = rs.request_id
-        return self._core.phase(rid) if self._core.holds(rid) else None
+        held = self._core.held(rs.request_id)
+        return held[0] if held is not None else None
 
     def status(self, rs: RequestState) -> Status:
         """``rs``'s status: its outcome once ended, else derived from the core's phase."""

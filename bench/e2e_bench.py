@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import bench_parser, headline, print_table, write_results
-from services.scheduler.modes import ABLATION_MODES
+from services.scheduler.core.modes import ABLATION_MODES
 
 MODES = ABLATION_MODES             # the ablation sweep, in the order it is reported
 GOAL = 1.8

@@ -103,7 +103,7 @@ async def burst(host: str, port: int, rpc: Any, *, n: int = N_DEFAULT, connectio
     """Submit ``n`` requests at once over ``connections`` clients; classify every answer."""
     from common.errors import DeadlineExceeded, DualpathError, Overloaded, PeerFailed
     from common.protocol import RequestFailed, RequestFinished
-    from services.scheduler.client import SchedulerClient
+    from services.scheduler.client.client import SchedulerClient
 
     clients = [SchedulerClient(host, port, rpc=rpc, client_id=f"overload-{i}")
                for i in range(connections)]
@@ -197,7 +197,7 @@ async def run(root: Path, *, n: int = N_DEFAULT, connections: int = 4,
     from tools.cluster.launcher import Launcher
     from tools.replay.run import ClusterTarget, replay
     from tools.replay.workloads import AgenticSpec
-    from services.scheduler.client import SchedulerClient
+    from services.scheduler.client.client import SchedulerClient
 
     cluster = load_data(data or cluster_data(root), "overload", environ={})
     launcher = Launcher(cluster)

@@ -287,19 +287,15 @@ class MetricsEndpoint:
 
 
 def scheduler_stats(svc: Any) -> Source:
-    """A source for a ``SchedulerService``: its counters, live requests by state, nodes."""
+    """A source for a ``SchedulerService``: its ``stats()`` (counters, live requests by state,
+    nodes, planned reads) plus the read balance computed over the planned reads."""
     def fn() -> dict[str, float]:
-        out = {k: float(v) for k, v in svc.counters.items()}
-        states = getattr(svc, "_states", {})
-        for state, n in list(states.items()):
-            name = getattr(state, "value", str(state))
-            if name not in ("finished", "failed", "cancelled"):
-                out[f"{_REQUEST_STATE_PREFIX}{name}"] = float(n)
-        out["requests_live"] = float(svc.active_requests)
-        out["nodes"] = float(len(svc.leases))
-        core = getattr(svc, "core", None)
-        if core is not None:
-            out.update(balance(core.read_planned(), core.read_side_tokens))
+        out = svc.stats()
+        planned = {k[len(_PLANNED_PREFIX):]: int(v) for k, v in out.items()
+                   if k.startswith(_PLANNED_PREFIX)}
+        sides = {k[len(_SIDE_PREFIX):]: int(v) for k, v in out.items()
+                 if k.startswith(_SIDE_PREFIX)}
+        out.update(balance(planned, sides))
         return out
     balance = ReadBalance()
     return fn

@@ -12,7 +12,7 @@ import msgspec
 
 from services.node.arbiter import ArbiterConfig
 from services.node.config import DELoaderConfig, PEReceiverConfig
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.service_config import EtcdConfig, SchedulerServiceConfig
 from storage_gateway.config import GatewayNodeConfig
 

@@ -4,17 +4,19 @@ sources exactly.
 Why: a 48P96D run of the full 64K dataset is ~31M events through Python-level bookkeeping
 (flows, engines, the scheduler's placement); interpreted, that is ~16 minutes of one core on a
 slow host. mypyc compiles the same, unchanged modules — ``sim``'s event loop, flows, engines,
-cluster, statistics and workload, and ``services.scheduler``'s core, policy, state and batcher —
+cluster, statistics and workload, the scheduler core's placement, policy and state, and the
+prefill batcher (``services.compute_model``) —
 into C extensions whose classes keep their attributes in C structs: ~2.3× faster, with
 bit-identical results (``tests/test_sim_accel.py`` compares a compiled run with an interpreted
-one, field by field). The scheduler code is still imported from ``services.scheduler``, never
+one, field by field). The scheduler code is still imported from ``services.scheduler.core``, never
 copied: the build compiles those very files.
 
 How it is used:
 
 * ``dualpath sim-accel build`` (``make sim-accel``) compiles into
   ``$DUALPATH_SIM_ACCEL_DIR`` (default ``~/.cache/dualpath/sim-accel``)``/<digest>/``, where the
-  digest covers every ``.py`` of ``sim/`` and ``services/scheduler/``, ``common/datasets.py`` and
+  digest covers every ``.py`` of ``sim/``, ``services/scheduler/core/`` and
+  ``services/compute_model/``, ``common/datasets.py`` and
   the interpreter's ABI.
   Needs ``mypy`` (the ``accel`` extra) and a C compiler. Nothing is written beside the sources;
   the cache keeps the newest ``KEEP_BUILDS`` builds (~2 MB each).
@@ -23,7 +25,7 @@ How it is used:
   the digest, so a stale build is never loaded. ``DUALPATH_SIM_ACCEL``: ``auto`` (default, use a
   build if there is one), ``0`` (never), ``1`` (require; an ``AccelError`` says why not).
 * All or nothing: if any compiled module is already imported as Python (a process that imported
-  ``services.scheduler`` before ``sim``), nothing is accelerated. A half-compiled set would have
+  ``services.scheduler.core`` before ``sim``), nothing is accelerated. A half-compiled set would have
   compiled code meet interpreted instances of classes it expects to be native.
 
 ``status()`` says what happened; the simulator's JSON and ``dualpath bench sim`` report it.
@@ -46,13 +48,13 @@ import time
 from pathlib import Path
 
 MODULES = ("sim.events", "sim.flows", "sim.stats", "sim.workload", "sim.engines", "sim.cluster",
-           "services.scheduler.state", "services.scheduler.policy", "services.scheduler.batching",
-           "services.scheduler.core")
+           "services.scheduler.core.state", "services.scheduler.core.policy",
+           "services.compute_model.batching", "services.scheduler.core.scheduler")
 GROUP = "dualpath_sim"                   # mypyc's shared library: ``dualpath_sim__mypyc``
 ENV_MODE = "DUALPATH_SIM_ACCEL"
 ENV_DIR = "DUALPATH_SIM_ACCEL_DIR"
 ROOT = Path(__file__).resolve().parent.parent     # holds sim/ and services/
-_DIGESTED = ("sim", "services/scheduler")
+_DIGESTED = ("sim", "services/scheduler/core", "services/compute_model")
 # single modules the compiled code imports from outside those folders (their data and types)
 _DIGESTED_FILES = ("common/datasets.py",)
 _EXT = sysconfig.get_config_var("EXT_SUFFIX") or ".so"

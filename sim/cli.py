@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from common.errors import ConfigError, InvalidArgument
-from services.scheduler.modes import ABLATION_MODES
+from services.scheduler.core.modes import ABLATION_MODES
 
 from .config import MODES, load
 from .plots import plot_runs

@@ -28,7 +28,8 @@ import time
 from collections import deque
 from typing import Any
 
-from services.scheduler import (EngineSpec, PrefillBatcher, ReadSide, Request, Role, Scheduler)
+from services.compute_model.batching import PrefillBatcher
+from services.scheduler.core import EngineSpec, ReadSide, Request, Role, Scheduler
 
 from .config import SimConfig, mode_spec, scheduler_config
 from .engines import SIDE_DE, SIDE_NONE, SIDE_PE, DEGpu, PEGpu, PEUnit, Prefill

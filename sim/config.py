@@ -7,7 +7,7 @@ Sections (every key optional; typos are rejected with their name):
   each direction), ``dram_bytes_per_s`` (M, half-duplex), HBM left for KV on a PE (whole-prompt
   prefill only) and on a DE.
 * ``[model]`` — ``preset`` (KV layout of ``common.kv`` + cost model of
-  ``services/scheduler/cost_model.py``), whether a node's PEs step together (DP attention + EP
+  ``services/compute_model/cost_model.py``), whether a node's PEs step together (DP attention + EP
   MoE), the linear layers' batch efficiency (paper Fig. 3 right).
 * ``[engine]`` — fetch interval, compute quota, batch caps, read-queue concurrency, prefetch depth.
 * ``[scheduler]`` — ``services.scheduler.SchedulerConfig`` as is. The simulator overrides
@@ -29,10 +29,10 @@ from common.config import (NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, S
                            load_config)
 from common.kv import PRESETS as KV_PRESETS
 from common.kv import KVSpec
-from services.scheduler import SchedulerConfig
-from services.scheduler.cost_model import ModelCost, cost_model
+from services.scheduler.core import SchedulerConfig
+from services.compute_model.cost_model import ModelCost, cost_model
 # The mode table is the scheduler's (one copy, shared with tools.cluster); re-exported here.
-from services.scheduler.modes import MODE_SPECS, MODES, ModeSpec, mode_spec  # noqa: F401
+from services.scheduler.core.modes import MODE_SPECS, MODES, ModeSpec, mode_spec  # noqa: F401
 
 
 class HardwareConfig(Section):

@@ -1,6 +1,6 @@
 """Prefill units and decode engines of the simulated cluster (paper §2.2, §2.4–2.7, §5.6).
 
-**Prefill.** Every PE owns a ``PrefillBatcher`` from ``services.scheduler.batching`` (the live
+**Prefill.** Every PE owns a ``PrefillBatcher`` from ``services.compute_model.batching`` (the live
 service's code). A *unit* runs forward passes: all PEs of a node together when the model uses DP
 attention + EP MoE (``model.ep_sync``; the group waits for its slowest GPU's attention, then
 shares the MoE work), else one PE alone. A step's compute time comes from the scheduler's cost
@@ -44,7 +44,7 @@ from heapq import heappop, heappush
 from collections import deque
 from typing import TYPE_CHECKING
 
-from services.scheduler import PrefillBatcher
+from services.compute_model.batching import PrefillBatcher
 
 from .flows import Link, merge_links, normalized
 

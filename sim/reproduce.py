@@ -100,7 +100,7 @@ def _fig7_why(r: Runner, peak: float) -> str:
     return ("Why ours differ: Basic is bounded by the PE nodes' storage links alone "
             f"(2 × 50 GB/s; ours run at {b['snic_util'] * 300 / 100:.0%} of that on average, ramp-up "
             "and tail included) and DualPath by prefill compute once all six links read. Our cost "
-            "model (services/scheduler/cost_model.py, unprofiled Hopper estimates) prefills faster "
+            "model (services/compute_model/cost_model.py, unprofiled Hopper estimates) prefills faster "
             f"than the paper's engine — DualPath JCT at 2K agents is {d['jct_s']:.0f} s here vs "
             "3,167 s in the paper — so DualPath saturates compute later and the peak sits "
             + ("above" if peak > 1.87 else "below") + " 1.87x. With few agents both modes are "

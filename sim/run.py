@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.scheduler.modes import ABLATION_MODES
+from services.scheduler.core.modes import ABLATION_MODES
 
 from .cluster import Cluster
 from .config import SimConfig, load

@@ -213,7 +213,7 @@ class LiveCluster:
     async def _connect_clients(self) -> None:
         """One client per endpoint, connected for the whole module (they share the servers
         with the fuzzers: 'another client connected at the same time keeps working')."""
-        from services.scheduler.client import SchedulerClient
+        from services.scheduler.client.client import SchedulerClient
         eps = self.endpoints
         sched = SchedulerClient("127.0.0.1", eps["scheduler"].port, rpc=CLIENT_CFG,
                                 client_id="well-behaved")

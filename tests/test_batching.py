@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from common.errors import AlreadyExists, InvalidArgument
 from common.kv import PRESETS as KV_PRESETS
-from services.scheduler import PrefillBatcher, max_chunk, plan_batch
-from services.scheduler.cost_model import PRESETS, causal_pairs, cost_model
+from services.compute_model.batching import PrefillBatcher, max_chunk, plan_batch
+from services.compute_model.cost_model import PRESETS, causal_pairs, cost_model
 
 MODELS = sorted(PRESETS)
 
@@ -211,8 +211,8 @@ def test_batcher_bad_input_and_cancel():
 def test_vllm_budget_is_the_quota_chunk_at_the_reference_context():
     """The token budget handed to vLLM: n tokens over the reference context fit the quota,
     n + 1 do not; a longer quota never gives fewer tokens, a longer context never more."""
-    from services.scheduler.batching import vllm_budget
-    from services.scheduler.cost_model import cost_model
+    from services.compute_model.batching import vllm_budget
+    from services.compute_model.cost_model import cost_model
 
     cost = cost_model("deepseek-v3.2").attention_s
     b = vllm_budget(cost, 32_721)

@@ -15,7 +15,7 @@ from tools.cluster.config import load_cluster
 from tools.cluster.launcher import (STATE_FILE, Launcher, LaunchError, State,
                                        proc_cpu_seconds, proc_start_ticks)
 from tools.cluster.toml_write import dumps
-from services.scheduler.client import SyncSchedulerClient
+from services.scheduler.client.client import SyncSchedulerClient
 from tests.helpers import poll, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]

@@ -24,7 +24,7 @@ from services.engine_api.decode import DecodePort
 from services.engine_api.prefill import PrefillPort
 from tools.engine_sim.kv_pattern import fill_tokens, token_id
 from tools.cluster.inprocess import local_datapath
-from services.scheduler.client import SchedulerClient
+from services.scheduler.client.client import SchedulerClient
 from tests.helpers import until
 
 BT = 64

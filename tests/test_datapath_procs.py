@@ -23,7 +23,7 @@ from common.kv import block_keys_from_tokens
 from common.protocol import DataPathReply, Endpoint, GetStats, RequestPlan
 from common.rpc import RpcClient
 from tools.cluster.inprocess import base_config, local_datapath
-from services.scheduler.client import SchedulerClient
+from services.scheduler.client.client import SchedulerClient
 from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -191,8 +191,8 @@ def test_scheduler_remembers_generated_blocks_the_decode_side_writes_back():
     """``ReportProgress.output_token_ids`` extends the session's stored keys by exactly the
     blocks the DE loader persists: full blocks of prompt + output[:-1]."""
     from common.protocol import SubmitRequest
-    from services.scheduler.request_state import check_submit
-    from services.scheduler.node_channel import _stored_keys
+    from services.scheduler.shell.request_state import check_submit
+    from services.scheduler.shell.lifecycle import _stored_keys
     from services.scheduler.service_config import SchedulerServiceConfig
 
     prompt = list(range(150))                       # 2 full blocks + 22-token tail

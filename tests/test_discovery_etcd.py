@@ -25,10 +25,10 @@ import pytest
 from common.errors import AlreadyExists
 from common.protocol import EngineInfo, RequestQueued
 from common.protocol.base import PROTOCOL_VERSION
-from services.scheduler.client import SchedulerClient
-from services.scheduler.discovery import EtcdRegistrar, make_record, node_key, registered
-from services.scheduler.election import EtcdEndpoints
-from services.scheduler.node_client import NodeSession
+from services.scheduler.client.client import SchedulerClient
+from services.scheduler.etcd.discovery import EtcdRegistrar, make_record, node_key, registered
+from services.scheduler.etcd.election import EtcdEndpoints
+from services.scheduler.client.node_client import NodeSession
 from services.scheduler.service_config import EtcdConfig
 from tests.helpers import reap, require_etcd, until
 from tests.test_scheduler_service import RPC, keys, make_cfg, nxt

@@ -45,7 +45,7 @@ from tools.cluster.config import load_data
 from tools.cluster.inprocess import start_cluster
 from tools.cluster.launcher import Launcher, State, alive, proc_start_ticks
 from tools.engine_sim.kv_pattern import full_block
-from services.scheduler.client import SchedulerClient
+from services.scheduler.client.client import SchedulerClient
 from storage_gateway.block_format import (HEADER_SIZE, QUARANTINE_DIR, TEMP_PREFIX,
                                           decode_header)
 from storage_gateway.client import GatewayClient, block_slots

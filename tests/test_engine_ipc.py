@@ -36,7 +36,7 @@ from common.rpc import check_handler_coverage
 import services.engine_api.server
 from services.engine_api.prompt import next_block_key
 from services.engine_api.remote import EngineClient
-from services.scheduler.client import SchedulerClient
+from services.scheduler.client.client import SchedulerClient
 from tests.helpers import until
 from tests.test_datapath import BT, no_leaks, plan, report, stored_bytes, tokens
 from tools.cluster.inprocess import local_datapath
@@ -397,7 +397,7 @@ def test_cluster_up_runs_engines_in_their_own_processes_and_a_killed_one_restart
     from common.protocol import GetStats, GetStatsReply
     from common.rpc import RpcClient as _Rpc
     from common.config import RpcConfig
-    from services.scheduler.client import SyncSchedulerClient
+    from services.scheduler.client.client import SyncSchedulerClient
     from tests.helpers import reap, wait_until
     from tests.test_cluster_launcher import gone, small_cluster
     from tools.cluster import cli

@@ -26,8 +26,8 @@ from common.errors import ErrorCode
 from common.framing import HEADER
 from common.kv import spec_from_config
 from common.protocol import CallError, SubmitRequest
-from services.scheduler.client import SchedulerClient
-from services.scheduler.stub_nodes import StubCluster
+from services.scheduler.client.client import SchedulerClient
+from tools.cluster.stub_nodes import StubCluster
 from tests.fuzz_rig import RawPeer, error_code
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]

@@ -24,9 +24,9 @@ from common.config import build_config
 from common.errors import DeadlineExceeded, InvalidArgument, Overloaded, Unavailable
 from common.kv import block_keys_from_tokens, spec_from_config
 from common.protocol import RequestFinished, RequestQueued
-from services.scheduler.client import SchedulerClient
-from services.scheduler.gateway_lookup import BUDGET_SHARE, GatewayHitLookup
-from services.scheduler.hit_lookup import HitLookup
+from services.scheduler.client.client import SchedulerClient
+from tools.cluster.gateway_lookup import BUDGET_SHARE, GatewayHitLookup
+from services.scheduler.shell.hit_lookup import HitLookup
 from storage_gateway.service import GatewayService
 from tests.test_scheduler_service import BT, keys, nxt, run_stages, running
 from tools.cluster.inprocess import base_config, lookup_scheduler

@@ -9,8 +9,8 @@ write-backs were lost with a DE, or storage dropped them — it is counted
 from __future__ import annotations
 
 from common.protocol import RequestFinished, RequestQueued
-from services.scheduler.hit_lookup import FunctionHitLookup
-from services.scheduler.stored_prefix import PromisedPrefixes
+from services.scheduler.shell.hit_lookup import FunctionHitLookup
+from services.scheduler.shell.stored_prefix import PromisedPrefixes
 from tests.test_scheduler_restart import run_to_first_token
 from tests.test_scheduler_service import BT, keys, nxt, running
 

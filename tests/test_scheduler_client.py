@@ -24,9 +24,9 @@ from common.errors import (DeadlineExceeded, InvalidArgument, NotFound, PeerFail
                            Unavailable)
 from common.protocol import (FirstToken, RequestFailed, RequestFinished, RequestPlaced,
                              RequestQueued)
-from services.scheduler.client import SchedulerClient, SyncSchedulerClient, failure_error
-from services.scheduler.service import SchedulerService
-from services.scheduler.stub_nodes import StubCluster
+from services.scheduler.client.client import SchedulerClient, SyncSchedulerClient, failure_error
+from services.scheduler.shell.service import SchedulerService
+from tools.cluster.stub_nodes import StubCluster
 from tests.helpers import poll, reap, until
 
 RPC = RpcConfig(reconnect_initial_s=0.01, reconnect_max_s=0.05, reconnect_attempts=5,

@@ -23,10 +23,10 @@ from common.errors import Unavailable
 from common.protocol import EngineInfo, RequestFinished, RequestQueued
 from services.config import ServicesConfig
 from common.kv import spec_from_config
-from services.scheduler.client import SchedulerClient
-from services.scheduler.election import LeaderResolver
-from services.scheduler.node_client import NodeSession
-from services.scheduler.service import SchedulerService
+from services.scheduler.client.client import SchedulerClient
+from services.scheduler.etcd.election import LeaderResolver
+from services.scheduler.client.node_client import NodeSession
+from services.scheduler.shell.service import SchedulerService
 from services.scheduler.service_config import EtcdConfig
 from tests.helpers import reap, require_etcd, until
 from tests.test_scheduler_restart import plans_for, run_to_first_token, take_until_final

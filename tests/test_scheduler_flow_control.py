@@ -102,7 +102,7 @@ async def test_pe_receiver_telemetry_matches_the_cores_own_pe_accounting():
         own = {e: env.core.engine_report(e).tok for e in engines}  # the core's own count
         expect = {e: 0 for e in engines}
         for i, (hit, new) in enumerate(shapes):
-            rs = env.svc._reqs[f"r{i}"]
+            rs = env.svc.table.get(f"r{i}")
             expect[rs.assignment.pe_engine] += weigh(hit, new)
         assert own == expect and sum(own.values()) > sum(h + n for h, n in shapes)  # not raw
         for _ in range(len(shapes)):

@@ -8,8 +8,8 @@ import pytest
 
 from common.errors import AlreadyExists, ErrorCode, NotFound
 from common.protocol import FirstToken, Heartbeat, RegisterNode, RequestFailed, RequestFinished
-from services.scheduler.client import SchedulerClient
-from services.scheduler.service import SchedulerService
+from services.scheduler.client.client import SchedulerClient
+from services.scheduler.shell.service import SchedulerService
 from tests.helpers import until
 from tests.test_scheduler_service import (BT, RPC, assert_idle, keys, make_cfg, nxt, queued_r,
                                           run_stages, running)

@@ -9,10 +9,10 @@ import pytest
 from common.config import build_config
 from common.errors import ConfigError, InvalidArgument
 from common.kv import PRESETS as KV_PRESETS
-from services.scheduler import (EngineReport, EngineSpec, Phase, Request, Role, Scheduler,
+from services.scheduler.core import (EngineReport, EngineSpec, Phase, Request, Role, Scheduler,
                                 SchedulerConfig, Telemetry)
-from services.scheduler import policy
-from services.scheduler.cost_model import PrefillLoad, cost_model
+from services.scheduler.core import policy
+from services.compute_model.cost_model import PrefillLoad, cost_model
 
 ALPHA, BETA = 1_000, 1_000
 BIG = 10**12

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import NotFound
-from services.scheduler import EngineReport, Phase, ReadSide, Scheduler
+from services.scheduler.core import EngineReport, Phase, ReadSide, Scheduler
 from tests.test_scheduler_policy import BETA, BIG, _pair, bind_all, cfg, de, load, pe, req
 
 

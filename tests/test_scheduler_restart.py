@@ -24,8 +24,8 @@ from common.kv import spec_from_config
 from common.protocol import (EngineInfo, FirstToken, ReportProgress, RequestEvent, RequestFailed,
                              RequestFinished, RequestPlaced, RequestQueued)
 from services.config import ServicesConfig
-from services.scheduler.client import SchedulerClient
-from services.scheduler.node_client import NodeSession
+from services.scheduler.client.client import SchedulerClient
+from services.scheduler.client.node_client import NodeSession
 from tests.helpers import reap, until
 from tests.test_scheduler_service import RPC, nxt, running
 from tools.cluster.config import free_port
@@ -207,7 +207,7 @@ async def test_a_dropped_frontend_is_cancelled_after_the_grace_unless_it_resubmi
 
 
 async def test_a_clean_stop_fails_requests_for_resubmission_and_the_client_resubmits():
-    from services.scheduler.service import SchedulerService
+    from services.scheduler.shell.service import SchedulerService
     from tests.test_scheduler_service import make_cfg
     first = SchedulerService(make_cfg(), port=0)
     await first.start()

@@ -27,10 +27,10 @@ from common.protocol import (EngineInfo, EngineLoad, FetchWork, FirstToken, Fron
                              RequestFinished, RequestPlaced, RequestQueued, SchedulerRequest,
                              SubmitRequest)
 from common.rpc import RpcClient, check_handler_coverage
-from services.scheduler.client import SchedulerClient
-from services.scheduler.hit_lookup import FunctionHitLookup
-from services.scheduler.node_client import NodeSession
-from services.scheduler.service import SchedulerService
+from services.scheduler.client.client import SchedulerClient
+from services.scheduler.shell.hit_lookup import FunctionHitLookup
+from services.scheduler.client.node_client import NodeSession
+from services.scheduler.shell.service import SchedulerService
 from tests.helpers import until
 
 RPC = RpcConfig(reconnect_initial_s=0.01, reconnect_max_s=0.05, reconnect_attempts=5,

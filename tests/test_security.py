@@ -36,7 +36,7 @@ from common.rpc import RpcClient
 from tools.cluster import health
 from tools.cluster.inprocess import local_datapath
 from services.node.config import DELoaderConfig, PEReceiverConfig
-from services.scheduler.client import SchedulerClient
+from services.scheduler.client.client import SchedulerClient
 from services.scheduler.service_config import SchedulerServiceConfig
 from storage_gateway.block_format import block_relpath
 from storage_gateway.config import GatewayConfig
@@ -184,7 +184,7 @@ def test_secret_misconfiguration_fails_at_start(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="unset"):
         RpcClient(cfg, LOOPBACK, 1, role="r", node_id="n", reply_type=GatewayReply)
     with pytest.raises(ConfigError, match="cannot be read"):
-        from services.scheduler.service import SchedulerService
+        from services.scheduler.shell.service import SchedulerService
         SchedulerService(build_config({"rpc": {"auth_secret_file": str(tmp_path / "none")}},
                                       ServicesConfig, environ={}))
     assert RpcServer  # the server side loads the same way (services call load_secret at start)

@@ -39,14 +39,14 @@ def _fake_build(accel_dir: Path) -> Path:
 
 
 def test_digest_covers_every_source_file(tmp_path):
-    for sub in ("sim", "services/scheduler"):
+    for sub in ("sim", "services/scheduler/core", "services/compute_model"):
         shutil.copytree(ROOT / sub, tmp_path / sub, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "common").mkdir()
     shutil.copy(ROOT / "common" / "datasets.py", tmp_path / "common" / "datasets.py")
     before = accel.digest(tmp_path)
     assert before == accel.digest(ROOT)
-    for rel in ("sim/flows.py", "services/scheduler/records.py", "sim/reproduce.py",
-                "common/datasets.py"):
+    for rel in ("sim/flows.py", "services/scheduler/core/records.py", "sim/reproduce.py",
+                "services/compute_model/cost_model.py", "common/datasets.py"):
         p = tmp_path / rel
         original = p.read_bytes()
         p.write_bytes(original + b"\n# edited\n")
@@ -83,7 +83,7 @@ def test_all_or_nothing_when_scheduler_was_imported_first(tmp_path):
     """Compiled sim code must never meet interpreted scheduler classes: nothing is loaded."""
     _fake_build(tmp_path)        # would fail to import if the hook tried to load it
     code = """
-        import services.scheduler
+        import services.scheduler.core
         from sim import accel
         import sim.cluster
         print(accel.active(), '|', accel.status(), '|', sim.cluster.__file__)

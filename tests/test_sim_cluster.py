@@ -8,11 +8,12 @@ import json
 
 import pytest
 
-import services.scheduler
-import services.scheduler.batching
+import services.compute_model.batching
+import services.scheduler.core
+import services.scheduler.core.scheduler
 from common.config import build_config
 from common.kv import PRESETS as KV
-from services.scheduler.cost_model import cost_model
+from services.compute_model.cost_model import cost_model
 from sim import bandwidth as bw
 from sim import cluster as sim_cluster
 from sim import engines as sim_engines
@@ -85,10 +86,10 @@ def test_second_turn_waits_for_the_fetch_tick():
 
 def test_the_policy_is_the_scheduler_services_code():
     cl, _ = run_fixed(tiny(), "dualpath", 640, 64, 2)
-    assert type(cl.sched) is services.scheduler.Scheduler
-    assert sim_cluster.Scheduler is services.scheduler.core.Scheduler
-    assert sim_engines.PrefillBatcher is services.scheduler.batching.PrefillBatcher
-    assert all(type(g.batcher) is services.scheduler.batching.PrefillBatcher
+    assert type(cl.sched) is services.scheduler.core.Scheduler
+    assert sim_cluster.Scheduler is services.scheduler.core.scheduler.Scheduler
+    assert sim_engines.PrefillBatcher is services.compute_model.batching.PrefillBatcher
+    assert all(type(g.batcher) is services.compute_model.batching.PrefillBatcher
                for g in cl.pe_by_id.values())
     assert cl.sched.config.policy == "dualpath" and cl.sched.config.model == "test-small"
     # nothing is left behind once every agent is done

@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from common.errors import DualpathError
 from common.protocol import RequestFailed, RequestFinished, RequestPlaced
-from services.scheduler.client import SchedulerClient, failure_error
+from services.scheduler.client.client import SchedulerClient, failure_error
 
 log = structlog.get_logger(__name__)
 

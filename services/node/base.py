@@ -34,7 +34,7 @@ from common.transport import PageTransport
 from services.node.arbiter import EgressArbiter
 from services.engine_api.kv_region import RegionPool
 from services.engine_api.server import EngineApiServer
-from services.scheduler.node_client import NodeSession
+from services.scheduler.client.node_client import NodeSession
 from storage_gateway.client import GatewayClient
 
 from .config import NodeServiceConfig
@@ -107,7 +107,7 @@ class NodeBase(Service):
         etcd = getattr(self.cfg, "etcd", None)
         resolve = None
         if etcd is not None and etcd.endpoints:     # the scheduler leader, found in etcd
-            from services.scheduler.election import LeaderResolver
+            from services.scheduler.etcd.election import LeaderResolver
             resolve = LeaderResolver(etcd)
         if s.scheduler_port or resolve is not None:
             infos = [EngineInfo(e, self.role, self.engine_hbm()) for e in self.engine_ids]

@@ -1,39 +1,25 @@
-"""The central scheduler (paper §6; digest §5): a pure policy core, its intra-engine batcher,
-and the live service that runs them behind one RPC port.
+"""The central scheduler (paper §6): a sans-I/O placement core and the live service around it.
 
-Sans-I/O core — what this package exports. ``core``, ``policy``, ``state``, ``records``,
-``config``, ``batching`` and ``cost_model`` (with the service's pure helpers ``dispatch``,
-``leases``, ``modes``, ``recovery``, ``stored_prefix`` and ``service_config``) import neither
-asyncio nor ucxx, read no clock and touch no network, so the live service, the tests and the
-discrete-event simulator run exactly the same decisions (``core``, ``policy``, ``state`` and
-``batching`` are compiled with mypyc for the simulator: ``sim.accel``). Importing
-``services.scheduler`` pulls in no asyncio.
+The sub-packages state the parts; this package itself imports nothing, so importing one part
+never loads another:
 
-* ``core.Scheduler`` — inter-engine placement: DE two-phase placement, PE Algorithm 1, read side;
-  the request flow and how a service or a simulator drives it are in ``core``'s docstring.
-* ``policy`` — the individual rules as small functions; ``state`` — the mutable state they use.
-* ``config.SchedulerConfig`` — α, β, Z factor and the ablation switches.
-* ``batching.PrefillBatcher`` — FIFO forward batches under a 300 ms attention quota with
-  binary-searched chunked prefill; ``cost_model`` — FLOPs → seconds per model preset.
+* ``core`` — the sans-I/O placement core (``core.Scheduler``: DE two-phase placement, PE
+  Algorithm 1, read side), its rules (``policy``), mutable state (``state``), inputs and outputs
+  (``records``), constants (``config.SchedulerConfig``) and the ablation-mode table (``modes``).
+  It imports neither asyncio nor ucxx, reads no clock and touches no network, so the live
+  service, the tests and the discrete-event simulator run exactly the same decisions (``sim``
+  compiles parts of it with mypyc: ``sim.accel``).
+* ``shell`` — the asyncio service (``shell.service.SchedulerService``) that puts the core behind
+  one RPC port: the request table, the frontend and node channels, leases, outboxes, long-poll,
+  hit lookup, kept results.
+* ``client`` — the public seam other packages use: ``client.client`` (frontends) and
+  ``client.node_client`` (node services), with ``client.resubmit`` (the frontend stream that
+  reconnects and resubmits across a scheduler restart).
+* ``etcd`` — leader election with fencing epochs, node discovery and the leader's watch of it
+  (``[etcd] endpoints``).
+* ``service_config`` — the ``[scheduler_service]`` and ``[etcd]`` sections (the placement
+  constants, ``[scheduler]``, are the core's ``config``).
 
-Service (asyncio), imported by name only: ``service.SchedulerService`` (the shell; its node
-channel handlers in ``node_channel``, per-request state in ``request_state``, held fetches in
-``longpoll``, hit lookups in ``hit_lookup``); ``client`` (frontends) and ``node_client`` (node services) are the client
-modules other packages talk to it through (``resubmit``: the client's stream that reconnects and
-resubmits across a scheduler restart); ``election`` — leader election, fencing epochs and
-leader discovery through etcd (``[etcd] endpoints``); ``stub_nodes`` are stand-in group
-leaders for tests and tools.
+The prefill batcher and the cost model the simulator and the engine emulator share live in
+``services.compute_model``; the scheduler's core reads the cost model for its PE load unit.
 """
-
-from .batching import BatchItem, ForwardBatch, PrefillBatcher, max_chunk, plan_batch
-from .config import SchedulerConfig
-from .core import Scheduler
-from .cost_model import ModelCost, cost_model
-from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReadSide,
-                      ReplanResult, Request, Role, Telemetry)
-
-__all__ = [
-    "Assignment", "BatchItem", "DEBinding", "EngineReport", "EngineSpec", "ForwardBatch",
-    "ModelCost", "Phase", "PrefillBatcher", "ReadSide", "ReplanResult", "Request", "Role",
-    "Scheduler", "SchedulerConfig", "Telemetry", "cost_model", "max_chunk", "plan_batch",
-]

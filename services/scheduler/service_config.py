@@ -1,9 +1,9 @@
 """Settings of the live scheduler service: ``[scheduler_service]`` in a config file.
 
 The placement constants (α, β, Z, policy, ``max_replans``) are ``[scheduler]``
-(:class:`services.scheduler.config.SchedulerConfig`); this section holds what only the running
-service needs: its port, leases, the fetch interval it tells group leaders, and the bounds on
-what one frontend or node may send (CONVENTIONS §5: bounded everything, explicit OVERLOADED).
+(:class:`services.scheduler.core.config.SchedulerConfig`); this section holds what only the
+running service needs: its port, leases, the fetch interval it tells group leaders, and the bounds on
+what one frontend or node may send (bounded everything, an explicit OVERLOADED past a bound).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from common.config import (FiniteNonNegFloat, FinitePositiveFloat, NonNegFloat, 
 
 class EtcdConfig(Section):
     """``[etcd]``: with ``endpoints`` set, scheduler replicas elect a leader there and frontends
-    and nodes find it there (``services.scheduler.election``); empty: the static address."""
+    and nodes find it there (``services.scheduler.etcd.election``); empty: the static address."""
 
     endpoints: list[str] = []                  # "host:port" of etcd members (client URLs)
     prefix: str = "/dualpath"                  # key prefix: <prefix>/scheduler/leader

@@ -251,7 +251,7 @@ class ChaosHarness:
             await client.close()
 
     async def status(self):
-        from services.scheduler.client import SchedulerClient
+        from services.scheduler.client.client import SchedulerClient
         async with SchedulerClient(*self.launcher.state.scheduler, rpc=self.rpc,
                                    client_id="chaos") as c:
             return await c.cluster_status(timeout=5.0)

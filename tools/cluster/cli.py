@@ -80,7 +80,7 @@ def _status(launcher: Launcher) -> int:
     if dead:
         print(f"not running: {', '.join(dead)}")
         return 1
-    from services.scheduler.client import SyncSchedulerClient
+    from services.scheduler.client.client import SyncSchedulerClient
     host, port = state.scheduler
     with SyncSchedulerClient(host, port, client_id="status") as client:
         st = client.cluster_status(timeout=5.0)

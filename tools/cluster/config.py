@@ -23,7 +23,7 @@ configs are *rendered* from it (:func:`service_config`): the node's link rates g
 gateway (``gateway.link_rate_bytes_per_s``) and arbiter (``arbiter.link_rate_bytes_per_s``),
 ``time_scale`` to the engine emulators, α/β of the scheduler follow the links and the time
 scale, every gateway shares ``storage_root`` (a directory here, a distributed file system on
-real nodes). Ablation modes (:data:`MODES`, ``services.scheduler.modes``) switch scheduler policy
+real nodes). Ablation modes (:data:`MODES`, ``services.scheduler.core.modes``) switch scheduler policy
 and engine mode only.
 """
 
@@ -40,7 +40,7 @@ import msgspec
 from common.config import build_config, env_overlay, read_toml
 from tools.config import DualpathConfig
 from common.errors import ConfigError
-from services.scheduler.modes import MODE_SPECS, ModeSpec, mode_spec
+from services.scheduler.core.modes import MODE_SPECS, ModeSpec, mode_spec
 
 from .schema import ClusterSection, NodeSpec, Role  # noqa: F401  (re-exported)
 
@@ -149,7 +149,7 @@ def _check_cross(cfg: Any, data: dict[str, Any], source: str) -> None:
     """Checks that need more than one section."""
     c = cfg.cluster
     from common.kv import spec_from_config
-    from services.scheduler.cost_model import PRESETS as COSTS
+    from services.compute_model.cost_model import PRESETS as COSTS
 
     try:
         spec = spec_from_config(cfg.kv)
@@ -362,7 +362,7 @@ def ip_of(host: str) -> str:
 def _shared_overrides(cluster: Cluster) -> dict[str, Any]:
     c, cfg, raw = cluster.spec, cluster.cfg, cluster.data
     from common.kv import spec_from_config
-    from services.scheduler.cost_model import cost_model
+    from services.compute_model.cost_model import cost_model
 
     spec = spec_from_config(cfg.kv)
     sched: dict[str, Any] = {}

@@ -1,9 +1,9 @@
 """etcd discovery wired into the processes (issue 16, item 1): who registers, who watches.
 
 * ``register_node`` — a node service or gateway puts its :class:`NodeRecord` under a lease
-  for the life of the process (``services.scheduler.discovery``).
+  for the life of the process (``services.scheduler.etcd.discovery``).
 * ``watch_cluster`` — the elected scheduler watches the registrations
-  (``services.scheduler.discovery_watch``): its hit lookup asks the registered gateways (the
+  (``services.scheduler.etcd.discovery_watch``): its hit lookup asks the registered gateways (the
   static ``--lookup-gateway`` / cluster-file ones only while none is registered), a node
   service whose key vanished is dropped at once, refusals show in ``ClusterStatus.discovery``.
 
@@ -21,8 +21,8 @@ import structlog
 
 from common.kv import spec_from_config
 from common.protocol.base import PROTOCOL_VERSION
-from services.scheduler.discovery import NodeRecord, make_record, registered
-from services.scheduler.discovery_watch import ClusterView, DiscoveryWatch
+from services.scheduler.etcd.discovery import NodeRecord, make_record, registered
+from services.scheduler.etcd.discovery_watch import ClusterView, DiscoveryWatch
 
 from .inprocess import lookup_client
 

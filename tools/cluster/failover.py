@@ -136,11 +136,11 @@ class FailoverHarness(ChaosHarness):
         return Replica(proc, ready, argv)
 
     def resolver(self) -> Any:
-        from services.scheduler.election import LeaderResolver
+        from services.scheduler.etcd.election import LeaderResolver
         return LeaderResolver(self.cluster.cfg.etcd)
 
     async def status(self):
-        from services.scheduler.client import SchedulerClient
+        from services.scheduler.client.client import SchedulerClient
         async with SchedulerClient("", 0, rpc=self.rpc, client_id="failover",
                                    resolve=self.resolver()) as c:
             return await c.cluster_status(timeout=5.0)

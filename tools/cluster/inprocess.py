@@ -11,14 +11,14 @@ Both start the same services the same way (the helpers below; ``dualpath serve``
 too) and hand back one :class:`InProcessCluster`. :func:`start_cluster` renders each
 service's config from a cluster file (:func:`~.config.service_config`, like the subprocess
 launcher); ``stub=True`` starts only the scheduler and stand-in group leaders that finish
-every request at once (:class:`services.scheduler.stub_nodes.StubCluster`).
+every request at once (:class:`tools.cluster.stub_nodes.StubCluster`).
 :func:`local_datapath` gives every service one small config (:func:`base_config`) and may
 leave out the scheduler, the engines, or a whole role.
 
 Every node gets its own storage gateway over one shared directory (``probe_on_miss``: a
 block one node wrote is found by the others, as on a distributed file system); the
 scheduler's hit lookup asks any of them (``LookupPrefix``, in turn, the next one when one
-fails: :class:`~services.scheduler.gateway_lookup.GatewayHitLookup`), so hits are measured,
+fails: :class:`~tools.cluster.gateway_lookup.GatewayHitLookup`), so hits are measured,
 not assumed.
 """
 
@@ -140,8 +140,8 @@ async def lookup_scheduler(stack: contextlib.AsyncExitStack, cfg: Any,
     """A started scheduler and its hit lookup over ``gateways`` (name → RPC address, every
     gateway of the shared store: asked in turn, the next one when one fails); None or empty:
     the scheduler's per-session index, and None for the lookup."""
-    from services.scheduler.gateway_lookup import GatewayHitLookup
-    from services.scheduler.service import SchedulerService
+    from tools.cluster.gateway_lookup import GatewayHitLookup
+    from services.scheduler.shell.service import SchedulerService
     hit_lookup = None
     dynamic = bool(cfg.etcd.endpoints)     # etcd: the registered gateways join later
     if gateways or dynamic:
@@ -178,7 +178,7 @@ async def start_cluster(cluster: Cluster, *, storage_root: str | Path | None = N
 
 async def _start_stub(stack: contextlib.AsyncExitStack, c: InProcessCluster,
                       cluster: Cluster) -> None:
-    from services.scheduler.stub_nodes import StubCluster
+    from tools.cluster.stub_nodes import StubCluster
     cfg = service_config(cluster, "scheduler")
     c.scheduler, _ = await lookup_scheduler(stack, cfg, None)
     spec = cluster.spec

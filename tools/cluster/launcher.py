@@ -291,7 +291,7 @@ class Launcher:
 
     def _wait_registered(self) -> None:
         """Poll the scheduler until every PE receiver / DE loader holds a lease."""
-        from services.scheduler.client import SyncSchedulerClient
+        from services.scheduler.client.client import SyncSchedulerClient
         want = {p.node for p in self.state.procs if p.service in ("pe_receiver", "de_loader")}
         host, port = self.state.scheduler
         deadline = time.monotonic() + self.cluster.spec.start_timeout_s
@@ -378,5 +378,5 @@ def endpoints_table(state: State) -> str:
         extra = f" metrics http://{p.host}:{p.metrics_port}/metrics" if p.metrics_port else ""
         rows.append(f"  {p.name:<22} pid {p.pid:<7} {p.host}:{p.rpc_port}{extra}")
     host, port = state.scheduler
-    rows.append(f"frontend RPC: {host}:{port}  (services.scheduler.client.SchedulerClient)")
+    rows.append(f"frontend RPC: {host}:{port}  (services.scheduler.client.client.SchedulerClient)")
     return "\n".join(rows)

@@ -28,7 +28,7 @@ bad config or arguments, 1 when the service failed.
 
 The scheduler's hit lookup asks the storage gateways of the shared store (``LookupPrefix``),
 one per lookup in turn and the next one when one fails
-(:class:`~services.scheduler.gateway_lookup.GatewayHitLookup`): those ``--lookup-gateway``
+(:class:`~tools.cluster.gateway_lookup.GatewayHitLookup`): those ``--lookup-gateway``
 names (repeated or comma-separated), else every node of the cluster file with a fixed
 ``gateway_port``. Hits are what storage holds, across sessions too (Mooncake traces share
 prefixes between requests). No gateway known: the scheduler's per-session index.
@@ -220,7 +220,7 @@ class _Roles:
         with the election's fencing epoch; stop when the lease cannot be kept (a standby
         takes over). Ready (the JSON line) only once elected: docs/cluster.md, "etcd"."""
         from common.metrics import scheduler_stats
-        from services.scheduler.election import SchedulerElection
+        from services.scheduler.etcd.election import SchedulerElection
         from .inprocess import lookup_scheduler
         replica = self.args.node or f"scheduler-{os.getpid()}"
         election = SchedulerElection(cfg.etcd, replica)

@@ -1,7 +1,7 @@
 """Emulated prefill and decode engines: real KV bytes through the engine API, cost-model time.
 
 * :class:`PrefillEngineSim` — FIFO forward batches under the compute quota
-  (``services.scheduler.batching.PrefillBatcher``); per layer it awaits the hit KV (layer-wise
+  (``services.compute_model.batching.PrefillBatcher``); per layer it awaits the hit KV (layer-wise
   mode: layer ``l+1`` loads while ``l`` computes; whole mode: every layer first), checks it
   against the stored pattern, spends ``prefill_s / L`` of the cost model (× ``time_scale``),
   writes the new tokens' KV (``kv_pattern``) and puts the layer.
@@ -28,8 +28,8 @@ from common.errors import ChecksumMismatch, DualpathError, InvalidArgument
 from common.kv import KVSpec
 from services.engine_api.decode import DecodePort, DecodeRequest
 from services.engine_api.prefill import PrefillHandle, PrefillPort
-from services.scheduler.batching import PrefillBatcher
-from services.scheduler.cost_model import ModelCost, cost_model
+from services.compute_model.batching import PrefillBatcher
+from services.compute_model.cost_model import ModelCost, cost_model
 
 from .config import EngineSimConfig
 from .kv_pattern import check_tokens, fill_tokens, layer_pattern, token_id

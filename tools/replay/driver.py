@@ -29,7 +29,7 @@ from common.config import RpcConfig
 from common.errors import DualpathError
 from common.protocol import (AttemptRecord, FirstToken, RequestFailed, RequestFinished,
                              RequestPlaced, RequestQueued)
-from services.scheduler.client import SchedulerClient
+from services.scheduler.client.client import SchedulerClient
 
 from .workloads import AgenticWorkload, PromptBuilder, TraceRequest
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from common.errors import InvalidArgument
 from common.protocol import DecodeBinding, FetchWork, FetchWorkReply, RequestPlan, Revocation
 
+from ..core.records import EngineReport, Role, Telemetry
 from .leases import Registration
-from .records import EngineReport, Telemetry
 from .request_state import RequestState
 
 PLAN_BASE_BYTES = 512       # encoded RequestPlan without keys, generously (endpoints, ids)
@@ -58,6 +58,44 @@ class Outbox:
             self.unacked = None
             return None
         return last
+
+
+class Outboxes:
+    """Every registered group leader's outbox, by ``(role, group_id)``; opened when a leader
+    registers engines, closed when its registration goes."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[tuple[str, str], Outbox] = {}
+
+    def open(self, role: str, group_id: str) -> Outbox:
+        box = self._boxes[(role, group_id)] = Outbox(role, group_id)
+        return box
+
+    def close(self, role: str, group_id: str) -> None:
+        self._boxes.pop((role, group_id), None)
+
+    def get(self, role: str, group_id: str | None) -> Outbox | None:
+        return self._boxes.get((role, group_id)) if group_id is not None else None
+
+    def __getitem__(self, key: tuple[str, str]) -> Outbox:
+        return self._boxes[key]
+
+    def revoke(self, rs: RequestState, reason: str) -> int:
+        """Tell each group that got ``rs``'s current attempt to drop it; how many were told."""
+        sent = 0
+        for role, group in ((Role.DECODE.value, rs.de_group), (Role.PREFILL.value, rs.pe_group)):
+            box = self.get(role, group)
+            if box is not None:
+                box.revoked.append(Revocation(rs.request_id, rs.attempt, reason[:300]))
+                sent += 1
+        rs.de_group = rs.pe_group = None
+        return sent
+
+    def rebind(self, rs: RequestState) -> None:
+        """A re-plan kept ``rs``'s DE: its loader gets the new attempt's binding again."""
+        box = self.get(Role.DECODE.value, rs.de_node)
+        if box is not None:
+            box.bindings.append((rs.request_id, rs.attempt))
 
 
 class Limits:

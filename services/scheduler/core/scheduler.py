@@ -274,6 +274,13 @@ class Scheduler:
             n.read_q = tokens
 
     # ------------------------------------------------------------------ introspection
+    def held(self, request_id: str) -> tuple[Phase, int] | None:
+        """A held request's phase and how often it has been re-planned (0 on its first plan);
+        None when the core does not hold it (not submitted, or completed, cancelled or given
+        up after ``max_replans``)."""
+        p = self._requests.get(request_id)
+        return None if p is None else (self.phase(request_id), p.attempt)
+
     def phase(self, request_id: str) -> Phase:
         p = self._get(request_id)
         if p.de is None:

@@ -37,7 +37,7 @@ from typing import Literal
 from common.config import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Section
 from common.kv import PRESETS as KV_PRESETS
 
-from .cost_model import PrefillLoad, cost_model
+from services.compute_model.cost_model import PrefillLoad, cost_model
 
 Policy = Literal["basic", "dpl", "dualpath"]
 Placement = Literal["auto", "balanced", "round_robin"]

@@ -1,7 +1,7 @@
 """The scheduler leader's view of the cluster, from etcd: it watches ``<prefix>/nodes/``.
 
-:class:`ClusterView` is the sans-I/O part (CONVENTIONS §3): it takes the keys' puts and
-deletes and keeps which node services and gateways are registered, which were refused and
+:class:`ClusterView` is the sans-I/O part (docs/contributing.md, habit 1): it takes the keys'
+puts and deletes and keeps which node services and gateways are registered, which were refused and
 why. A registration is *refused* — logged (``node_refused``), counted and listed in
 ``ClusterStatus.refused`` — when its KV spec fingerprint or protocol version differs from the
 cluster's (this scheduler's); both values are named. Refused nodes are not used (their
@@ -29,7 +29,7 @@ from common.errors import Unavailable
 
 from .discovery import NodeRecord, nodes_prefix
 from .election import EtcdEndpoints
-from .service_config import EtcdConfig
+from ..service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ import contextlib
 from common.config import RpcConfig
 from common.protocol import EngineInfo, RequestPlan
 
-from .node_client import NodeSession
+from services.scheduler.client.node_client import NodeSession
 
 STAGES = ("allocated", "read_done", "prefill_done", "second_token")
 

@@ -33,7 +33,7 @@ import structlog
 
 from common.errors import Unavailable
 
-from .service_config import EtcdConfig
+from ..service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
 

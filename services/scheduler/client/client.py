@@ -2,7 +2,7 @@
 
 Async (what an asyncio frontend embeds)::
 
-    from services.scheduler.client import SchedulerClient
+    from services.scheduler.client.client import SchedulerClient
     from common.protocol import FirstToken, RequestFailed, RequestFinished
 
     async with SchedulerClient("127.0.0.1", 7700) as sched:
@@ -21,7 +21,7 @@ Async (what an asyncio frontend embeds)::
 
 Synchronous (a thread-based frontend; the client runs its own event loop in a thread)::
 
-    from services.scheduler.client import SyncSchedulerClient
+    from services.scheduler.client.client import SyncSchedulerClient
 
     with SyncSchedulerClient("127.0.0.1", 7700) as sched:
         for ev in sched.submit("req-44", "agent-8", 4_096, 64, token_ids=prompt3):

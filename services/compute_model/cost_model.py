@@ -35,7 +35,7 @@ Where the FLOPs constants come from (checked by ``tests/test_batching.py`` again
   equal to V3's (512 + 64), so ``2·32·(576 + 512)`` per pair, top-k 1024; indexer 32 heads × 64.
 * **smollm2-135m** (the real model of docs/vllm.md, vLLM on CPU): hidden 576, 30 layers, 9
   query heads × 64 dims → ``4 · 9 · 64`` per pair; ≈106e6 non-embedding params. Rates are those
-  of vLLM's CPU backend on one core (REAL-ENGINE-NOTES: 481 prompt tokens in ~1 s).
+  of vLLM's CPU backend on one core (measured: 481 prompt tokens in ~1 s).
 * **test-small**: synthetic, sized so a few thousand tokens take tens of milliseconds.
 """
 

@@ -7,7 +7,7 @@ engines, RPC and UCX addresses, KV spec fingerprint, protocol version, pid, a pe
 instance id). The key lives exactly as long as the process keeps its lease alive: kill -9 →
 gone after one lease; a clean stop revokes it at once.
 
-The scheduler leader watches the prefix (:mod:`services.scheduler.discovery_watch`). The RPC
+The scheduler leader watches the prefix (:mod:`services.scheduler.etcd.discovery_watch`). The RPC
 registration (``RegisterNode``) stays the session that carries work; etcd is discovery and
 liveness only. Static TOML mode (no endpoints) does none of this.
 
@@ -33,7 +33,7 @@ import structlog
 from common.errors import AlreadyExists, Unavailable
 
 from .election import EtcdEndpoints, put_if_absent
-from .service_config import EtcdConfig
+from ..service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
 

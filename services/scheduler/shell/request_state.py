@@ -1,17 +1,24 @@
-"""One request inside the scheduler service: its checked submission, state and timestamps.
+"""One request inside the scheduler service: its checked submission, progress and timestamps.
 
-State machine (issue 5)::
+Status (issue 5) — never stored, derived (:meth:`RequestState.status`) from the core's
+``Phase`` of the request, the current attempt's progress reports, and the terminal outcome the
+request table records once::
 
     queued ──▶ placed ──▶ loading ──▶ prefilling ──▶ decoding ──▶ finished
        ▲          │           │            │              │
        └──────────┴── re-plan (retryable failure, lease expiry; ≤ max_replans) ──┘
-                         any state ──▶ failed / cancelled
+                         any status ──▶ failed / cancelled
 
-* queued: accepted (hit lookup, then waiting for a DE and a PE in the core's queues);
-* placed: the core chose (PE, DE, read side) in a PE group fetch;
-* loading: the plan went to the PE receiver (``allocated`` report: buffers held, read issued);
+* queued: accepted (hit lookup, then waiting for a DE and a PE in the core's queues: phase
+  ``queued`` or ``bound``);
+* placed: the core chose (PE, DE, read side) in a PE group fetch (phase ``placed``);
+* loading: the plan went to the PE receiver, or its ``allocated`` report (buffers held, read
+  issued) came;
 * prefilling: ``read_done`` (hit KV read from storage);
-* decoding: ``prefill_done`` or ``first_token``; finished: ``finished``.
+* decoding: ``prefill_done`` (phase ``decoding``) or ``first_token``; finished: ``finished``.
+
+A re-plan starts a new attempt: its progress is forgotten and the core puts the request back in
+a queue, so the status is ``queued`` again without anyone setting it.
 
 Timestamps are the event loop's monotonic clock. TTFT breakdown (paper §7, Figure 12):
 Sch. = submit → placed (queueing and scheduling wait, including earlier failed attempts),
@@ -35,11 +42,13 @@ from common.kv import block_keys_from_tokens, validate_keys
 from common.protocol import (AttemptRecord, FirstToken, RequestEvent, RequestFailed,
                              RequestFinished, SubmitRequest)
 
-from .records import Assignment
-from .service_config import SchedulerServiceConfig
+from ..core.records import Assignment, Phase
+from ..service_config import SchedulerServiceConfig
 
 
-class State(enum.StrEnum):
+class Status(enum.StrEnum):
+    """What the status replies and logs call a request's standing (derived, never stored)."""
+
     QUEUED = "queued"
     PLACED = "placed"
     LOADING = "loading"
@@ -50,7 +59,8 @@ class State(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-TERMINAL = frozenset((State.FINISHED, State.FAILED, State.CANCELLED))
+TERMINAL = frozenset((Status.FINISHED, Status.FAILED, Status.CANCELLED))
+LIVE = tuple(s for s in Status if s not in TERMINAL)
 
 # Put in a superseded event queue (``RequestState.attach``): that stream ends, the request lives.
 SUPERSEDED: Any = object()
@@ -135,29 +145,31 @@ def usable_hit_blocks(blocks: int, keys: int, prompt_tokens: int, block_tokens: 
 
 
 class RequestState:
-    """Service-side life of one request; the core holds its placement."""
+    """Service-side life of one request; the core holds its placement and phase.
 
-    __slots__ = ("sub", "conn_id", "state", "hit_tokens", "attempt", "in_core", "events",
+    What is stored here is what only the shell knows: the submission, the frontend's event
+    stream, the current attempt's progress stamps and placement as sent, the records of ended
+    attempts, and — once — the terminal ``outcome``. The request table owns every instance.
+    """
+
+    __slots__ = ("sub", "conn_id", "outcome", "hit_tokens", "attempt", "events",
                  "t_submit", "t_placed", "t_dispatched", "t_allocated", "t_read", "t_first",
                  "t_second", "assignment", "de_engine", "de_node", "de_group", "pe_group",
-                 "deadline", "timer", "hbm_bytes", "attempts", "hit_lookup_failed",
-                 "detach_timer", "hit_shortfall_tokens")
+                 "deadline", "hbm_bytes", "attempts", "hit_lookup_failed",
+                 "hit_shortfall_tokens")
 
     def __init__(self, sub: Submission, conn_id: int, now: float, deadline: float | None) -> None:
         self.sub = sub
         self.conn_id = conn_id           # frontend connection that owns the event stream
-        self.state = State.QUEUED
+        self.outcome: Status | None = None   # set once, by RequestTable.end
         self.hit_tokens = 0
         self.hit_lookup_failed = False   # the storage lookup failed: hit taken as 0
         self.hit_shortfall_tokens = 0    # stored by an earlier turn, not found (stored_prefix)
         self.hbm_bytes = 0
-        self.attempt = 0
-        self.in_core = False             # submitted to the core (after the hit lookup)
+        self.attempt = 0                 # the core's count of re-plans, copied at each one
         self.events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.t_submit = now
         self.deadline = deadline         # loop time, or None
-        self.timer: asyncio.TimerHandle | None = None
-        self.detach_timer: asyncio.TimerHandle | None = None   # frontend gone: cancel unless
         self.de_engine = self.de_node = None
         self.de_group: str | None = None  # DE group that got this attempt's binding
         self.pe_group: str | None = None  # PE group that got this attempt's plan
@@ -171,7 +183,30 @@ class RequestState:
 
     @property
     def terminal(self) -> bool:
-        return self.state in TERMINAL
+        return self.outcome is not None
+
+    def progress(self) -> Status:
+        """How far the current attempt got, by what was sent and reported for it."""
+        if self.t_first is not None:
+            return Status.DECODING
+        if self.t_read is not None:
+            return Status.PREFILLING
+        if self.t_allocated is not None or self.t_dispatched is not None:
+            return Status.LOADING
+        if self.assignment is not None:
+            return Status.PLACED
+        return Status.QUEUED
+
+    def status(self, phase: Phase | None) -> Status:
+        """The request's status from the core's ``phase`` (None: the core does not hold it —
+        still in the hit lookup, or being released on its way out) and its outcome."""
+        if self.outcome is not None:
+            return self.outcome
+        if phase is Phase.QUEUED or phase is Phase.BOUND:
+            return Status.QUEUED
+        if phase is Phase.DECODING:
+            return Status.DECODING
+        return self.progress()       # placed: the attempt's reports say how far it got
 
     @property
     def new_tokens(self) -> int:
@@ -183,9 +218,10 @@ class RequestState:
         self.assignment: Assignment | None = None
         self.pe_group = None
 
-    def next_attempt(self, keep_de: bool) -> None:
-        """A re-plan: forget this attempt's placement (the DE too unless the core kept it)."""
-        self.attempt += 1
+    def next_attempt(self, attempt: int, keep_de: bool) -> None:
+        """The core re-planned (its ``attempt`` count): forget this attempt's placement and
+        progress (the DE too unless the core kept it)."""
+        self.attempt = attempt
         self._reset_attempt()
         self.de_group = None
         if not keep_de:
@@ -198,7 +234,7 @@ class RequestState:
             return None
         a = self.assignment
         rec = AttemptRecord(self.attempt, a.pe_node if a else "", self.de_node or "",
-                            a.read_side.value if a else "", self.state.value, outcome,
+                            a.read_side.value if a else "", self.progress().value, outcome,
                             hop[:80], code, message[:500], max(read_bytes, 0))
         self.attempts.append(rec)
         return rec
@@ -221,9 +257,6 @@ class RequestState:
             self.events.put_nowait(old.get_nowait())
         old.put_nowait(SUPERSEDED)
         self.conn_id = conn_id
-        if self.detach_timer is not None:
-            self.detach_timer.cancel()
-            self.detach_timer = None
         return self.events
 
     def same_request(self, sub: Submission) -> bool:

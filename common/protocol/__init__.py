@@ -24,7 +24,7 @@ Import messages from here, never from the modules.
 from __future__ import annotations
 
 from common.protocol.base import (
-    PROTOCOL_VERSION, Message, ErrorReply, union_members,
+    PROTOCOL_VERSION, Message, ErrorReply, ReadSide, union_members,
 )
 from common.protocol.connection import (
     ServerHello, Hello, HelloReply, HandshakeMsg, Call, Reply, StreamItem, StreamEnd,
@@ -78,5 +78,5 @@ __all__ = [
     "NextRequest", "ClaimRequest", "PrefillAssigned", "DecodeAssigned", "Assigned", "WaitLayer",
     "LayerReady", "PutLayer", "FinishPrefill", "TookKV", "SecondToken", "NewBlock",
     "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "EngineOk", "EngineRequest",
-    "EngineReply", "ReportCounters",
+    "EngineReply", "ReportCounters", "ReadSide",
 ]

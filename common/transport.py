@@ -2,8 +2,8 @@
 
 With :mod:`common.transport_ucx` (the ``ucxx`` import, the UCX context, link and transfer
 book-keeping) and :mod:`common.ucxx_handshake` (a memory-safe replacement for ucxx's endpoint
-handshake, installed on first use), the only code of dualpath that touches ``ucxx`` (DESIGN
-§5). The receiver posts every
+handshake, installed on first use), the only code of dualpath that touches ``ucxx``
+(docs/contributing.md, 'Layers'). The receiver posts every
 receive of a transfer in advance (:meth:`PageTransport.expect`), straight into its arena
 (``force_tag`` tag receives); the sender cuts the same :func:`plan_messages` plan over the
 receiver's slots and sends each message with its tag. Completion of the posted receives is

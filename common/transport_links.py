@@ -4,7 +4,7 @@ single-copy endpoints, and the parking of buffers that ucxx requests may still p
 A layer of :class:`common.transport.PageTransport` (which holds the state, the lifecycle and
 the module doc that explains the design); :mod:`common.transport_transfers` builds the
 transfers on these links. Only ``common/transport*.py`` and ``common/ucxx_handshake.py``
-touch ``ucxx`` (DESIGN §5).
+touch ``ucxx`` (docs/contributing.md, 'Layers').
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ packed messages through staging), the send side, and what a failure part-way doe
 
 A layer of :class:`common.transport.PageTransport` (its module doc explains the design) on top
 of :class:`common.transport_links.LinkTable`. Only ``common/transport*.py`` and
-``common/ucxx_handshake.py`` touch ``ucxx`` (DESIGN §5).
+``common/ucxx_handshake.py`` touch ``ucxx`` (docs/contributing.md, 'Layers').
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The ucxx side of the page transport: the lazy ``ucxx`` import (with the handshake patch),
 the UCX context of one traffic class, and the book-keeping of links and transfers.
 
-Split from :mod:`common.transport` (which holds the transfer logic) so that file stays
-readable; together they are still the only place dualpath touches ``ucxx`` (DESIGN §5), plus
-:mod:`common.ucxx_handshake`.
+Split from :mod:`common.transport` (which holds the transfer logic) so that file stays readable;
+together they are still the only place dualpath touches ``ucxx`` (docs/contributing.md, 'Layers'),
+plus :mod:`common.ucxx_handshake`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The one wire schema: every control message of dualpath as a frozen, tagged msgspec Struct.
 
-Conventions (docs/CONVENTIONS.md §1): commands are imperative (``ReadBlocks``), events past
-tense, replies ``<Command>Reply`` plus the shared :class:`ErrorReply`. Each channel has one
-tagged union; a service decodes with one decoder per channel, built once. Bulk KV bytes never
+Conventions (docs/contributing.md, 'One wire schema'): commands are imperative (``ReadBlocks``),
+events past tense, replies ``<Command>Reply`` plus the shared :class:`ErrorReply`. Each channel has
+one tagged union; a service decodes with one decoder per channel, built once. Bulk KV bytes never
 travel here: they move over UCX (``common.transport``) into buffers posted in advance.
 
 Framing (``common.rpc``): a 4-byte big-endian length, then one msgpack-encoded *envelope*

@@ -1,13 +1,16 @@
-"""The central scheduler (paper §6; digest §5): a pure policy core, its intra-engine batcher,
+"""The central scheduler (paper §6): a pure policy core, its intra-engine batcher,
 and the live service that runs them behind one RPC port.
 
 Sans-I/O core — what this package exports. ``core``, ``policy``, ``state``, ``records``,
-``config``, ``batching`` and ``cost_model`` (with the service's pure helpers ``dispatch``,
-``leases``, ``modes``, ``recovery``, ``stored_prefix`` and ``service_config``) import neither
-asyncio nor ucxx, read no clock and touch no network, so the live service, the tests and the
+``config``, ``batching`` and ``cost_model`` (with the service's pure helpers ``leases``,
+``modes``, ``recovery``, ``stored_prefix`` and ``service_config``) import neither asyncio nor
+ucxx, read no clock and touch no network, so the live service, the tests and the
 discrete-event simulator run exactly the same decisions (``core``, ``policy``, ``state`` and
 ``batching`` are compiled with mypyc for the simulator: ``sim.accel``). Importing
-``services.scheduler`` pulls in no asyncio.
+``services.scheduler`` pulls in no asyncio. ``dispatch`` (the per-group outboxes) awaits
+nothing and reads no clock either, but it works on the shell's ``request_state.RequestState``
+(which holds each request's asyncio event queue), so importing it loads asyncio: it is part of
+the service, not of the core.
 
 * ``core.Scheduler`` — inter-engine placement: DE two-phase placement, PE Algorithm 1, read side;
   the request flow and how a service or a simulator drives it are in ``core``'s docstring.

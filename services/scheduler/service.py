@@ -5,9 +5,9 @@ union + the node union + Ping/GetStats): one port to deploy, configure and healt
 frontends and node services are told apart by what they call, and only a frontend
 connection's requests are cancelled when it goes away (node services are judged by leases).
 
-Shell around the sans-I/O :class:`~services.scheduler.core.Scheduler` (CONVENTIONS §3): every
-handler validates, then calls the core synchronously (never across an ``await``), so the core
-sees one caller. The shell adds what needs a clock or a socket:
+Shell around the sans-I/O :class:`~services.scheduler.core.Scheduler` (docs/contributing.md,
+'Sans-I/O cores'): every handler validates, then calls the core synchronously (never across an
+``await``), so the core sees one caller. The shell adds what needs a clock or a socket:
 
 * leases of node services (``leases.LeaseTable``): expiry or a restart (higher epoch) removes the
   node's engines from the core, whose requests are re-planned (``max_replans``) or failed with

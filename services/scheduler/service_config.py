@@ -3,7 +3,7 @@
 The placement constants (α, β, Z, policy, ``max_replans``) are ``[scheduler]``
 (:class:`services.scheduler.config.SchedulerConfig`); this section holds what only the running
 service needs: its port, leases, the fetch interval it tells group leaders, and the bounds on
-what one frontend or node may send (CONVENTIONS §5: bounded everything, explicit OVERLOADED).
+what one frontend or node may send (docs/contributing.md, 'Bounded queues and deadlines').
 """
 
 from __future__ import annotations

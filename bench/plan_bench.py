@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = _rerun(argv, not args.no_accel, "bench.plan_bench")
     if rc is not None:
         return rc
-    from common.traces import load_workload, shared_agentic_dir
+    from sim.recorded import load_workload, shared_agentic_dir
     from sim.config import load
     from sim.plan import QUICK_RATIOS, SLO, PlanWorkload, plan
     from sim.plan_cli import render

@@ -1,11 +1,11 @@
 """Preallocated page pools: the PE buffer, the DE buffer, staging areas.
 
 One arena is allocated (and so registered with UCX's registration cache) once at start; each
-request then takes pages from it and gives them back when it is done — never a registration or
-a large allocation per request (DESIGN §3). The pool prefers one contiguous extent per request,
-so that a request's ``[L, tokens, B]`` KV region keeps each layer contiguous and a layer moves as
-one UCX message; when the arena is fragmented it falls back to several extents and the
-``slots``/``views`` of a logical byte range tell the transport where the bytes are.
+request then takes pages from it and gives them back when it is done — never a registration or a
+large allocation per request (docs/architecture.md, 'KV layout'). The pool prefers one contiguous
+extent per request, so that a request's ``[L, tokens, B]`` KV region keeps each layer contiguous
+and a layer moves as one UCX message; when the arena is fragmented it falls back to several extents
+and the ``slots``/``views`` of a logical byte range tell the transport where the bytes are.
 
 ``shm=True`` (host memory only) puts the arena in a named ``/dev/shm`` segment
 (``common.shm``) so the node's storage gateway can ``preadv`` Full Blocks straight into it —

@@ -24,10 +24,10 @@ from common.errors import ConfigError
 
 ENV_PREFIX = "DUALPATH__"
 
-# Declared field constraints (CONVENTIONS §15): msgspec checks them when a file or dict is
-# decoded (build_config / load_config) and names the key, e.g. "Expected `int` >= 1 - at
-# `$.pe_receiver.engines`". A direct constructor call does not check them: code that builds a
-# section from outside input goes through build_config.
+# Declared field constraints (docs/contributing.md, 'Declare, don't check by hand'): msgspec checks
+# them when a file or dict is decoded (build_config / load_config) and names the key, e.g.
+# "Expected `int` >= 1 - at `$.pe_receiver.engines`". A direct constructor call does not check
+# them: code that builds a section from outside input goes through build_config.
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]    # NaN fails too

@@ -80,7 +80,8 @@ PRESETS: dict[str, KVSpec] = {
     "qwen2.5-32b": KVSpec("qwen2.5-32b", 64, 4096),
     # DeepSeek-V3.2, FlashMLA FP8 latent: 512 FP8 + 4 fp32 scales + 64 bf16 RoPE = 656 B.
     "deepseek-v3.2": KVSpec("deepseek-v3.2", 61, 656),
-    # The paper's DS 27B (30 layers); 656 B MLA + ~68 B indexer key is an estimate (digest §6.3).
+    # The paper's DS 27B (30 layers); 656 B MLA + ~68 B indexer key is an estimate (the paper
+    # gives none).
     "ds-27b": KVSpec("ds-27b", 30, 724),
     # SmolLM2-135M under vLLM (docs/vllm.md): 3 KV heads x 64 dims x (K, V) x 2 B (bf16) = 768 B;
     # B is laid out [K|V][kv_head][head_dim] little-endian bf16 (integrations/vllm/geometry.py).

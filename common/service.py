@@ -6,8 +6,8 @@ Lifecycle INIT → RUNNING → CLOSING → CLOSED (or FAILED), with locked, idem
 limping on. Per-request work runs in a supervised set: one bad request or peer cannot cancel
 the others, every task is referenced, and failures are logged with their traceback.
 
-Shutdown order (CONVENTIONS, from aiohttp/nats): stop accepting, drain requests up to a grace
-period, cancel the rest, then ``on_stop`` closes endpoints and releases pools.
+Shutdown order (docs/contributing.md, 'One owner per lifecycle'): stop accepting, drain requests up
+to a grace period, cancel the rest, then ``on_stop`` closes endpoints and releases pools.
 
 The process shell lives here too, once: :func:`serve_process` (signal handling, the ordered
 stop, the one JSON ready line of :func:`announce_ready`), which ``dualpath serve`` runs every

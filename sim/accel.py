@@ -16,8 +16,7 @@ How it is used:
 * ``dualpath sim-accel build`` (``make sim-accel``) compiles into
   ``$DUALPATH_SIM_ACCEL_DIR`` (default ``~/.cache/dualpath/sim-accel``)``/<digest>/``, where the
   digest covers every ``.py`` of ``sim/``, ``services/scheduler/core/`` and
-  ``services/compute_model/``, ``common/datasets.py`` and
-  the interpreter's ABI.
+  ``services/compute_model/`` and the interpreter's ABI.
   Needs ``mypy`` (the ``accel`` extra) and a C compiler. Nothing is written beside the sources;
   the cache keeps the newest ``KEEP_BUILDS`` builds (~2 MB each).
 * ``enable()`` runs when ``sim`` is first imported. It installs an import hook that loads the
@@ -55,8 +54,6 @@ ENV_MODE = "DUALPATH_SIM_ACCEL"
 ENV_DIR = "DUALPATH_SIM_ACCEL_DIR"
 ROOT = Path(__file__).resolve().parent.parent     # holds sim/ and services/
 _DIGESTED = ("sim", "services/scheduler/core", "services/compute_model")
-# single modules the compiled code imports from outside those folders (their data and types)
-_DIGESTED_FILES = ("common/datasets.py",)
 _EXT = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 _BUILD_TIMEOUT_S = 900.0
 KEEP_BUILDS = 4                          # builds of other digests kept in the cache (~2 MB each)
@@ -75,9 +72,6 @@ def digest(root: Path = ROOT) -> str:
         for p in sorted((root / sub).glob("*.py")):
             h.update(f"\0{sub}/{p.name}\0".encode())
             h.update(p.read_bytes())
-    for name in _DIGESTED_FILES:
-        h.update(f"\0{name}\0".encode())
-        h.update((root / name).read_bytes())
     return h.hexdigest()[:20]
 
 

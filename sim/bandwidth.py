@@ -1,7 +1,7 @@
-"""Paper §3 (digest §3): per-link loads of a PD cluster whose storage links all run at full speed,
+"""Paper §4.2: per-link loads of a PD cluster whose storage links all run at full speed,
 and the no-bottleneck P/D window of eq. (9).
 
-Notation (digest §3.2): ``P``/``D`` prefill/decode nodes, ``g`` GPUs (and CNICs) per node, one
+Notation (paper §4.2): ``P``/``D`` prefill/decode nodes, ``g`` GPUs (and CNICs) per node, one
 CNIC of bandwidth ``B`` per GPU, ``s·B`` storage (SNIC) bandwidth per node, ``M`` DRAM bandwidth
 per node. With every SNIC saturated, one (PE GPU, DE GPU) pair carries ``T_p = B·s/(D·g²)`` on
 the PE read path and ``T_c = B·s/(P·g²)`` on the DE read path (eq. 1–8):
@@ -18,10 +18,10 @@ DE DRAM (half-duplex)  (3 + 2·P/D)·s·B                 (8) P/D ≤ (M/(B·s) 
 =====================  ==============================  =====================================
 
 The window is a *sufficient* condition (the paper ran nothing outside it). Eq. (1) is printed in
-the paper as "s ≤ g"; the algebra gives s ≤ g/2 (digest §3.4), which is what is checked here.
+the paper as "s ≤ g"; the algebra gives s ≤ g/2, which is what is checked here.
 
-Exact arithmetic: integers and ``Fraction`` in give ``Fraction`` out (the test vectors of digest
-§3.8 are exact); floats in give floats.
+Exact arithmetic: integers and ``Fraction`` in give ``Fraction`` out (the test vectors of
+``tests/test_sim_bandwidth.py`` are exact); floats in give floats.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PDRange(msgspec.Struct, frozen=True):
 
 
 def pd_range(g: Real, s: Real, m_over_bs: Real) -> PDRange:
-    """The no-bottleneck P/D interval of eq. (9) (digest §3.8's ``dualpath_pd_range``).
+    """The no-bottleneck P/D interval of eq. (9).
 
     ``g``: GPUs = CNICs per node; ``s``: per-node storage bandwidth in units of one CNIC;
     ``m_over_bs``: per-node DRAM bandwidth ÷ per-node storage bandwidth.
@@ -81,7 +81,7 @@ def pd_range(g: Real, s: Real, m_over_bs: Real) -> PDRange:
 
 
 def link_loads(P: Real, D: Real, g: Real, s: Real, B: Real = 1, M: Real | None = None) -> dict[str, Real]:
-    """Per-link loads as fractions of capacity when every SNIC is saturated (digest §3.8).
+    """Per-link loads as fractions of capacity when every SNIC is saturated.
 
     CNIC loads are per GPU, DRAM loads per node; every value must be ≤ 1 for no new bottleneck.
     """

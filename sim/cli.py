@@ -86,9 +86,9 @@ def add_trace_args(ap: argparse.ArgumentParser) -> None:
 
 
 def load_trace(args: argparse.Namespace, cfg=None):
-    """The workload ``--trace`` names (``common.traces.TraceError`` on bad input); a
+    """The workload ``--trace`` names (``sim.recorded.TraceError`` on bad input); a
     ``table2:`` spec is generated with ``cfg``'s block size and seed (``--seed`` overrides)."""
-    from common.traces import load_workload
+    from .recorded import load_workload
 
     from .table2_trace import is_table2, table2_workload
     if is_table2(args.trace):

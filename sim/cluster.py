@@ -101,8 +101,9 @@ class Cluster:
         self.net = FlowNet(self.loop)
         self.reqs: dict[str, Req] = {}
         self.n_agents = workload.n_agents
-        # trace workloads (sim.traces): top-level sessions arrive, sub-agents are spawned by
-        # their parent and count towards n_agents; think times delay a session's next turn
+        # trace workloads (session_workload.py): top-level sessions arrive, sub-agents are
+        # spawned by their parent and count towards n_agents; think times delay a session's next
+        # turn
         self.n_roots = int(getattr(workload, "n_roots", self.n_agents))
         self.nested = bool(getattr(workload, "nested", False))
         self._build()
@@ -381,7 +382,7 @@ class Cluster:
             # (paper §7.2 stops at a steady TTFT; here the span is fixed, so a system that cannot
             # keep up shows a TTFT that still grows from quarter to quarter).
             loop.at(0.0, self._arrivals, 0)
-            # a trace's own arrival times (sim.traces, --arrivals trace) span what they span
+            # a trace's own arrival times (--arrivals trace) span what they span
             span = float(getattr(self.workload, "arrival_span", 0.0))
             self.span = span = span if span > 0.0 else self.n_roots / self.aps
             self.ss_window = (0.75 * span, span)

@@ -41,7 +41,7 @@ class HardwareConfig(Section):
     gpus_per_node: PositiveInt = 8
     snic_bytes_per_s: PositiveFloat = 50e9   # one 400 Gbps storage NIC per node (paper §6.1)
     cnic_bytes_per_s: PositiveFloat = 50e9   # one 400 Gbps compute NIC per GPU
-    dram_bytes_per_s: PositiveFloat = 500e9  # M ≈ 10 × SNIC (digest §9)
+    dram_bytes_per_s: PositiveFloat = 500e9  # M ≈ 10 × SNIC (docs/simulator.md, 'Hardware ratios')
     pe_hbm_kv_bytes: PositiveFloat = 16e9    # whole-prompt (basic) batches must fit here
     de_hbm_kv_bytes: PositiveFloat = 50e9    # DE HBM for request KV (the scheduler's HBM stop)
 
@@ -51,7 +51,7 @@ class ModelSection(Section):
     ep_sync: bool = True                   # DP attention + EP MoE: a node's PEs run forward passes together
     batch_eff_tokens: NonNegFloat = 755.0  # linear-layer efficiency 1 − exp(−tokens/k); 0 disables
     # the longest prompt + generation the model serves (DeepSeek V3.2: 128K); trace turns above it
-    # follow the workload's context policy (sim.traces: compact or drop, docs/workloads.md)
+    # follow the workload's context policy (session_workload.py: compact or drop, docs/workloads.md)
     max_context_tokens: PositiveInt = 131072
 
     def __post_init__(self) -> None:

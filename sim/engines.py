@@ -6,7 +6,7 @@ attention + EP MoE (``model.ep_sync``; the group waits for its slowest GPU's att
 shares the MoE work), else one PE alone. A step's compute time comes from the scheduler's cost
 model: ``max_gpu Σ attention_s + Σ linear / n_gpus × batch-efficiency``, times ``time_scale``.
 
-Hops of one forward step (digest §2.4, §2.5), per item of the batch:
+Hops of one forward step (paper Fig. 4), per item of the batch:
 
 * load of the cached KV into PE HBM, per layer — PE read path: PE buffer → PE CNIC (read) →
   PE HBM (CNIC write, loopback); DE read path: DE buffer → DE CNIC (read) → PE CNIC (write);

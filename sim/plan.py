@@ -71,7 +71,7 @@ class SLO(msgspec.Struct, frozen=True):
 class PlanWorkload(msgspec.Struct, frozen=True):
     """What every candidate simulates: a loaded trace, or a Table 2 dataset."""
 
-    trace: Any = None                 # common.traces.Workload
+    trace: Any = None                 # sim.recorded.Workload
     dataset: str = "64k"
     agents: int = 512
     turns_scale: float = 1.0

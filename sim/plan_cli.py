@@ -70,7 +70,7 @@ def parse_ratios(text: str | None, quick: bool) -> tuple[tuple[int, int], ...]:
 
 def build(args: argparse.Namespace):
     """(config, workload, SLO, ratios) from the arguments; InvalidArgument/ConfigError on bad input."""
-    from common.traces import shared_agentic_dir
+    from .recorded import shared_agentic_dir
     cfg = load(args.config)
     if args.preset:
         cfg = replace(cfg, model={"preset": args.preset})

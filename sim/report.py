@@ -67,7 +67,7 @@ def results(cl: Cluster) -> dict:
                 "peak_rss_mb": peak_rss_mb(), "compiled": accel.active(), "build": accel.status()},
     }
     stats = getattr(cl.workload, "stats", None)
-    if stats is not None:            # trace sessions: context policy counts (sim.traces)
+    if stats is not None:            # trace sessions: context policy counts (session_workload.py)
         out["trace"] = stats()
     if cl.online:
         ttft_ss, tpot_ss = cl.ttft_ss.summary(), cl.tpot_ss.summary()

@@ -5,7 +5,7 @@
                                                # (or --run-scaleout) for the 48P96D row
     python -m sim.reproduce --full --scaleout-json results/sim.json
 
-Sections follow paper §7 (digest §7): offline speedup vs agents and MAL (Fig. 7), P/D sweep with
+Sections follow paper §7: offline speedup vs agents and MAL (Fig. 7), P/D sweep with
 the equivalent pairs (Fig. 8), append-length scaling (Fig. 9), the ablation (Fig. 12 right),
 storage-link balance (Fig. 13), online APS capacity under the SLO (Fig. 10), scale-out (Table 3).
 Every run is a fresh, deterministic simulation with the configs in ``configs/sim-*.toml``; the

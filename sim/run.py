@@ -12,7 +12,7 @@ from .config import SimConfig, load
 from .workload import TraceWorkload
 
 if TYPE_CHECKING:
-    from common.traces import Workload
+    from .recorded import Workload
 
 
 def simulate(cfg: SimConfig | str | Path | None, mode: str = "dualpath", dataset: str = "64k",
@@ -38,15 +38,15 @@ def simulate_trace(cfg: SimConfig | str | Path | None, mode: str, workload: Work
                    exact: bool | None = None, until: float = float("inf"),
                    cluster_out: list | None = None, arrivals: str = "poisson", speed: float = 1.0,
                    request_log: list | None = None) -> dict:
-    """Simulate the sessions of a loaded trace (``common.traces``) on ``cfg`` in ``mode``.
+    """Simulate the sessions of a loaded trace (``sim.recorded``) on ``cfg`` in ``mode``.
 
     Offline (the paper's RL-rollout setting): every session at t = 0 and no think times, unless
     ``think_scale`` says otherwise; online: sessions arrive at ``aps`` and think times are kept
     (× ``think_scale``, default 1). ``arrivals="trace"`` is online on the trace's own timeline
-    (÷ ``speed``; ``sim.traces``): ``aps`` is then the mean rate it works out to. Every submitted
-    request's ``(id, session, time)`` is appended to ``request_log`` when one is given.
+    (÷ ``speed``; ``session_workload``): ``aps`` is then the mean rate it works out to. Every
+    submitted request's ``(id, session, time)`` is appended to ``request_log`` when one is given.
     """
-    from .traces import SessionWorkload
+    from .session_workload import SessionWorkload
     if not isinstance(cfg, SimConfig):
         cfg = load(cfg)
     online = online or arrivals == "trace"

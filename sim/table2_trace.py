@@ -1,7 +1,7 @@
 """The paper's Table 2 generator (``sim.workload.TraceWorkload``) as a :class:`Workload`.
 
 So the replay, the simulator and the planner read every source through one trace layer
-(``common.traces``): ``--trace table2:64k`` (``table2:DATASET[:AGENTS]``) names a generated
+(``sim.recorded``): ``--trace table2:64k`` (``table2:DATASET[:AGENTS]``) names a generated
 workload as a path names a recorded one. Each agent becomes one session (its own hash-id scope)
 whose turns are exactly the generator's ``(hit, new, gen)`` for the same seed: prompt = hit +
 new, generated = gen.
@@ -10,10 +10,10 @@ Hash ids (docs/workloads.md "Table 2 as a trace"): one id per ``block_tokens`` b
 agent's context, prefix-consistent by construction — a block keeps its id while the context keeps
 it, and a block whose content is new (an append, the generated tokens that complete the prompt's
 partial last block, the append after a compaction) gets a new id from the agent's counter. The
-generated tokens are stored by the write-back (DESIGN §3), so the next turn hits them; a recorded
-trace has no hashes for them, so the turn carries them apart (``Turn.gen_hash_ids``) and
-``common.traces.scope_hits`` counts them as stored. With that the hit computed from the ids
-equals the generator's hit, turn by turn (tested).
+generated tokens are stored by the write-back (docs/datapath.md, 'Write-back'), so the next turn
+hits them; a recorded trace has no hashes for them, so the turn carries them apart
+(``Turn.gen_hash_ids``) and ``sim.recorded.scope_hits`` counts them as stored. With that the hit
+computed from the ids equals the generator's hit, turn by turn (tested).
 
 Why this is not the only Table 2 path: the ids take memory in proportion to agents × turns ×
 context blocks (~1,000 per 64K turn), so paper-scale runs (48K agents at 48P96D) keep the lazy
@@ -23,10 +23,10 @@ generator (``sim.run.simulate``); for the sizes where both fit, their simulation
 
 from __future__ import annotations
 
-from common.datasets import DATASETS
 from common.errors import InvalidArgument
-from common.traces import Session, Turn, Workload
 
+from .datasets import DATASETS
+from .recorded import Session, Turn, Workload
 from .workload import TraceWorkload
 
 PREFIX = "table2:"

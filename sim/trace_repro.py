@@ -22,9 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.traces import Workload, load_workload, shared_agentic_dir
-
 from . import accel
+from .recorded import Workload, load_workload, shared_agentic_dir
 from .run import simulate_trace
 
 SHAPES = {"2p4d": ("2P4D", "configs/sim-2p4d-ds660b.toml", 1),

@@ -13,7 +13,7 @@ Trajectory model ([inference]; the paper publishes only the averages of Table 2)
   trajectory, which sets the tail of an offline run, is in all of them — so clusters with agents
   proportional to nodes compare like for like (Table 3).
 * Context grows turn by turn: prompt = context + ``A_i``; the hit is what earlier turns stored, i.e.
-  the context rounded down to full blocks (a partial last block is not stored, DESIGN §3).
+  the context rounded down to full blocks (a partial last block is not stored, docs/datapath.md).
 * The first real turn carries the task prompt (system prompt, tools, repository context):
   ``MaxLen/8`` extra appended tokens; the other turns' appends are scaled down so that the mean
   append over all turns stays Table 2's.
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 
-# Table 2 lives below the simulator and the replay (one copy); re-exported here.
-from common.datasets import DATASETS, Dataset, dataset  # noqa: F401
+# Table 2 (one copy, shared with the live replay); re-exported here.
+from .datasets import DATASETS, Dataset, dataset  # noqa: F401
 
 M64 = (1 << 64) - 1
 BASE_TRAJECTORIES = 500
@@ -81,8 +81,9 @@ class Agent:
         self.done_t = 0.0
         self.last_append = 0
         self.base_ctx = 0
-        # trace sessions (sim.traces): think time before the next turn, the parent a sub-agent
-        # unblocks when done, sub-agents still running, the turn whose sub-agents were started
+        # trace sessions (session_workload.py): think time before the next turn, the parent a
+        # sub-agent unblocks when done, sub-agents still running, the turn whose sub-agents were
+        # started
         self.delay = 0.0
         self.due = 0.0        # trace arrivals: the next turn not before this simulated time
         self.parent: Agent | None = None

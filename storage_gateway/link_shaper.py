@@ -1,6 +1,6 @@
 """Storage-link emulation: one token bucket (bytes/s, burst) per node, shared by reads and writes.
 
-DESIGN §7: on one machine each node's SNIC is emulated by its gateway's bucket. The bucket
+On one machine each node's SNIC is emulated by its gateway's bucket (docs/storage.md). The bucket
 keeps *debt*: a reservation subtracts its bytes at once, the balance may go negative, and the
 caller sleeps exactly until the balance would be back at zero (monotonic clock, one timer per
 chunk, no polling). Late wake-ups do not lose rate — the clock keeps refilling while a task

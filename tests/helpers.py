@@ -1,8 +1,8 @@
 """Shared test helpers: polls with a deadline, and virtual time for rate limiters.
 
-Tests wait for a condition, never for a fixed time (CONVENTIONS.md §10): a poll returns as
-soon as the condition holds, so a loaded CI machine only makes it slower, never flaky, and
-the deadline only guards against hangs. A failing poll names what it waited for.
+Tests wait for a condition, never for a fixed time (docs/contributing.md, 'Tests poll'): a poll
+returns as soon as the condition holds, so a loaded CI machine only makes it slower, never flaky,
+and the deadline only guards against hangs. A failing poll names what it waited for.
 
 Rate limiters (``common.rate.TokenBucket`` and what is built on it) take an injected clock;
 ``VirtualTime`` is that clock plus a ``sleep`` that moves it, so a test asserts the exact

@@ -14,7 +14,7 @@ from common.kv import (KEY_HEX_LEN, PRESETS, ROOT_KEY, KVSpec, block_keys_from_m
                        spec_from_config, validate_key, validate_keys)
 
 
-def test_preset_sizes_match_the_paper_digest():
+def test_preset_sizes_match_the_paper():
     assert PRESETS["qwen2.5-32b"].layer_block_bytes == 256 * 1024
     assert PRESETS["qwen2.5-32b"].full_block_bytes == 16 * 1024 * 1024
     assert PRESETS["deepseek-v3.2"].layer_block_bytes == 41_984          # ≈ 42 KB

@@ -1,4 +1,5 @@
-"""The scheduler's placement core stays sans-I/O at import time (CONVENTIONS §3, §13).
+"""The scheduler's placement core stays sans-I/O at import time (docs/contributing.md,
+'Sans-I/O cores').
 
 `make lint` checks the same rule statically (import-linter's ``sans-io-cores`` contract); this
 test proves it at run time, where a lazy import or a package ``__init__`` would also show: a

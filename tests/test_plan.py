@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from common.traces import load_workload
+from sim.recorded import load_workload
 from sim.config import load
 from sim.plan import SLO, PlanWorkload, plan, shapes
 from sim.plan_cli import main as plan_main

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import InvalidArgument
-from common.traces import TraceError
+from sim.recorded import TraceError
 from tests.test_replay_e2e import cluster
 from tests.trace_files import write_agentic
 from tools.cluster.inprocess import start_cluster

@@ -1,4 +1,4 @@
-"""The scheduler core on hand-built states: one test per placement rule of paper §6 (digest §5),
+"""The scheduler core on hand-built states: one test per placement rule of paper §6,
 and the builders the other core tests share (``test_scheduler_read_side.py``,
 ``test_scheduler_replans.py``, ``test_scheduler_properties.py``, ``test_scheduler_share.py``)."""
 

@@ -41,12 +41,10 @@ def _fake_build(accel_dir: Path) -> Path:
 def test_digest_covers_every_source_file(tmp_path):
     for sub in ("sim", "services/scheduler/core", "services/compute_model"):
         shutil.copytree(ROOT / sub, tmp_path / sub, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "common").mkdir()
-    shutil.copy(ROOT / "common" / "datasets.py", tmp_path / "common" / "datasets.py")
     before = accel.digest(tmp_path)
     assert before == accel.digest(ROOT)
     for rel in ("sim/flows.py", "services/scheduler/core/records.py", "sim/reproduce.py",
-                "services/compute_model/cost_model.py", "common/datasets.py"):
+                "services/compute_model/cost_model.py", "sim/datasets.py"):
         p = tmp_path / rel
         original = p.read_bytes()
         p.write_bytes(original + b"\n# edited\n")
@@ -116,7 +114,7 @@ _SCENARIOS = """
                               aps=0.5, turns_scale=0.3)
     # recorded sessions: think times, a sub-agent blocking its parent, repeat copies
     import pathlib, tempfile
-    from common.traces import load_workload
+    from sim.recorded import load_workload
     from sim.run import simulate_trace
     from tests.trace_files import write_agentic
     trace = load_workload(write_agentic(pathlib.Path(tempfile.mkdtemp()) / "c", n_files=2))

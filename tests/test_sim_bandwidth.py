@@ -61,7 +61,7 @@ def test_link_loads_hit_one_exactly_at_the_bounds():
 
 
 def test_link_loads_closed_forms():
-    # digest §3.4–3.6 formulas, spelled out for P=2, D=4, g=8, s=1
+    # paper §4.2's per-link formulas, spelled out for P=2, D=4, g=8, s=1
     loads = bw.link_loads(2, 4, 8, 1, 1, 10)
     tp, tc = F(1, 4 * 64), F(1, 2 * 64)
     assert loads["PE_CNIC_read"] == 2 * tp * 4 * 8 == F(1, 4)

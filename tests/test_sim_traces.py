@@ -1,5 +1,5 @@
-"""Trace sessions in the simulator (sim/traces.py): the analytic check, sub-agents, think times,
-the maximum-context policy."""
+"""Trace sessions in the simulator (sim/session_workload.py): the analytic check, sub-agents,
+think times, the maximum-context policy."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from common.traces import load_workload, scope_hits
+from sim.recorded import load_workload, scope_hits
 from sim.cluster import Cluster
 from sim.config import load, replace
 from sim.run import simulate_trace
-from sim.traces import SessionWorkload
+from sim.session_workload import SessionWorkload
 from tests.trace_files import write_agentic
 
 
@@ -120,7 +120,7 @@ def test_simulate_command_on_a_trace_and_on_a_bad_one(tmp_path, capsys):
 
 
 def test_the_shared_agentic_traces_simulate():
-    from common.traces import shared_agentic_dir
+    from sim.recorded import shared_agentic_dir
     from tests.trace_files import need_shared
     need_shared(shared_agentic_dir())
     w = load_workload(shared_agentic_dir()).subset(6)

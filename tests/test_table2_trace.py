@@ -9,7 +9,7 @@ import json
 import pytest
 
 from common.errors import InvalidArgument
-from common.traces import dump_conversation, load_workload, scope_hits
+from sim.recorded import dump_conversation, load_workload, scope_hits
 from sim.cli import main as simulate_main
 from sim.config import load
 from sim.run import simulate, simulate_trace

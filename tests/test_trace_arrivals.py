@@ -1,5 +1,5 @@
 """Trace arrivals (``--arrivals trace``): a trace's own start times and turn times drive the
-online simulation (sim/traces.py) — seen in the simulator's request log."""
+online simulation (sim/session_workload.py) — seen in the simulator's request log."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from common.errors import InvalidArgument
-from common.traces import load_workload
+from sim.recorded import load_workload
 from sim.cli import main as simulate_main
 from sim.config import load, replace
 from sim.run import simulate_trace

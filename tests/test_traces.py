@@ -1,4 +1,4 @@
-"""The trace layer (common/traces.py): loaders, round trips, hits from hash ids, bad input."""
+"""The trace layer (sim/recorded.py): loaders, round trips, hits from hash ids, bad input."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.traces import (TraceError, Workload, block_keys, cluster_hit, dump_conversation,
+from sim.recorded import (TraceError, Workload, block_keys, cluster_hit, dump_conversation,
                            dump_mooncake, load_workload, prefix_hit_blocks, scope_hits,
                            shared_agentic_dir)
 from tests.trace_files import conversation, need_shared, write_agentic, write_mooncake

@@ -1,8 +1,8 @@
 """The one wire schema: every control message of dualpath as a frozen, tagged msgspec Struct.
 
-Conventions (docs/CONVENTIONS.md §1): commands are imperative (``ReadBlocks``), events past
-tense, replies ``<Command>Reply`` plus the shared :class:`ErrorReply`. Each channel has one
-tagged union; a service decodes with one decoder per channel, built once. Bulk KV bytes never
+Conventions (docs/contributing.md, 'One wire schema'): commands are imperative (``ReadBlocks``),
+events past tense, replies ``<Command>Reply`` plus the shared :class:`ErrorReply`. Each channel has
+one tagged union; a service decodes with one decoder per channel, built once. Bulk KV bytes never
 travel here: they move over UCX (``common.transport``) into buffers posted in advance.
 
 Framing (``common.rpc``): a 4-byte big-endian length, then one msgpack-encoded *envelope*
@@ -24,7 +24,7 @@ Import messages from here, never from the modules.
 from __future__ import annotations
 
 from common.protocol.base import (
-    PROTOCOL_VERSION, Message, ErrorReply, union_members,
+    PROTOCOL_VERSION, Message, ErrorReply, ReadSide, union_members,
 )
 from common.protocol.connection import (
     ServerHello, Hello, HelloReply, HandshakeMsg, Call, Reply, StreamItem, StreamEnd,
@@ -78,5 +78,5 @@ __all__ = [
     "NextRequest", "ClaimRequest", "PrefillAssigned", "DecodeAssigned", "Assigned", "WaitLayer",
     "LayerReady", "PutLayer", "FinishPrefill", "TookKV", "SecondToken", "NewBlock",
     "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "EngineOk", "EngineRequest",
-    "EngineReply", "ReportCounters",
+    "EngineReply", "ReportCounters", "ReadSide",
 ]

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 # 2: RegisterNodeReply / FetchWorkReply / ReportProgress .scheduler_epoch, RequestFailed.resubmit
 # (scheduler restart: docs/frontend-api.md)
 PROTOCOL_VERSION = 2
+
+# Where a request's hit KV is read from storage (paper §4): through the PE's own gateway, through
+# the DE's (which then streams the layers to the PE), or nowhere (no hit). A Literal on every
+# message that carries it, so a side no node knows is a decode error, not a branch nobody takes.
+ReadSide = Literal["pe", "de", "none"]
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t"):

@@ -6,7 +6,7 @@ from typing import Union
 
 import msgspec
 
-from common.protocol.base import ErrorReply, Message
+from common.protocol.base import ErrorReply, Message, ReadSide
 from common.protocol.connection import GetStats, GetStatsReply, Ping, Pong
 from common.protocol.node import Endpoint
 
@@ -47,7 +47,7 @@ class PrepareDecode(Message, tag="dp.prepare", frozen=True):
     session_id: str
     de_engine: str
     pe_node: str
-    read_side: str
+    read_side: ReadSide
     prompt_tokens: int
     hit_tokens: int
     gen_tokens: int

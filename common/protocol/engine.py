@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Literal, Union
 
 from common.kv import KVSpec
-from common.protocol.base import ErrorReply, Message
+from common.protocol.base import ErrorReply, Message, ReadSide
 
 ENGINE_API_VERSION = 1
 EngineRole = Literal["prefill", "decode"]
@@ -50,7 +50,7 @@ class EnginePrompt(Message, tag="engine.prompt", frozen=True):
     keys: list[str]
     tail_token_ids: list[int] | None
     block_tokens: int
-    read_side: str
+    read_side: ReadSide
     block_keys: list[str]
     tail_key: str | None
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union
 
 import msgspec
 
-from common.protocol.base import ErrorReply, Message
+from common.protocol.base import ErrorReply, Message, ReadSide
 
 
 # =========================================================================== scheduler: frontend channel
@@ -57,7 +57,7 @@ class RequestPlaced(Message, tag="sched.ev.placed", frozen=True):
     pe_node: str
     de_engine: str
     de_node: str
-    read_side: str
+    read_side: ReadSide
     hit_tokens: int
     attempt: int = 0
 
@@ -86,7 +86,7 @@ class AttemptRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attempt: int
     pe_node: str
     de_node: str
-    read_side: str
+    read_side: ReadSide | Literal[""]       # "": the attempt ended before placement
     stage: str
     outcome: str
     hop: str = ""

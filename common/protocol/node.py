@@ -6,7 +6,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from common.protocol.base import ErrorReply, Message
+from common.protocol.base import ErrorReply, Message, ReadSide
 from common.protocol.connection import GetStats, Ping
 from common.protocol.frontend import CancelRequest, GetClusterStatus, SubmitRequest
 
@@ -150,7 +150,7 @@ class RequestPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pe_node: str
     de_engine: str
     de_node: str
-    read_side: str
+    read_side: ReadSide
     read_node: str
     hit_tokens: int
     new_tokens: int

@@ -1,7 +1,7 @@
 """Pure parts of the page transport: message planning, tag layout, transfer ids, staging.
 
-Nothing here imports asyncio or ucxx (CONVENTIONS §3), so the logic that both sides of a
-transfer must agree on is unit-tested in milliseconds and reusable by a simulator.
+Nothing here imports asyncio or ucxx (docs/contributing.md, 'Sans-I/O cores'), so the logic that
+both sides of a transfer must agree on is unit-tested in milliseconds and reusable by a simulator.
 
 A *transfer* moves one byte stream into the receiver's registered arena. The receiver
 describes where the stream goes as ``slots``: ``(offset, nbytes)`` runs in its arena, stream

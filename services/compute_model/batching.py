@@ -1,4 +1,4 @@
-"""Intra-engine batching for prefill engines (paper §6 "intra-engine scheduling", digest §5.6).
+"""Intra-engine batching for prefill engines (paper §6 "intra-engine scheduling").
 
 Under DP attention every GPU of an EP group runs its own requests' attention, then all of them
 meet in the MoE/EP phase; unequal attention times leave bubbles. So each PE fills a forward batch

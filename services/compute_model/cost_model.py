@@ -1,4 +1,4 @@
-"""FLOPs → seconds cost model for prefill and decode, per model preset (paper §6, digest §1.3, §5.6).
+"""FLOPs → seconds cost model for prefill and decode, per model preset (paper §6).
 
 Prefill of ``new`` tokens on top of ``cached`` tokens of context costs
 
@@ -15,7 +15,7 @@ Each part is turned into seconds with its own effective FLOP/s, the quantity the
 profiling per hardware and parallelism setup; the defaults below are *estimates* for one Hopper
 GPU (H800/H100 SXM: 989 TFLOP/s dense BF16, 1979 TFLOP/s dense FP8) and must be replaced by
 profiled numbers before trusting absolute times. ``attention_s`` (attention + indexer) is what the
-intra-engine batcher's 300 ms quota limits (digest §5.6); ``prefill_s`` adds the linear layers.
+intra-engine batcher's 300 ms quota limits (paper §6); ``prefill_s`` adds the linear layers.
 
 Decode: one step of a decode engine costs ``decode_base_s + batch · decode_s_per_seq +
 context_tokens · decode_s_per_ctx_token`` (weights/communication, per-sequence work, KV bytes
@@ -35,7 +35,7 @@ Where the FLOPs constants come from (checked by ``tests/test_batching.py`` again
   equal to V3's (512 + 64), so ``2·32·(576 + 512)`` per pair, top-k 1024; indexer 32 heads × 64.
 * **smollm2-135m** (the real model of docs/vllm.md, vLLM on CPU): hidden 576, 30 layers, 9
   query heads × 64 dims → ``4 · 9 · 64`` per pair; ≈106e6 non-embedding params. Rates are those
-  of vLLM's CPU backend on one core (measured: 481 prompt tokens in ~1 s).
+  of vLLM's CPU backend on one core (docs/vllm.md, 'Engine facts': 481 prompt tokens in ~1 s).
 * **test-small**: synthetic, sized so a few thousand tokens take tens of milliseconds.
 """
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 from common.errors import InvalidArgument
 from common.kv import (
@@ -20,8 +21,10 @@ from common.kv import (
     tail_key,
     validate_keys,
 )
+from common.protocol import ReadSide
 
-READ_SIDES = ("pe", "de", "none")
+# the wire decoder refuses other sides; a plan built in process is checked here too
+READ_SIDES: tuple[ReadSide, ...] = get_args(ReadSide)
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class PromptInfo:
     keys: tuple[str, ...]            # real keys of the prompt's leading full blocks
     tail_token_ids: tuple[int, ...] | None
     block_tokens: int
-    read_side: str = "none"
+    read_side: ReadSide = "none"
     block_keys: tuple[str, ...] = field(default=(), compare=False)   # every full block
     tail_key: str | None = field(default=None, compare=False)
 
@@ -73,7 +76,7 @@ class PromptInfo:
 def make_prompt(spec: KVSpec, *, request_id: str, attempt: int, session_id: str,
                 prompt_tokens: int, hit_tokens: int, gen_tokens: int, hit_keys: Sequence[str],
                 new_keys: Sequence[str], tail_token_ids: Sequence[int] | None,
-                read_side: str, max_prompt_tokens: int) -> PromptInfo:
+                read_side: ReadSide, max_prompt_tokens: int) -> PromptInfo:
     """Validate plan fields into a PromptInfo; InvalidArgument names the first problem.
 
     A hit without keys (``hit_tokens`` given by a frontend that sent no keys) is shortened to

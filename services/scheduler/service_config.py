@@ -1,9 +1,9 @@
 """Settings of the live scheduler service: ``[scheduler_service]`` in a config file.
 
 The placement constants (α, β, Z, policy, ``max_replans``) are ``[scheduler]``
-(:class:`services.scheduler.core.config.SchedulerConfig`); this section holds what only the
-running service needs: its port, leases, the fetch interval it tells group leaders, and the bounds on
-what one frontend or node may send (bounded everything, an explicit OVERLOADED past a bound).
+(:class:`services.scheduler.core.config.SchedulerConfig`); this section holds what only the running
+service needs: its port, leases, the fetch interval it tells group leaders, and the bounds on
+what one frontend or node may send (docs/contributing.md, 'Bounded queues and deadlines').
 """
 
 from __future__ import annotations

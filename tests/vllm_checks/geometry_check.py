@@ -33,7 +33,7 @@ def roundtrip() -> dict:
     )
 
     torch.manual_seed(0)
-    cache = torch.randn(40, 3, 128, 128).to(torch.bfloat16)    # REAL-ENGINE-NOTES' shape
+    cache = torch.randn(40, 3, 128, 128).to(torch.bfloat16)    # vLLM's (docs/vllm.md)
     geom = CacheGeometry.of_cache(cache)
     block_ids = [7, 3, 31, 12]
     tokens = 400                                                # a partial last block

@@ -173,8 +173,9 @@ def _check_cross(cfg: Any, data: dict[str, Any], source: str) -> None:
 
 
 def _check_tls(cfg: Any, source: str) -> None:
-    """Every traffic class's UCX transport list must let listener connections form: they
-    need ``tcp`` (UCX-NOTES 4; measured: ``TLS = "rc,sm,self"`` never connects — issue #17)."""
+    """Every traffic class's UCX transport list must let listener connections form: they need
+    ``tcp`` (docs/performance.md, 'UCX facts'; measured: ``TLS = "rc,sm,self"`` never connects —
+    issue #17)."""
     for name, tc in cfg.transport.traffic_classes.items():
         tls = tc.options.get("TLS")
         if not tls or tls.startswith("^"):

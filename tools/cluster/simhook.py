@@ -2,8 +2,8 @@
 
 :func:`sim_config` describes the cluster to the simulator: nodes, engines per node, the
 emulated link rates (the compute link is per node here, per GPU there), DRAM ≈ 10 × SNIC
-(digest §9), the DE HBM the loaders report, the KV/cost preset, fetch interval, compute quota,
-scheduler constants and the time scale. ``[cluster] sim_config = "configs/sim-….toml"`` uses
+(docs/simulator.md), the DE HBM the loaders report, the KV/cost preset, fetch interval, compute
+quota, scheduler constants and the time scale. ``[cluster] sim_config = "configs/sim-….toml"`` uses
 that file instead.
 
 :func:`predict` maps the replay workload onto the simulator's (it has no token scale: the

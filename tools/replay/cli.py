@@ -64,7 +64,7 @@ def workload_from_args(a: argparse.Namespace):
     if a.trace:
         from pathlib import Path
 
-        from common.traces import detect_format
+        from sim.recorded import detect_format
 
         from .sessions import SessionTraceSpec
         table2 = a.trace.lower().startswith("table2:")      # the generator as sessions

@@ -1,7 +1,7 @@
-"""Live replay of recorded sessions (``common.traces``: the agentic conversation format).
+"""Live replay of recorded sessions (``sim.recorded``: the agentic conversation format).
 
 Each session submits its turns one after another with the trace's block keys (no token ids):
-``common.traces.block_keys`` maps the 64-token prefix hashes onto the cluster's blocks in a key
+``sim.recorded.block_keys`` maps the 64-token prefix hashes onto the cluster's blocks in a key
 space of the session's scope (its file and ``--repeat`` copy), so turns of one conversation hit
 what its earlier turns stored and nothing else. Think times (× ``think_scale``) pause a session
 before a turn; sub-agents run concurrently where the file puts them and block their parent.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from common.errors import InvalidArgument
-from common.traces import Session, Workload, block_keys, block_mapping, load_workload
+from sim.recorded import Session, Workload, block_keys, block_mapping, load_workload
 
 from .driver import ClientPool, Progress, Replayer, RequestRecord
 

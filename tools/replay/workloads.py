@@ -1,8 +1,8 @@
 """Workloads: agentic trajectories from the paper's Table 2, and Mooncake trace requests.
 
-**Agentic** (paper §6.6, Appendix A.3; digest §1.7). Table 2 publishes only averages per
+**Agentic** (paper §6.6, Appendix A.3). Table 2 publishes only averages per
 dataset (turns, appended and generated tokens per turn); the shape of one trajectory is our
-model, the same one the simulator uses (``sim/workload.py``; the table: ``common/datasets.py``):
+model, the same one the simulator uses (``sim/workload.py``; the table: ``sim/datasets.py``):
 
 * turns ``≈ turns · U(0.5, 1.5)`` (capped by ``max_turns`` for short runs);
 * appended tokens per turn log-normal (mean ``append``, σ = 1: tool output is heavy-tailed),
@@ -33,7 +33,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from common.datasets import DATASETS  # Table 2: one copy, shared with the simulator
+from sim.datasets import DATASETS  # Table 2: one copy, shared with the simulator
 from common.errors import InvalidArgument
 from common.kv import MOONCAKE_BLOCK_TOKENS, block_keys_from_mooncake
 

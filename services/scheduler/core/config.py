@@ -14,7 +14,7 @@ or the profiled ``pe_tokens_per_s``).
 cluster would have with the whole PE queue placed, so a burst is shared by all PE groups instead
 of going to whichever group fetches first.
 
-Ablation switches (digest §7.3, §9): ``policy`` picks the defaults of the two independent knobs
+Ablation switches (paper §7.3, Fig. 12): ``policy`` picks the defaults of the two independent knobs
 
 ================  ===========================  ==========================================
 policy            read side                    engine placement

@@ -1,4 +1,4 @@
-"""The ablation modes (paper §6.7, digest §9): one table, read by the simulator and the cluster.
+"""The ablation modes (paper §6.7): one table, read by the simulator and the cluster.
 
 Why here: most of what a mode switches is the scheduler's (``SchedulerConfig.policy``,
 ``placement``, ``oracle``), and both users — the simulator (``sim.config``) and the live cluster

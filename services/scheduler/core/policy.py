@@ -1,4 +1,4 @@
-"""The placement rules of paper §6 (digest §5.2–§5.5) as small pure functions over ``state``.
+"""The placement rules of paper §6 as small pure functions over ``state``.
 
 Each function reads engine/group/node state and returns a choice; the caller (``core``) applies
 it. None of them mutates anything except the round-robin cursors of the baseline rules.
@@ -95,7 +95,7 @@ def pick_pe_round_robin(group: Group, beta: float) -> Engine | None:
 # --------------------------------------------------------------------------- DE placement
 
 def high_token_threshold(group: Group, z_factor: float) -> float:
-    """Z = z_factor · (Σ_{r∈R} len_r + Σ_e tok_e) / |E| (digest §5.4).
+    """Z = z_factor · (Σ_{r∈R} len_r + Σ_e tok_e) / |E| (paper §6, DE placement).
 
     R is the longest head of the private queue whose HBM needs fit in the group's total free
     HBM as if it were not fragmented.

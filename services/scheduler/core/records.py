@@ -1,6 +1,6 @@
 """Inputs and outputs of the scheduling core: frozen msgspec Structs, free of any I/O.
 
-Token units (digest §5.1: token count stands in for GPU, disk-read and network load):
+Token units (paper §6: token count stands in for GPU, disk-read and network load):
 
 * a PE's load of a request is its **prompt tokens** (hit + new) — what it must read and prefill —
   weighted by prefill cost (``SchedulerConfig.pe_load = "cost"``, the default: a cold token

@@ -1,6 +1,6 @@
 """The scheduler core: a sans-I/O state machine fed events, returning placement decisions.
 
-One request's way through it (the DE is bound before the KV read is issued, digest §5.5):
+One request's way through it (the DE is bound before the KV read is issued, paper §6):
 
 1. ``submit`` puts it in the **global DE queue**.
 2. Any DE group fetch (``on_de_group_fetch``) first drains the global queue into the DE groups'

@@ -1,11 +1,11 @@
 """The scheduler leader's view of the cluster, from etcd: it watches ``<prefix>/nodes/``.
 
-:class:`ClusterView` is the sans-I/O part (docs/contributing.md, habit 1): it takes the keys'
-puts and deletes and keeps which node services and gateways are registered, which were refused and
-why. A registration is *refused* — logged (``node_refused``), counted and listed in
+:class:`ClusterView` is the sans-I/O part (docs/contributing.md, 'Sans-I/O cores'): it takes the
+keys' puts and deletes and keeps which node services and gateways are registered, which were
+refused and why. A registration is *refused* — logged (``node_refused``), counted and listed in
 ``ClusterStatus.refused`` — when its KV spec fingerprint or protocol version differs from the
-cluster's (this scheduler's); both values are named. Refused nodes are not used (their
-gateway answers no hit lookup).
+cluster's (this scheduler's); both values are named. Refused nodes are not used (their gateway
+answers no hit lookup).
 
 :class:`DiscoveryWatch` feeds it: a snapshot (``get_prefix``), then a watch from the
 snapshot's revision; every ``resync_s`` (and after any error, e.g. the member it watched

@@ -1,10 +1,9 @@
 """The paper's agentic datasets (Table 2): per-dataset averages, one copy for every workload.
 
-Why in ``common``: it is data, not a generator, and both workload generators read it — the
-simulator's (``sim.workload.TraceWorkload``) and the live replay's
-(``tools.replay.workloads.AgenticWorkload``) — so it sits below both, and the replay no longer
-imports ``sim`` (whose import enables the compiled build) to read one table. Plain ints, no
-numpy: ``sim.workload`` is compiled by mypyc and reads these as ordinary Python objects.
+One copy for both workload generators: the simulator's (``sim.workload.TraceWorkload``) and
+the live replay's (``tools.replay.workloads.AgenticWorkload``, a layer above ``sim``). Plain
+ints, no numpy: ``sim.workload`` is compiled by mypyc and reads these as ordinary Python
+objects.
 
 ``turns``, ``append`` and ``gen`` drive the generators; ``total`` and ``context`` are Table 2's
 measured means, kept for comparison only (``sim.workload.table2_check``).

@@ -1,11 +1,11 @@
-"""Trace sessions (``common.traces.Workload``) as a simulator workload.
+"""Trace sessions (``sim.recorded.Workload``) as a simulator workload.
 
 Each session's turns become ``(hit, new, gen)`` once, at load (a few thousand tuples shared by
 every ``--repeat`` copy); the cluster asks for them turn by turn, exactly as it asks the Table 2
 generator (``sim.workload.TraceWorkload``).
 
 * **Hit** of a turn: its leading trace blocks whose hash an earlier request of the same scope
-  (file) sent, in file order (``common.traces.scope_hits``), mapped to whole cluster blocks and
+  (file) sent, in file order (``sim.recorded.scope_hits``), mapped to whole cluster blocks and
   capped one token below the prompt. Copies made by ``--repeat`` are their own scopes, so they
   never hit each other (the simulator's hits are per session, so that holds by construction).
 * **Think times** (``think_s``) × ``think_scale`` delay a session's next turn (online; offline,
@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass, field
 
 from common.errors import InvalidArgument
-from common.traces import Session, Workload, cluster_hit, scope_hits
 
+from .recorded import Session, Workload, cluster_hit, scope_hits
 from .workload import Agent, uniform
 
 POLICIES = ("compact", "drop")

@@ -1,4 +1,4 @@
-"""One trace layer for every workload source: a :class:`Workload` of sessions and turns.
+"""Recorded workloads read into one shape: a :class:`Workload` of sessions and turns.
 
 Sources (docs/workloads.md has the formats and every mapping rule):
 
@@ -13,8 +13,10 @@ Sources (docs/workloads.md has the formats and every mapping rule):
   ``sim.table2_trace`` turns it into a :class:`Workload` (``--trace table2:64k``), and the
   simulator keeps the lazy generator for paper-scale runs.
 
-Why here, in ``common``: the simulator, the live replay and the planner read the same sessions,
-and the replay must not import ``sim`` (whose import loads the compiled build).
+Why in ``sim``: the simulator, the planner and the live replay (``tools.replay``, one layer up)
+read the same sessions, and no service reads a workload, so the floor (``common``) does not hold
+it. Importing it runs ``sim``'s package init, which loads the compiled build only when one
+matches the sources and no scheduler module was imported before (``sim/accel.py``).
 
 Bad input never becomes a partial trace: every problem raises :class:`TraceError` naming the file
 and the request index (``trace_0012.json: request 7: ...``), and nothing is returned.

@@ -1,4 +1,5 @@
-"""The scheduler's placement core stays sans-I/O at import time (CONVENTIONS §3, §13).
+"""The scheduler's placement core stays sans-I/O at import time (CONVENTIONS §3, §13), and
+every service starts without ``tools/``.
 
 `make lint` checks the same rule statically (import-linter's ``sans-io-cores`` contract); this
 test proves it at run time, where a lazy import or a package ``__init__`` would also show: a
@@ -41,3 +42,17 @@ def test_scheduler_core_imports_no_io_transport_rpc_or_tools():
     loaded = _loaded_by(_PROBE)
     assert "services.scheduler.core" in loaded
     assert _forbidden(loaded) == []
+
+
+_APPS = ("services.scheduler.app", "services.pe_receiver.app", "services.de_loader.app",
+         "storage_gateway.app")
+
+
+def test_service_composition_roots_load_no_tools_and_no_engine_emulator():
+    """Each service's composition root (what ``dualpath serve`` runs for it) stands on the
+    services and the floor alone: nothing from ``tools/``, the engine emulator included, so
+    a service can start in a deployment that ships no tools."""
+    loaded = _loaded_by(f"import json, sys; import {', '.join(_APPS)}; "
+                        f"print(json.dumps(sorted(sys.modules)))")
+    assert set(_APPS) <= set(loaded)
+    assert [n for n in loaded if n == "tools" or n.startswith("tools.")] == []

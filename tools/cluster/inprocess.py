@@ -36,7 +36,6 @@ from common.config import build_config
 from common.kv import KVSpec, spec_from_config
 from services.de_loader import app as de_app
 from services.de_loader.service import DELoaderService
-from services.node.base import NodeBase
 from services.pe_receiver import app as pe_app
 from services.pe_receiver.service import PEReceiverService
 from services.scheduler.app import start_scheduler
@@ -45,10 +44,10 @@ from services.scheduler.service import SchedulerService
 from storage_gateway.app import start_gateway
 from storage_gateway.service import GatewayService
 from tools.config import DualpathConfig
-from tools.engine_sim.engines import EngineHost
 from tools.engine_sim.kv_pattern import full_block
 
 from .config import ROLE_SERVICE, Cluster, service_config
+from .emulated import attach_engines, attach_remote_engines
 
 if TYPE_CHECKING:
     from services.scheduler.stub_nodes import StubCluster
@@ -122,27 +121,6 @@ def node_service(kind: str, cfg: DualpathConfig, node_id: str, *, engines: int |
                  spec: KVSpec | None = None) -> PEReceiverService | DELoaderService:
     """The PE receiver or DE loader (``kind``) of one node, not yet started."""
     return NODE_APPS[kind].build(cfg, node_id, engines=engines, spec=spec)
-
-
-async def attach_engines(stack: contextlib.AsyncExitStack, svc: NodeBase, engine_cfg: Any
-                         ) -> EngineHost:
-    """Start ``svc``'s emulated engines (stopped before it: the stack unwinds in reverse)."""
-    host = await stack.enter_async_context(EngineHost(svc, engine_cfg))
-    svc.extra_stats = host.counters
-    return host
-
-
-async def attach_remote_engines(stack: contextlib.AsyncExitStack, svc: NodeBase,
-                                cfg: DualpathConfig) -> Any:
-    """``svc``'s emulated engines attached over its engine socket (``[cluster]
-    remote_engines``): in this loop, but every request crosses the engine channel and every
-    KV byte the node's shared-memory arena, as with an engine process."""
-    from tools.engine_sim.remote_host import RemoteEngineHost
-    host = RemoteEngineHost(svc.settings.engine_socket, svc.engine_ids, svc.role, svc.spec,
-                            cfg.engine_sim)
-    await stack.enter_async_context(host)
-    svc.extra_stats = host.counters
-    return host
 
 
 # --------------------------------------------------------------------------- from a cluster file

@@ -268,7 +268,7 @@ async def _node(s: Serving, stack: contextlib.AsyncExitStack) -> Started:
         engine_cfg = cfg.engine_sim
 
         async def attach(stack: contextlib.AsyncExitStack, svc: NodeBase) -> object:
-            from .inprocess import attach_engines       # the emulator: loaded only here
+            from .emulated import attach_engines        # the emulator: loaded only here
             return await attach_engines(stack, svc, engine_cfg)
     if service == "pe_receiver":
         from services.pe_receiver import app as pe_app

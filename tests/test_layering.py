@@ -11,6 +11,7 @@ network or a tool into every simulated run.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,36 @@ def test_service_composition_roots_load_no_tools_and_no_engine_emulator():
                         f"print(json.dumps(sorted(sys.modules)))")
     assert set(_APPS) <= set(loaded)
     assert [n for n in loaded if n == "tools" or n.startswith("tools.")] == []
+
+
+# `dualpath serve ...` in a fresh interpreter; once it is serving (its ready line), report
+# what is loaded and stop it the way an operator does (SIGTERM)
+_SERVE_PROBE = """
+import json, os, signal, sys
+import common.service as shell
+announce = shell.announce_ready
+def probe(info, ready_file):
+    announce(info, ready_file)
+    print("LOADED " + json.dumps(sorted(sys.modules)), file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+shell.announce_ready = probe
+from tools.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serving_a_gateway_loads_no_engine_emulator(tmp_path):
+    """``dualpath serve gateway`` runs the gateway's root and nothing of the emulator (the
+    host file's ``[engine_sim]`` schema is ``tools.config``'s, not the emulator's)."""
+    env = {**os.environ, "DUALPATH__GATEWAY__ROOT": str(tmp_path / "storage")}
+    out = subprocess.run([sys.executable, "-c", _SERVE_PROBE, "serve", "gateway", "-c",
+                          str(REPO / "configs" / "default.toml"), "--node", "n0", "--port", "0"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stderr.splitlines() if ln.startswith("LOADED "))
+    loaded = json.loads(line[len("LOADED "):])
+    assert "storage_gateway.app" in loaded
+    assert [n for n in loaded if n == "tools.engine_sim" or n.startswith("tools.engine_sim.")
+            ] == []
+    assert [n for n in loaded if n.startswith(("services.pe_receiver", "services.de_loader"))
+            or n == "services.scheduler.service"] == []

@@ -13,7 +13,7 @@ from typing import Any
 
 from services.node.base import NodeBase
 from tools.config import DualpathConfig
-from tools.engine_sim.config import EngineSimConfig
+from tools.config import EngineSimConfig
 from tools.engine_sim.engines import EngineHost
 
 

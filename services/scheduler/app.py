@@ -29,11 +29,11 @@ from common.metrics import export_source, scheduler_stats, serve_metrics
 from common.protocol.base import PROTOCOL_VERSION
 from storage_gateway.client import GatewayClient
 
-from .discovery import NodeRecord
-from .discovery_watch import ClusterView, DiscoveryWatch
-from .election import SchedulerElection
-from .gateway_lookup import GatewayHitLookup, PrefixLookupClient
-from .service import SchedulerService
+from services.scheduler.discovery import NodeRecord
+from services.scheduler.discovery_watch import ClusterView, DiscoveryWatch
+from services.scheduler.election import SchedulerElection
+from services.scheduler.gateway_lookup import GatewayHitLookup, PrefixLookupClient
+from services.scheduler.service import SchedulerService
 
 if TYPE_CHECKING:
     from services.config import ServicesConfig

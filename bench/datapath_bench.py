@@ -250,7 +250,7 @@ class Bench:
     async def overlap(self, hit: int, load_per_layer_s: float) -> dict:
         """Emulated prefill, whole-prompt vs layer-wise; load not hidden = plan → hand-over
         plus the engine's waits for layers (measured by the engine, per request)."""
-        from tools.engine_sim.config import EngineSimConfig
+        from tools.config import EngineSimConfig
         from tools.engine_sim.engines import PrefillEngineSim
 
         L = SPEC.num_layers

@@ -1,8 +1,8 @@
 """Prometheus metrics of a dualpath process: one registry, one HTTP endpoint, pull-based.
 
-Services already keep flat counter dicts (``GatewayService.counters()``, ``NodeBase.stats()``,
-the scheduler's counters); this module turns them into Prometheus metrics **at scrape time**
-instead of instrumenting every code path twice:
+Services already keep flat counter dicts and publish them as :class:`StatsSource` (``stats()``:
+the gateway, the node services; the scheduler's counters); this module turns them into
+Prometheus metrics **at scrape time** instead of instrumenting every code path twice:
 
 * :func:`register_source` — ``(service, node, fn)`` where ``fn() -> dict[str, float]``; the
   event loop snapshots every source each ``refresh_s`` (the HTTP thread never touches live
@@ -13,6 +13,8 @@ instead of instrumenting every code path twice:
 * :func:`observe_failed_attempt` — failed attempts by hop and error code (scheduler).
 * :class:`MetricsEndpoint` — ``await start(port, host)`` serves ``/metrics`` (port 0: any free
   port, read ``.port``), ``await stop()``.
+* :func:`export_stats` / :func:`serve_metrics` — the same two tied to an exit stack, for the
+  services' composition roots (``services/*/app.py``, ``storage_gateway/app.py``).
 
 Standard families (labels):
 
@@ -47,7 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -56,6 +58,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 log = structlog.get_logger(__name__)
 
 Source = Callable[[], dict[str, float]]
+
+
+class StatsSource(Protocol):
+    """What a service offers the metrics floor: one flat snapshot of its counters.
+
+    Services expose :meth:`stats` themselves so this module never reaches into their state
+    (no private attributes, no ``getattr``): what a scrape shows is what the service chose
+    to publish.
+    """
+
+    def stats(self) -> dict[str, float]: ...
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0,
                     8.0, 16.0, 32.0, 64.0, 128.0)
@@ -125,6 +138,32 @@ def unregister_source(service: str, node: str) -> None:
     r.failing.discard((service, node))
     with r.lock:
         r.snapshot.pop((service, node), None)
+
+
+def export_source(stack: contextlib.AsyncExitStack, service: str, node: str, fn: Source
+                  ) -> None:
+    """Export ``fn``'s counters for as long as ``stack`` is open (unregistered when it
+    closes, before the service it reads stops)."""
+    register_source(service, node, fn)
+    stack.callback(unregister_source, service, node)
+
+
+def export_stats(stack: contextlib.AsyncExitStack, service: str, node: str,
+                 source: StatsSource) -> None:
+    """:func:`export_source` of a service's own :meth:`StatsSource.stats`."""
+    export_source(stack, service, node, source.stats)
+
+
+async def serve_metrics(stack: contextlib.AsyncExitStack, port: int | None, host: str
+                        ) -> int | None:
+    """Serve ``/metrics`` on ``port`` (0: any free one) until ``stack`` closes; the bound
+    port, or None when ``port`` is None (no endpoint asked for)."""
+    if port is None:
+        return None
+    ep = MetricsEndpoint()
+    bound = await ep.start(port, host)
+    stack.push_async_callback(ep.stop)
+    return bound
 
 
 def observe_request(ev: Any) -> None:
@@ -286,7 +325,7 @@ class MetricsEndpoint:
         await self.stop()
 
 
-def scheduler_stats(svc: Any) -> Source:
+def scheduler_stats(svc: StatsSource) -> Source:
     """A source for a ``SchedulerService``: its ``stats()`` (counters, live requests by state,
     nodes, planned reads) plus the read balance computed over the planned reads."""
     def fn() -> dict[str, float]:
@@ -368,13 +407,3 @@ def _map_balance(stats: dict[str, float], f: dict[str, Any]) -> set[str]:
             continue
         used.add(key)
     return used
-
-
-def gateway_stats(svc: Any) -> Source:
-    """A source for a ``GatewayService`` (counters + its read queue in tokens)."""
-    def fn() -> dict[str, float]:
-        out = dict(svc.counters())
-        with contextlib.suppress(Exception):
-            out["read_q_tokens"] = float(svc.read_q)
-        return out
-    return fn

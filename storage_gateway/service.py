@@ -286,6 +286,11 @@ class GatewayService(Service):
                              self.svc.max_slots_per_batch, gw.max_keys_per_request,
                              gw.max_bytes_per_request, self.cfg.rpc.max_frame_bytes)
 
+    def stats(self) -> dict[str, float]:
+        """The metrics source (``common.metrics.StatsSource``): :meth:`counters`, whose
+        ``read_q_tokens`` is the read queue the operations view shows."""
+        return self.counters()
+
     def counters(self) -> dict[str, float]:
         """Store, transport, RPC, staging and service counters in one flat dict."""
         out = {k: float(v) for k, v in self.store.stats().items()}

@@ -1,7 +1,7 @@
 """Node and gateway discovery through etcd (issue 16, item 1), with a REAL etcd member.
 
 A real ``dualpath serve gateway`` process registers its key under a lease; the scheduler
-(in-process, with the leader's watch: ``tools.cluster.discovered``) learns it and its hit
+(in-process, with the leader's watch: ``services.scheduler.app``) learns it and its hit
 lookup asks that gateway; kill -9 of the gateway → the key is gone after one lease and the
 lookup has no gateway again. Registrations with another KV spec or protocol version are
 refused with both named; a second process with a taken node id is refused with the reason;
@@ -25,6 +25,7 @@ import pytest
 from common.errors import AlreadyExists
 from common.protocol import EngineInfo, RequestQueued
 from common.protocol.base import PROTOCOL_VERSION
+from services.scheduler.app import start_scheduler, watch_cluster
 from services.scheduler.client.client import SchedulerClient
 from services.scheduler.etcd.discovery import EtcdRegistrar, make_record, node_key, registered
 from services.scheduler.etcd.election import EtcdEndpoints
@@ -32,9 +33,7 @@ from services.scheduler.client.node_client import NodeSession
 from services.scheduler.service_config import EtcdConfig
 from tests.helpers import reap, require_etcd, until
 from tests.test_scheduler_service import RPC, keys, make_cfg, nxt
-from tools.cluster.discovered import watch_cluster
 from tools.cluster.etcd_members import EtcdMembers
-from tools.cluster.inprocess import lookup_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +54,7 @@ async def leader(members: EtcdMembers, **service):
     """An in-process scheduler (test-small KV spec) running the elected leader's watch."""
     cfg = msgspec.structs.replace(make_cfg(**service), etcd=etcd_cfg(members))
     async with contextlib.AsyncExitStack() as stack:
-        svc, hit_lookup = await lookup_scheduler(stack, cfg, {}, port=0, epoch=7)
+        svc, hit_lookup = await start_scheduler(stack, cfg, {}, port=0, epoch=7)
         watch = await watch_cluster(stack, cfg, svc, hit_lookup, {})
         yield svc, hit_lookup, watch
 

@@ -24,12 +24,13 @@ from common.config import build_config
 from common.errors import DeadlineExceeded, InvalidArgument, Overloaded, Unavailable
 from common.kv import block_keys_from_tokens, spec_from_config
 from common.protocol import RequestFinished, RequestQueued
+from services.scheduler.app import start_scheduler
 from services.scheduler.client.client import SchedulerClient
-from tools.cluster.gateway_lookup import BUDGET_SHARE, GatewayHitLookup
+from services.scheduler.shell.gateway_lookup import BUDGET_SHARE, GatewayHitLookup
 from services.scheduler.shell.hit_lookup import HitLookup
 from storage_gateway.service import GatewayService
 from tests.test_scheduler_service import BT, keys, nxt, run_stages, running
-from tools.cluster.inprocess import base_config, lookup_scheduler
+from tools.cluster.inprocess import base_config
 from tools.config import DualpathConfig
 from tools.engine_sim.kv_pattern import full_block
 
@@ -217,7 +218,7 @@ async def test_a_stopped_gateway_leaves_the_lookup_to_the_other(tmp_path):
         gws = {n: await stack.enter_async_context(GatewayService(cfg, n, spec=spec))
                for n in ("g0", "g1")}
         await gws["g0"].store.write_blocks(ks[:4], [full_block(spec, k) for k in ks[:4]])
-        sched, lookup = await lookup_scheduler(
+        sched, lookup = await start_scheduler(
             stack, cfg, {n: ("127.0.0.1", g.rpc_port) for n, g in gws.items()},
             host="127.0.0.1")
         assert isinstance(lookup, GatewayHitLookup) and sched.hits is lookup

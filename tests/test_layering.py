@@ -1,5 +1,5 @@
 """The scheduler's placement core stays sans-I/O at import time (docs/contributing.md,
-'Sans-I/O cores').
+'Sans-I/O cores'), and every service starts without ``tools/``.
 
 `make lint` checks the same rule statically (import-linter's ``sans-io-cores`` contract); this
 test proves it at run time, where a lazy import or a package ``__init__`` would also show: a
@@ -11,6 +11,7 @@ network or a tool into every simulated run.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,50 @@ def test_scheduler_core_imports_no_io_transport_rpc_or_tools():
     loaded = _loaded_by(_PROBE)
     assert "services.scheduler.core" in loaded
     assert _forbidden(loaded) == []
+
+
+_APPS = ("services.scheduler.app", "services.pe_receiver.app", "services.de_loader.app",
+         "storage_gateway.app")
+
+
+def test_service_composition_roots_load_no_tools_and_no_engine_emulator():
+    """Each service's composition root (what ``dualpath serve`` runs for it) stands on the
+    services and the floor alone: nothing from ``tools/``, the engine emulator included, so
+    a service can start in a deployment that ships no tools."""
+    loaded = _loaded_by(f"import json, sys; import {', '.join(_APPS)}; "
+                        f"print(json.dumps(sorted(sys.modules)))")
+    assert set(_APPS) <= set(loaded)
+    assert [n for n in loaded if n == "tools" or n.startswith("tools.")] == []
+
+
+# `dualpath serve ...` in a fresh interpreter; once it is serving (its ready line), report
+# what is loaded and stop it the way an operator does (SIGTERM)
+_SERVE_PROBE = """
+import json, os, signal, sys
+import common.service as shell
+announce = shell.announce_ready
+def probe(info, ready_file):
+    announce(info, ready_file)
+    print("LOADED " + json.dumps(sorted(sys.modules)), file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+shell.announce_ready = probe
+from tools.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serving_a_gateway_loads_no_engine_emulator(tmp_path):
+    """``dualpath serve gateway`` runs the gateway's root and nothing of the emulator (the
+    host file's ``[engine_sim]`` schema is ``tools.config``'s, not the emulator's)."""
+    env = {**os.environ, "DUALPATH__GATEWAY__ROOT": str(tmp_path / "storage")}
+    out = subprocess.run([sys.executable, "-c", _SERVE_PROBE, "serve", "gateway", "-c",
+                          str(REPO / "configs" / "default.toml"), "--node", "n0", "--port", "0"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stderr.splitlines() if ln.startswith("LOADED "))
+    loaded = json.loads(line[len("LOADED "):])
+    assert "storage_gateway.app" in loaded
+    assert [n for n in loaded if n == "tools.engine_sim" or n.startswith("tools.engine_sim.")
+            ] == []
+    assert [n for n in loaded if n.startswith(("services.pe_receiver", "services.de_loader"))
+            or n == "services.scheduler.shell.service"] == []

@@ -1,15 +1,34 @@
 """Root of a whole host config file: every service section plus the tools' own (``[engine_sim]``).
 
 ``dualpath serve`` and the launcher load files with this class; the services accept it because
-it extends ``services.config.ServicesConfig``.
+it extends ``services.config.ServicesConfig``. The ``[engine_sim]`` section's schema lives here,
+not in ``tools/engine_sim/``: every ``dualpath serve`` reads it with the file, and serving a
+gateway, a scheduler or a node without emulated engines must not load the emulator.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
+from common.config import NonNegFloat, PositiveFloat, PositiveInt, Section
 from services.config import ServicesConfig
-from tools.engine_sim.config import EngineSimConfig
+
+
+class EngineSimConfig(Section):
+    """``[engine_sim]``: how the emulated prefill/decode engines spend time and check bytes
+    (cost model, prefill mode, time scale, checks)."""
+
+    mode: Literal["layerwise", "whole"] = "layerwise"   # whole = the basic mode (no overlap)
+    model: str | None = None               # cost-model preset; None: the KV preset's name
+    time_scale: NonNegFloat = 1.0          # multiplies every predicted second (local runs: < 1)
+    quota_s: PositiveFloat = 0.300         # intra-engine batching compute quota (paper §6.2)
+    max_batch_tokens: int | None = None
+    verify: bool = True                    # check hit KV (prefill) and full prompt KV (decode)
+    hbm_copy: bool = True                  # decode copies the prompt KV into its own "HBM"
+    decode_max_batch: PositiveInt = 256
+    vocab: PositiveInt = 100_000
 
 
 class DualpathConfig(ServicesConfig):

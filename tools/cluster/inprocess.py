@@ -7,8 +7,10 @@ engines in one event loop, every port 0 (tests, demos, ``replay --inprocess``).
     async with local_datapath(tmp, prefill=("p0",), decode=("d0",), scheduler=False) as c:
         await c.store_blocks(keys)          # a small ad-hoc cluster for data-path tests
 
-Both start the same services the same way (the helpers below; ``dualpath serve`` uses them
-too) and hand back one :class:`InProcessCluster`. :func:`start_cluster` renders each
+Both start the services through their composition roots (``storage_gateway.app``,
+``services.scheduler.app``, ``services.pe_receiver.app``, ``services.de_loader.app``: what
+``dualpath serve`` runs too, less the process-only etcd registration and metrics) and hand
+back one :class:`InProcessCluster`; the emulated engines are attached here. :func:`start_cluster` renders each
 service's config from a cluster file (:func:`~.config.service_config`, like the subprocess
 launcher); ``stub=True`` starts only the scheduler and stand-in group leaders that finish
 every request at once (:class:`tools.cluster.stub_nodes.StubCluster`).
@@ -18,32 +20,40 @@ leave out the scheduler, the engines, or a whole role.
 Every node gets its own storage gateway over one shared directory (``probe_on_miss``: a
 block one node wrote is found by the others, as on a distributed file system); the
 scheduler's hit lookup asks any of them (``LookupPrefix``, in turn, the next one when one
-fails: :class:`~tools.cluster.gateway_lookup.GatewayHitLookup`), so hits are measured,
+fails: :class:`~services.scheduler.shell.gateway_lookup.GatewayHitLookup`), so hits are measured,
 not assumed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config import build_config
 from common.kv import KVSpec, spec_from_config
+from services.de_loader import app as de_app
 from services.de_loader.service import DELoaderService
+from services.pe_receiver import app as pe_app
 from services.pe_receiver.service import PEReceiverService
-from storage_gateway.client import GatewayClient
+from services.scheduler.app import start_scheduler
+from services.scheduler.shell.gateway_lookup import GatewayHitLookup
+from services.scheduler.shell.service import SchedulerService
+from storage_gateway.app import start_gateway
 from storage_gateway.service import GatewayService
 from tools.config import DualpathConfig
-from tools.engine_sim.engines import EngineHost
 from tools.engine_sim.kv_pattern import full_block
 
 from .config import ROLE_SERVICE, Cluster, service_config
+from .emulated import attach_engines, attach_remote_engines
+
+if TYPE_CHECKING:
+    from tools.cluster.stub_nodes import StubCluster
 
 MiB = 1024 * 1024
-NODE_SERVICES: dict[str, type] = {"pe_receiver": PEReceiverService, "de_loader": DELoaderService}
+NODE_APPS = {"pe_receiver": pe_app, "de_loader": de_app}     # node service → its root
 
 
 @dataclass
@@ -57,12 +67,12 @@ class InProcessCluster:
     pe: dict[str, PEReceiverService] = field(default_factory=dict)
     de: dict[str, DELoaderService] = field(default_factory=dict)
     engines: dict[str, Any] = field(default_factory=dict)      # EngineHost / RemoteEngineHost
-    scheduler: Any = None         # SchedulerService (None: started without one)
-    hit_lookup: Any = None        # the scheduler's GatewayHitLookup (None: no gateway known)
-    stub: Any = None              # StubCluster when started with stub=True
+    scheduler: SchedulerService | None = None      # None: started without one
+    hit_lookup: GatewayHitLookup | None = None     # the scheduler's (None: no gateway known)
+    stub: StubCluster | None = None                # when started with stub=True
 
     @property
-    def nodes(self) -> dict[str, Any]:
+    def nodes(self) -> dict[str, PEReceiverService | DELoaderService]:
         """Every node service (PE receivers and DE loaders) by node id."""
         return {**self.pe, **self.de}
 
@@ -101,62 +111,16 @@ class InProcessCluster:
                 total[k] = total.get(k, 0.0) + v
         return total
 
-    def add_node(self, svc: Any) -> None:
+    def add_node(self, svc: PEReceiverService | DELoaderService) -> None:
         (self.pe if isinstance(svc, PEReceiverService) else self.de)[svc.node_id] = svc
 
 
 # --------------------------------------------------------------------------- shared starters
 
-def node_service(kind: str, cfg: Any, node_id: str, *, engines: int | None = None,
-                 spec: KVSpec | None = None) -> Any:
+def node_service(kind: str, cfg: DualpathConfig, node_id: str, *, engines: int | None = None,
+                 spec: KVSpec | None = None) -> PEReceiverService | DELoaderService:
     """The PE receiver or DE loader (``kind``) of one node, not yet started."""
-    return NODE_SERVICES[kind](cfg, node_id, engines=engines, spec=spec)
-
-
-async def attach_engines(stack: contextlib.AsyncExitStack, svc: Any, engine_cfg: Any
-                         ) -> EngineHost:
-    """Start ``svc``'s emulated engines (stopped before it: the stack unwinds in reverse)."""
-    host = await stack.enter_async_context(EngineHost(svc, engine_cfg))
-    svc.extra_stats = host.counters
-    return host
-
-
-async def attach_remote_engines(stack: contextlib.AsyncExitStack, svc: Any, cfg: Any) -> Any:
-    """``svc``'s emulated engines attached over its engine socket (``[cluster]
-    remote_engines``): in this loop, but every request crosses the engine channel and every
-    KV byte the node's shared-memory arena, as with an engine process."""
-    from tools.engine_sim.remote_host import RemoteEngineHost
-    host = RemoteEngineHost(svc.settings.engine_socket, svc.engine_ids, svc.role, svc.spec,
-                            cfg.engine_sim)
-    await stack.enter_async_context(host)
-    svc.extra_stats = host.counters
-    return host
-
-
-async def lookup_scheduler(stack: contextlib.AsyncExitStack, cfg: Any,
-                           gateways: Mapping[str, tuple[str, int]] | None, *,
-                           host: str | None = None, port: int | None = 0,
-                           **service: Any) -> tuple[Any, Any]:
-    """A started scheduler and its hit lookup over ``gateways`` (name → RPC address, every
-    gateway of the shared store: asked in turn, the next one when one fails); None or empty:
-    the scheduler's per-session index, and None for the lookup."""
-    from tools.cluster.gateway_lookup import GatewayHitLookup
-    from services.scheduler.shell.service import SchedulerService
-    hit_lookup = None
-    dynamic = bool(cfg.etcd.endpoints)     # etcd: the registered gateways join later
-    if gateways or dynamic:
-        clients = {name: lookup_client(cfg, h, p) for name, (h, p) in (gateways or {}).items()}
-        hit_lookup = GatewayHitLookup(clients, cfg.scheduler_service.hit_lookup_timeout_s,
-                                      allow_empty=dynamic)
-        stack.push_async_callback(hit_lookup.close)
-    svc = SchedulerService(cfg, host=host, port=port, hit_lookup=hit_lookup, **service)
-    return await stack.enter_async_context(svc), hit_lookup
-
-
-def lookup_client(cfg: Any, host: str, port: int) -> Any:
-    """A gateway client for the scheduler's hit lookups only (no transport)."""
-    return GatewayClient.connect(cfg.rpc, host, port, None, None, spec_from_config(cfg.kv),
-                                 node_id="scheduler")
+    return NODE_APPS[kind].build(cfg, node_id, engines=engines, spec=spec)
 
 
 # --------------------------------------------------------------------------- from a cluster file
@@ -180,7 +144,7 @@ async def _start_stub(stack: contextlib.AsyncExitStack, c: InProcessCluster,
                       cluster: Cluster) -> None:
     from tools.cluster.stub_nodes import StubCluster
     cfg = service_config(cluster, "scheduler")
-    c.scheduler, _ = await lookup_scheduler(stack, cfg, None)
+    c.scheduler, _ = await start_scheduler(stack, cfg, None)
     spec = cluster.spec
     c.stub = await stack.enter_async_context(StubCluster(
         cfg.rpc, *c.scheduler_address, prefill_nodes=len(spec.prefill),
@@ -191,18 +155,15 @@ async def _start_stub(stack: contextlib.AsyncExitStack, c: InProcessCluster,
 async def _start_all(stack: contextlib.AsyncExitStack, c: InProcessCluster,
                      cluster: Cluster) -> None:
     for n in cluster.spec.nodes:
-        cfg = service_config(cluster, "gateway", n.id)
-        Path(cfg.gateway.root).mkdir(parents=True, exist_ok=True)
-        gw = GatewayService(cfg, n.id, rpc_port=0)
-        await stack.enter_async_context(gw)
-        c.gateways[n.id] = gw
-    c.scheduler, c.hit_lookup = await lookup_scheduler(
+        c.gateways[n.id] = await start_gateway(stack, service_config(cluster, "gateway", n.id),
+                                               n.id)
+    c.scheduler, c.hit_lookup = await start_scheduler(
         stack, service_config(cluster, "scheduler"), c.gateway_endpoints())
     for n in cluster.spec.nodes:
         service = ROLE_SERVICE[n.role]
         cfg = service_config(cluster, service, n.id, scheduler=c.scheduler_address,
                              gateway_port=c.gateways[n.id].rpc_port)
-        svc = await stack.enter_async_context(node_service(service, cfg, n.id))
+        svc = await NODE_APPS[service].start(stack, cfg, n.id)
         c.add_node(svc)
         if cluster.spec.remote_engines:
             c.engines[n.id] = await attach_remote_engines(stack, svc, cfg)
@@ -248,21 +209,18 @@ async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
     c = InProcessCluster(cfg, spec_from_config(cfg.kv))
     async with contextlib.AsyncExitStack() as stack:
         for node in (*prefill, *decode):
-            gw = GatewayService(_cfg(data), node, spec=c.spec)
-            await stack.enter_async_context(gw)
-            c.gateways[node] = gw
+            c.gateways[node] = await start_gateway(stack, _cfg(data), node, spec=c.spec)
         sched_port = 0
         if scheduler:
             endpoints = {n: ("127.0.0.1", g.rpc_port) for n, g in c.gateways.items()}
-            c.scheduler, c.hit_lookup = await lookup_scheduler(
+            c.scheduler, c.hit_lookup = await start_scheduler(
                 stack, _cfg(data), endpoints, host="127.0.0.1")
             sched_port = c.scheduler.port
         for role, nodes in (("de_loader", decode), ("pe_receiver", prefill)):
             for node in nodes:
                 node_cfg = _cfg(data, **{role: {"scheduler_port": sched_port,
                                                 "gateway_port": c.gateways[node].rpc_port}})
-                c.add_node(await stack.enter_async_context(
-                    node_service(role, node_cfg, node, spec=c.spec)))
+                c.add_node(await NODE_APPS[role].start(stack, node_cfg, node, spec=c.spec))
         if engines:
             for name, svc in {**c.de, **c.pe}.items():
                 c.engines[name] = await attach_engines(stack, svc, cfg.engine_sim)

@@ -28,7 +28,7 @@ bad config or arguments, 1 when the service failed.
 
 The scheduler's hit lookup asks the storage gateways of the shared store (``LookupPrefix``),
 one per lookup in turn and the next one when one fails
-(:class:`~tools.cluster.gateway_lookup.GatewayHitLookup`): those ``--lookup-gateway``
+(:class:`~services.scheduler.shell.gateway_lookup.GatewayHitLookup`): those ``--lookup-gateway``
 names (repeated or comma-separated), else every node of the cluster file with a fixed
 ``gateway_port``. Hits are what storage holds, across sessions too (Mooncake traces share
 prefixes between requests). No gateway known: the scheduler's per-session index.
@@ -37,26 +37,26 @@ prefixes between requests). No gateway known: the scheduler's per-session index.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import structlog
 
 from common.config import build_config, env_overlay, read_toml
 from common.errors import ConfigError, DualpathError
 from common.logging import configure_logging
-from common.service import run_cli, serve_process
+from common.service import Service, run_cli, serve_process
 from tools.config import DualpathConfig
 
 from .config import ROLE_SERVICE, Cluster, apply_mode, load_cluster, load_data, service_config
 
-log = structlog.get_logger(__name__)
+if TYPE_CHECKING:
+    from services.node.base import NodeBase
 
 SERVICE_CHOICES = ("scheduler", "gateway", "pe_receiver", "de_loader", "node", "engine_sim")
 
@@ -123,8 +123,11 @@ class Target:
     host_cfg: DualpathConfig | None = None
 
     @property
-    def cfg(self) -> Any:
-        return self.cluster.cfg if self.cluster is not None else self.host_cfg
+    def cfg(self) -> DualpathConfig:
+        if self.cluster is not None:
+            return self.cluster.cfg
+        assert self.host_cfg is not None
+        return self.host_cfg
 
     def service(self, service: str, node: str | None) -> str:
         """``service`` with ``node`` resolved to the node's role service."""
@@ -136,12 +139,12 @@ class Target:
                               f"{' (engine_sim needs a cluster file)' if service != 'node' else ''}")
         return ROLE_SERVICE[self.cluster.spec.node(_need(node, service)).role]
 
-    def config(self, service: str, node: str | None, **dial: Any) -> Any:
+    def config(self, service: str, node: str | None, **dial: Any) -> DualpathConfig:
         """The config ``service`` on ``node`` runs with; a node service's addresses to dial
         (``scheduler``, ``gateway_port``) override the file's."""
         if self.cluster is not None:
             return service_config(self.cluster, service, node, resolve=True, **dial)
-        cfg = self.host_cfg
+        cfg = self.cfg
         if service in ROLE_SERVICE.values():
             sched = dial.get("scheduler")
             over = {} if sched is None else {"scheduler_host": sched[0], "scheduler_port": sched[1]}
@@ -170,7 +173,7 @@ def load_target(path: str | None, mode: str | None) -> Target:
     return Target(None, build_config(data, DualpathConfig, str(path), environ={}))
 
 
-def _with_section(cfg: Any, section: str, **fields: Any) -> Any:
+def _with_section(cfg: DualpathConfig, section: str, **fields: Any) -> DualpathConfig:
     if not fields:
         return cfg
     new = msgspec.structs.replace(getattr(cfg, section), **fields)
@@ -185,60 +188,30 @@ def _need(node: str | None, service: str) -> str:
 
 # --------------------------------------------------------------------------- the roles
 
-class _Roles:
-    """Starts one service (and what it needs) into the shell's exit stack; its ready info."""
+@dataclass
+class Serving:
+    """One ``dualpath serve`` invocation: what to serve, from which file, with which flags."""
 
-    def __init__(self, target: Target, args: argparse.Namespace) -> None:
-        self.target, self.args = target, args
-        self.service = target.service(args.service, args.node)
-        self.info: dict[str, Any] = {"event": "ready", "service": self.service,
-                                     "node_id": args.node or "scheduler", "pid": os.getpid()}
+    target: Target
+    args: argparse.Namespace
 
-    async def start(self, stack: contextlib.AsyncExitStack) -> tuple[Any, dict[str, Any]]:
-        start = {"scheduler": self._scheduler, "gateway": self._gateway}.get(self.service,
-                                                                             self._node)
-        if self.args.service == "engine_sim":
-            start = self._engine_sim
-        svc = await start(stack)
-        await self._metrics(stack)
-        return svc, self.info
+    @property
+    def service(self) -> str:
+        """The service run (``node`` / ``engine_sim`` resolved to the node's role service)."""
+        return self.target.service(self.args.service, self.args.node)
 
-    async def _scheduler(self, stack: contextlib.AsyncExitStack) -> Any:
-        from common.metrics import scheduler_stats
-        from .inprocess import lookup_scheduler
-        cfg = self.target.config("scheduler", None)
-        if cfg.etcd.endpoints:
-            return await self._elected_scheduler(stack, cfg)
-        svc, _ = await lookup_scheduler(stack, cfg, self._lookup_gateways(),
-                                        port=self.args.port)
-        self.info.update(host=svc.host, rpc_port=svc.port)
-        self._source(stack, "scheduler", "scheduler", scheduler_stats(svc))
-        return svc
+    def head(self) -> dict[str, Any]:
+        """The ready line's first fields; the composition root adds its own."""
+        return {"event": "ready", "service": self.service,
+                "node_id": self.args.node or "scheduler", "pid": os.getpid()}
 
-    async def _elected_scheduler(self, stack: contextlib.AsyncExitStack, cfg: Any) -> Any:
-        """etcd mode: listen as a standby (refusing every call), campaign, serve once elected
-        with the election's fencing epoch; stop when the lease cannot be kept (a standby
-        takes over). Ready (the JSON line) only once elected: docs/cluster.md, "etcd"."""
-        from common.metrics import scheduler_stats
-        from services.scheduler.etcd.election import SchedulerElection
-        from .inprocess import lookup_scheduler
-        replica = self.args.node or f"scheduler-{os.getpid()}"
-        election = SchedulerElection(cfg.etcd, replica)
-        await election.check()          # etcd unreachable at start: exit 1 naming it
-        static = self._lookup_gateways()
-        svc, hit_lookup = await lookup_scheduler(stack, cfg, static, port=self.args.port,
-                                                 epoch=0, node_id=replica)
-        stack.push_async_callback(election.resign)     # a clean stop hands over at once
-        svc.epoch = await election.win(svc.host, svc.port)
-        from .discovered import watch_cluster
-        await watch_cluster(stack, cfg, svc, hit_lookup, static)   # the leader watches nodes
-        keeper = asyncio.create_task(_lead_until_lost(election, svc), name="scheduler-lease")
-        stack.callback(keeper.cancel)
-        self.info.update(host=svc.host, rpc_port=svc.port, epoch=svc.epoch, replica=replica)
-        self._source(stack, "scheduler", "scheduler", scheduler_stats(svc))
-        return svc
+    def metrics_port(self) -> int | None:
+        """``--metrics-port``, else the fixed port the cluster file gives (None: none)."""
+        if self.args.metrics_port is not None:
+            return int(self.args.metrics_port)
+        return self.target.metrics_port(self.service, self.args.node)
 
-    def _lookup_gateways(self) -> dict[str, tuple[str, int]]:
+    def lookup_gateways(self) -> dict[str, tuple[str, int]]:
         """Name → address of every gateway the hit lookup may ask (empty: none known)."""
         if self.args.lookup_gateway:
             return lookup_gateways(self.args.lookup_gateway)
@@ -248,122 +221,120 @@ class _Roles:
         return {n.id: (cluster.spec.node_host(n), n.gateway_port)
                 for n in cluster.spec.nodes if n.gateway_port}
 
-    async def _gateway(self, stack: contextlib.AsyncExitStack) -> Any:
-        from common.metrics import gateway_stats
-        from storage_gateway.service import GatewayService
-        node = _need(self.args.node, "gateway")
-        cfg = self.target.config("gateway", node)
-        port = self.args.port
-        if port is None:
-            cluster = self.target.cluster
-            port = cluster.spec.node(node).gateway_port if cluster is not None else 0
-        Path(cfg.gateway.root).mkdir(parents=True, exist_ok=True)
-        svc = GatewayService(cfg, node, rpc_port=port)
-        await stack.enter_async_context(svc)
-        self.info.update(host=cfg.rpc.host, rpc_port=svc.rpc_port, ucx_port=svc.ucx_address[1])
-        await self._register(stack, cfg, node, "storage_gateway", [])
-        self._source(stack, "storage_gateway", node, gateway_stats(svc))
-        return svc
-
-    async def _node(self, stack: contextlib.AsyncExitStack) -> Any:
-        from .inprocess import attach_engines, node_service
-        a, service = self.args, self.service
-        node = _need(a.node, service)
-        cfg = self.target.config(service, node, scheduler=_hostport(a.scheduler, "--scheduler"),
-                                 gateway_port=a.gateway_port)
-        if a.port is not None:
-            cfg = _with_section(cfg, service, rpc_port=a.port)
-        if a.engine_socket is not None:
-            cfg = _with_section(cfg, service, engine_socket=a.engine_socket)
-        svc = await stack.enter_async_context(
-            node_service(service, cfg, node, engines=a.engines))
-        if not a.no_engines and not getattr(cfg, service).engine_socket:
-            await attach_engines(stack, svc, cfg.engine_sim)
-        self.info.update(host=getattr(cfg, service).host, rpc_port=svc.rpc_port,
-                         ucx_port=svc.ucx_address[1], engines=list(svc.engine_ids))
-        await self._register(stack, cfg, node, service, list(svc.engine_ids))
-        self._source(stack, service, node, svc.stats)
-        return svc
-
-    async def _register(self, stack: contextlib.AsyncExitStack, cfg: Any, node: str,
-                        service: str, engines: list[str]) -> None:
-        """etcd mode: this process's key under a lease (docs/cluster.md, "etcd")."""
-        if not cfg.etcd.endpoints:
-            return
-        from .discovered import register_node
-        await register_node(stack, cfg, node, service, self.info["host"], self.info["rpc_port"],
-                            self.info.get("ucx_port"), engines)
-
-    async def _engine_sim(self, stack: contextlib.AsyncExitStack) -> Any:
-        """The node's emulated engines in this process, attached over its engine socket."""
-        from common.kv import spec_from_config
-        from tools.engine_sim.remote_host import RemoteEngineHost
-        a, service = self.args, self.service
-        node = _need(a.node, "engine_sim")
-        cfg = self.target.config(service, node)
-        settings = getattr(cfg, service)
-        path = a.engine_socket or settings.engine_socket
-        if not path:
-            raise ConfigError(f"serve engine_sim: node {node} has no engine_socket; set "
-                              f"[{service}] engine_socket (or [cluster] remote_engines) or "
-                              f"pass --engine-socket")
-        n = a.engines if a.engines is not None else settings.engines
-        host = RemoteEngineHost(path, [f"{node}.e{i}" for i in range(n)],
-                                "prefill" if service == "pe_receiver" else "decode",
-                                spec_from_config(cfg.kv), cfg.engine_sim)
-        await stack.enter_async_context(host)
-        self.info.update(service="engine_sim", host=settings.host, rpc_port=None,
-                         engines=host.engine_ids, engine_socket=path)
-        self._source(stack, "engine_sim", node, host.counters)
-        return host
-
-    def _source(self, stack: contextlib.AsyncExitStack, service: str, node: str, fn: Any
-                ) -> None:
-        from common.metrics import register_source, unregister_source
-        register_source(service, node, fn)
-        stack.callback(unregister_source, service, node)
-
-    async def _metrics(self, stack: contextlib.AsyncExitStack) -> None:
-        port = self.args.metrics_port
-        if port is None:
-            port = self.target.metrics_port(self.service, self.args.node)
-        if port is None:
-            self.info["metrics_port"] = None
-            return
-        from common.metrics import MetricsEndpoint
-        ep = MetricsEndpoint()
-        host = self.info.get("host") or self.target.cfg.rpc.host
-        self.info["metrics_port"] = await ep.start(port, host)
-        stack.push_async_callback(ep.stop)
+    async def start(self, stack: contextlib.AsyncExitStack) -> tuple[Service, dict[str, Any]]:
+        """Start the role (:data:`ROLES`) into ``stack``: the service and its ready info."""
+        role = "engine_sim" if self.args.service == "engine_sim" else self.service
+        svc, info = await ROLES[role](self, stack)
+        return svc, {**self.head(), **info}
 
 
-async def _lead_until_lost(election: Any, svc: Any) -> None:
-    """Keep the leader lease; when it is lost, step down (the process ends, exit status 1)."""
-    await election.keep()
-    log.error("scheduler_stepped_down", epoch=svc.epoch,
-              reason=f"leader lease not renewed for {election.cfg.lease_s}s")
-    await svc.stop()
+Started = tuple[Service, dict[str, Any]]
+
+
+async def _scheduler(s: Serving, stack: contextlib.AsyncExitStack) -> Started:
+    from services.scheduler.app import serve_scheduler
+    return await serve_scheduler(stack, s.target.config("scheduler", None), s.lookup_gateways(),
+                                 port=s.args.port, replica=s.args.node,
+                                 metrics_port=s.metrics_port())
+
+
+async def _gateway(s: Serving, stack: contextlib.AsyncExitStack) -> Started:
+    from storage_gateway.app import serve_gateway
+    node = _need(s.args.node, "gateway")
+    cfg = s.target.config("gateway", node)
+    port = s.args.port
+    if port is None:
+        cluster = s.target.cluster
+        port = cluster.spec.node(node).gateway_port if cluster is not None else 0
+    register = None
+    if cfg.etcd.endpoints:          # the etcd client is loaded in etcd mode only
+        from services.node.registration import etcd_registration
+        register = etcd_registration(cfg)
+    return await serve_gateway(stack, cfg, node, port=port, register=register,
+                               metrics_port=s.metrics_port())
+
+
+async def _node(s: Serving, stack: contextlib.AsyncExitStack) -> Started:
+    a, service = s.args, s.service
+    node = _need(a.node, service)
+    cfg = s.target.config(service, node, scheduler=_hostport(a.scheduler, "--scheduler"),
+                          gateway_port=a.gateway_port)
+    if a.port is not None:
+        cfg = _with_section(cfg, service, rpc_port=a.port)
+    if a.engine_socket is not None:
+        cfg = _with_section(cfg, service, engine_socket=a.engine_socket)
+    attach = None
+    if not a.no_engines and not getattr(cfg, service).engine_socket:
+        engine_cfg = cfg.engine_sim
+
+        async def attach(stack: contextlib.AsyncExitStack, svc: NodeBase) -> object:
+            from .emulated import attach_engines        # the emulator: loaded only here
+            return await attach_engines(stack, svc, engine_cfg)
+    if service == "pe_receiver":
+        from services.pe_receiver import app as pe_app
+        return await pe_app.serve(stack, cfg, node, engines=a.engines, attach=attach,
+                                  metrics_port=s.metrics_port())
+    from services.de_loader import app as de_app
+    return await de_app.serve(stack, cfg, node, engines=a.engines, attach=attach,
+                              metrics_port=s.metrics_port())
+
+
+async def _engine_sim(s: Serving, stack: contextlib.AsyncExitStack) -> Started:
+    """The node's emulated engines in this process, attached over its engine socket."""
+    from common.kv import spec_from_config
+    from common.metrics import export_source, serve_metrics
+    from tools.engine_sim.remote_host import RemoteEngineHost
+    a, service = s.args, s.service
+    node = _need(a.node, "engine_sim")
+    cfg = s.target.config(service, node)
+    settings = getattr(cfg, service)
+    path = a.engine_socket or settings.engine_socket
+    if not path:
+        raise ConfigError(f"serve engine_sim: node {node} has no engine_socket; set "
+                          f"[{service}] engine_socket (or [cluster] remote_engines) or "
+                          f"pass --engine-socket")
+    n = a.engines if a.engines is not None else settings.engines
+    host = RemoteEngineHost(path, [f"{node}.e{i}" for i in range(n)],
+                            "prefill" if service == "pe_receiver" else "decode",
+                            spec_from_config(cfg.kv), cfg.engine_sim)
+    await stack.enter_async_context(host)
+    info: dict[str, Any] = {"service": "engine_sim", "host": settings.host, "rpc_port": None,
+                            "engines": host.engine_ids, "engine_socket": path}
+    export_source(stack, "engine_sim", node, host.counters)
+    info["metrics_port"] = await serve_metrics(stack, s.metrics_port(),
+                                               settings.host or s.target.cfg.rpc.host)
+    return host, info
+
+
+# role → how it starts: each one a composition root (engine_sim: the tools' own emulator)
+ROLES: dict[str, Callable[[Serving, contextlib.AsyncExitStack], Awaitable[Started]]] = {
+    "scheduler": _scheduler,
+    "gateway": _gateway,
+    "pe_receiver": _node,
+    "de_loader": _node,
+    "engine_sim": _engine_sim,
+}
 
 
 # --------------------------------------------------------------------------- entry
 
-def _prepare(args: argparse.Namespace) -> _Roles:
+def _prepare(args: argparse.Namespace) -> Serving:
     """Everything checkable before the loop starts (a ConfigError here is exit status 2)."""
     target = load_target(args.config, args.mode)
-    roles = _Roles(target, args)
+    serving = Serving(target, args)
     if args.lookup_gateway:
         lookup_gateways(args.lookup_gateway)                        # a bad address → 2
-    if roles.service != "scheduler":
-        node = _need(args.node, roles.service)
+    if serving.service != "scheduler":
+        node = _need(args.node, serving.service)
         if target.cluster is not None:
-            service_config(target.cluster, roles.service, node)   # wrong role / node → 2
+            service_config(target.cluster, serving.service, node)   # wrong role / node → 2
     if target.cluster is not None and args.service != "engine_sim":
         from .host_checks import check_service_host, check_storage_root
-        check_service_host(target.cluster, roles.service, args.node)   # not this host → 2
-        if roles.service == "gateway":
-            check_storage_root(target.cluster, roles.target.config("gateway", args.node)
+        check_service_host(target.cluster, serving.service, args.node)   # not this host → 2
+        if serving.service == "gateway":
+            check_storage_root(target.cluster, serving.target.config("gateway", args.node)
                                .gateway.root)                           # not mounted → 2
-    return roles
+    return serving
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,16 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from common.faults import check_env
         armed = check_env()              # a bad DUALPATH_FAILPOINTS exits 2 before starting
-        roles = _prepare(args)
+        serving = _prepare(args)
     except DualpathError as e:
         print(f"dualpath serve: {e.message}", file=sys.stderr)
         return 2
-    cfg = roles.target.cfg
+    cfg = serving.target.cfg
     configure_logging(cfg.logging.level, cfg.logging.json)
     if armed:
         print(f"dualpath serve {args.service}: failpoints armed: {armed}", file=sys.stderr)
-    return run_cli(f"dualpath serve {roles.service}",
-                   serve_process(roles.start, args.ready_file), use_uvloop=cfg.rpc.use_uvloop)
+    return run_cli(f"dualpath serve {serving.service}",
+                   serve_process(serving.start, args.ready_file), use_uvloop=cfg.rpc.use_uvloop)
 
 
 if __name__ == "__main__":

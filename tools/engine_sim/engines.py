@@ -31,7 +31,7 @@ from services.engine_api.prefill import PrefillHandle, PrefillPort
 from services.compute_model.batching import PrefillBatcher
 from services.compute_model.cost_model import ModelCost, cost_model
 
-from .config import EngineSimConfig
+from tools.config import EngineSimConfig
 from .kv_pattern import check_tokens, fill_tokens, layer_pattern, token_id
 
 log = structlog.get_logger(__name__)

@@ -22,7 +22,7 @@ from common.kv import KVSpec
 from common.service import Status
 from services.engine_api.remote import EngineClient
 
-from .config import EngineSimConfig
+from tools.config import EngineSimConfig
 from .engines import DecodeEngineSim, PrefillEngineSim
 
 log = structlog.get_logger(__name__)

@@ -8,7 +8,7 @@ prefix). The implementations of :class:`HitLookup`:
   finished turn; the next turn hits their common prefix. That is the paper's evaluation rule
   (hits only within a trajectory) and needs no storage round trip. It is an estimate: a block
   evicted since is found missing at read time and recomputed (never wrong bytes).
-* :class:`~tools.cluster.gateway_lookup.GatewayHitLookup`: asks the storage gateways of
+* :class:`~services.scheduler.shell.gateway_lookup.GatewayHitLookup`: asks the storage gateways of
   the shared store (``LookupPrefix``), one per lookup in turn, retried on the next when one
   fails; hits are what storage holds (``dualpath serve scheduler`` and the in-process cluster
   use it whenever a gateway is known).

@@ -75,7 +75,7 @@ class GatewayHitLookup:
     def replace(self, gateways: Mapping[str, PrefixLookupClient]
                 ) -> list[PrefixLookupClient]:
         """Ask these gateways from now on (etcd discovery: the registered ones,
-        ``tools.cluster.discovered``); the clients no longer asked, for the caller to close."""
+        ``services.scheduler.app``); the clients no longer asked, for the caller to close."""
         kept = dict(gateways)
         old = [c for name, c in self._gateways if kept.get(name) is not c]
         self._gateways = list(kept.items())

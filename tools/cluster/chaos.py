@@ -8,8 +8,9 @@ code). Every child gets ``DUALPATH_FAILPOINTS_FILE``, so one victim can be armed
 moment without a restart (:mod:`common.faults`: write the spec, send SIGUSR1). One case
 (:class:`Fault`) is:
 
-1. arm the victim's failpoint (``kill`` / ``stop`` at the N-th hit), or plan a SIGKILL /
-   SIGSTOP from outside ``after_s`` into the load;
+1. arm the victim's failpoint (``kill`` / ``stop`` at the N-th hit), or send a SIGKILL /
+   SIGSTOP from outside, no earlier than ``after_s`` into the load and only once the victim
+   holds work while a submission is unanswered (never at an idle moment);
 2. run an agentic replay (fresh sessions; every prompt's KV is verified byte for byte by the
    emulated engines) and wait for the victim to die or stop;
 3. restart it (a new process: new ports, new epoch) — or SIGCONT it after ``pause_s``, past

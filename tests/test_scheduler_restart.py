@@ -21,7 +21,8 @@ import pytest
 
 from common.errors import AlreadyExists, ErrorCode
 from common.kv import spec_from_config
-from common.protocol import (EngineInfo, FirstToken, ReportProgress, RequestEvent, RequestFailed,
+from common.protocol import (EngineInfo, FetchWork, FirstToken, ReportProgress, RequestEvent,
+                             RequestFailed,
                              RequestFinished, RequestPlaced, RequestQueued)
 from services.config import ServicesConfig
 from services.scheduler.client.client import SchedulerClient
@@ -146,6 +147,38 @@ async def test_scheduler_killed_mid_request_loses_and_repeats_nothing(tmp_path, 
 
 
 # --------------------------------------------------------------------------- resubmission rules
+
+async def test_a_call_refused_for_an_old_epoch_keeps_the_registration_made_since():
+    """A new leader knows no node: every call in flight is refused (NotFound). The first one
+    re-registers; one sent under the old epoch and refused after that must not register
+    again — each extra registration drops the node's engines and re-plans their requests
+    (the churn behind the test_failover_burst timeout, issue #26)."""
+    async with running() as env:
+        d0 = await env.node("d0", "decode")
+        e1 = d0.epoch
+        gate = asyncio.Event()
+        sent = asyncio.Event()
+        call = d0._call
+
+        async def late_fetch(msg: Any, timeout: float | None = None) -> Any:
+            if isinstance(msg, FetchWork):      # built under e1, reaches the scheduler late
+                sent.set()
+                await gate.wait()
+            return await call(msg, timeout)
+
+        d0._call = late_fetch                   # type: ignore[method-assign]
+        fetch = asyncio.create_task(d0.fetch())
+        await until(sent.is_set, what="the fetch under the old epoch is out")
+        env.svc._drop_registration(env.svc.leases.get("d0", "de_loader"), "test: forgotten")
+        await until(lambda: d0.epoch != e1 and env.svc.leases.get("d0", "de_loader")
+                    is not None, what="d0 registered again (its heartbeat was refused)")
+        e2, registrations = d0.epoch, env.svc.counters["registrations"]
+        gate.set()
+        assert (await fetch).plans == []       # refused for e1: NotFound
+        assert d0.epoch == e2
+        assert env.svc.leases.get("d0", "de_loader").epoch == e2
+        assert env.svc.counters["registrations"] == registrations
+
 
 async def test_a_kept_result_finishes_the_resubmission_at_once():
     async with running() as env:

@@ -8,8 +8,9 @@ code). Every child gets ``DUALPATH_FAILPOINTS_FILE``, so one victim can be armed
 moment without a restart (:mod:`common.faults`: write the spec, send SIGUSR1). One case
 (:class:`Fault`) is:
 
-1. arm the victim's failpoint (``kill`` / ``stop`` at the N-th hit), or plan a SIGKILL /
-   SIGSTOP from outside ``after_s`` into the load;
+1. arm the victim's failpoint (``kill`` / ``stop`` at the N-th hit), or send a SIGKILL /
+   SIGSTOP from outside, no earlier than ``after_s`` into the load and only once the victim
+   holds work while a submission is unanswered (never at an idle moment);
 2. run an agentic replay (fresh sessions; every prompt's KV is verified byte for byte by the
    emulated engines) and wait for the victim to die or stop;
 3. restart it (a new process: new ports, new epoch) — or SIGCONT it after ``pause_s``, past
@@ -282,9 +283,11 @@ class ChaosHarness:
         try:
             if fault.point is not None:
                 self.launcher.arm(fault.target, fault.spec)
-            t_fault = await self._inject(fault, victim)
+            t_fault = await self._inject(fault, victim, log)
             if t_fault is None:
-                res.outcome = "failpoint never fired"
+                res.outcome = ("failpoint never fired" if fault.point is not None else
+                               f"{fault.target} never held a request in flight within "
+                               f"{FIRE_WITHIN_S:g} s: not signalled")
                 self.launcher.arm(fault.target, "")
             else:
                 res.fired, res.t_fault_s = True, t_fault - t0
@@ -321,11 +324,13 @@ class ChaosHarness:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.05)
 
-    async def _inject(self, fault: Fault, victim: Proc) -> float | None:
+    async def _inject(self, fault: Fault, victim: Proc, log: list[Submission]) -> float | None:
         """Wait for the failpoint to act (or act from outside); the time it did, or None."""
         if fault.point is None:
-            await asyncio.sleep(fault.after_s)
-            await self._until_busy(fault.target, 10.0)
+            await asyncio.sleep(fault.after_s)     # the fault's moment: not before this
+            if not await self._until_holding(fault.target, log, FIRE_WITHIN_S):
+                return None
+            # no await since the check: a submission pending then is in flight at the signal
             _signal(victim.pid, signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
             t = time.monotonic()
             await self._wait_state(victim, fault.action, 5.0)
@@ -341,15 +346,29 @@ class ChaosHarness:
             await asyncio.sleep(0.02)
         return None
 
-    async def _until_busy(self, name: str, timeout: float) -> None:
-        """Until ``name`` holds a live attempt (its ``attempts_live`` stat), or ``timeout``:
-        a signal from outside must hit work in flight, not an idle moment of a loaded host."""
+    async def _until_holding(self, name: str, log: list[Submission], timeout: float) -> bool:
+        """Until ``name`` demonstrably holds work in flight, or False after ``timeout``: a
+        signal from outside must hit a request, not an idle moment of a loaded host.
+
+        Held: the victim's own count of live work (``attempts_live`` of a node service,
+        ``requests_live`` of the scheduler; a gateway has none) is ≥ 1 in the reply just
+        read, and a submission of the load is still unanswered. Returns right after that
+        reply, so the caller signals within the same event-loop step: that submission is in
+        flight at the signal (the case's ``affected`` ≥ 1). A stats call that got no answer
+        is not "busy" — it is asked again (the old wait took it as busy and could kill an
+        idle node)."""
+        service = self.launcher.state.proc(self.node_of(name)).service
+        key = {"de_loader": "attempts_live", "pe_receiver": "attempts_live",
+               "scheduler": "requests_live"}.get(service)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            st = await self.stats(name, timeout=2.0)
-            if st is None or "attempts_live" not in st or st["attempts_live"] >= 1:
-                return
+            if any(s.outcome == "pending" for s in log):
+                st = await self.stats(name, timeout=2.0)
+                if st is not None and (key is None or st.get(key, 0) >= 1) and \
+                        any(s.outcome == "pending" for s in log):
+                    return True
             await asyncio.sleep(0.02)
+        return False
 
     def _state(self, p: Proc) -> str:
         pop = self.launcher.popen(p.name)

@@ -123,11 +123,12 @@ class NodeSession:
         await self.close()
 
     async def heartbeat(self) -> None:
+        epoch = self.epoch
         try:
-            await self._call(Heartbeat(self.node_id, self.service, self.epoch,
+            await self._call(Heartbeat(self.node_id, self.service, epoch,
                                            self.read_q_tokens), timeout=self.lease_s)
         except NotFound:
-            await self._lease_lost()
+            await self._lease_lost(epoch)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -142,11 +143,16 @@ class NodeSession:
                 log.warning("heartbeat_failed", node=self.node_id, node_service=self.service,
                             error=repr(e), exc_info=not expected)
 
-    async def _lease_lost(self) -> None:
-        """The scheduler forgot us: new epoch, register again, tell the owner to drop work."""
-        seen = self.epoch
+    async def _lease_lost(self, seen: int) -> None:
+        """The scheduler forgot registration ``seen`` (the epoch the refused call was sent
+        under): new epoch, register again, tell the owner to drop work.
+
+        ``seen`` is the call's epoch, not the current one: a heartbeat or fetch sent before
+        another caller re-registered is refused for the old epoch, and must not throw away the
+        registration made meanwhile (each extra one makes the scheduler drop the node's engines
+        and re-plan their requests, once per call that was in flight)."""
         async with self._relogin:
-            if self.epoch != seen:              # the other caller registered meanwhile
+            if self.epoch != seen:              # already registered again since that call
                 return
             log.warning("lease_lost", node=self.node_id, node_service=self.service,
                         epoch=self.epoch)
@@ -167,13 +173,18 @@ class NodeSession:
         try:
             reply: FetchWorkReply = await self._call(msg)
         except NotFound:
-            await self._lease_lost()
+            await self._lease_lost(msg.epoch)
             return FetchWorkReply(0, [], [], [], more=True)
         try:
             await self._fence(reply.scheduler_epoch)
         except Unavailable as e:                # a deposed leader's plans: not run
             log.warning("stale_epoch_refused", node=self.node_id, error=e.message)
             return FetchWorkReply(0, [], [], [], more=False)
+        if msg.epoch != self.epoch:
+            # we registered again while this fetch was out: its plans and bindings belong to
+            # the registration the scheduler drops (and re-plans) when it sees the new epoch;
+            # run them and they hold pages for requests no one will finish here
+            return FetchWorkReply(0, [], [], [], more=True)
         if self._acked is not None and reply.seq <= self._acked:    # a resend we applied
             return FetchWorkReply(reply.seq, [], [], [], reply.more)
         self._acked = reply.seq

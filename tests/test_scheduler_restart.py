@@ -169,7 +169,7 @@ async def test_a_call_refused_for_an_old_epoch_keeps_the_registration_made_since
         d0._call = late_fetch                   # type: ignore[method-assign]
         fetch = asyncio.create_task(d0.fetch())
         await until(sent.is_set, what="the fetch under the old epoch is out")
-        env.svc._drop_registration(env.svc.leases.get("d0", "de_loader"), "test: forgotten")
+        env.svc.nodes.drop_registration(env.svc.leases.get("d0", "de_loader"), "test: forgotten")
         await until(lambda: d0.epoch != e1 and env.svc.leases.get("d0", "de_loader")
                     is not None, what="d0 registered again (its heartbeat was refused)")
         e2, registrations = d0.epoch, env.svc.counters["registrations"]

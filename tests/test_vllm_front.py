@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from tests.vllm_env import require_vllm
+from tests.vllm_env import require_vllm, run_check
 from tools.cluster.inprocess import local_datapath
 from tools.vllm_engines import PRESET, datapath_overrides
 from tools.vllm_serve import (ahttp, free_port, front, stop, tokenize, vllm_server,
@@ -36,7 +36,7 @@ APPEND = 40
 
 
 async def test_front_multi_turn_agent_over_http(tmp_path):
-    _, model = require_vllm()
+    python, model = require_vllm()
     overrides = datapath_overrides(tmp_path,
                                    scheduler={"model": PRESET, "policy": "dualpath"})
     async with local_datapath(tmp_path, engines=False, overrides=overrides) as c:
@@ -52,6 +52,11 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
             procs.append(front_proc)
             await check_plain_endpoints(front_url)
             await check_bad_requests(front_url)
+            # the official openai client as a real client: completions + chat, streamed and
+            # not, finish_reason, usage (include_usage), stop, seed, UTF-8, a typed 400
+            got = await asyncio.to_thread(run_check, python, front_url, "smollm2",
+                                          script="openai_client_check.py", timeout=900)
+            assert got["stop"]["text"] and got["refused"] == {"n=2": "unsupported_parameter"}
             await conversation(front_url, urls["p0.e0"], str(model))
         finally:
             for p in procs:
@@ -71,7 +76,9 @@ async def check_bad_requests(front: str) -> None:
              ({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
              ({"model": "smollm2", "prompt": list(range(2500))}, 400, "prompt_too_long"),
              ({"model": "smollm2", "prompt": [10**9]}, 400, "invalid_body"),
-             ({"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "invalid_max_tokens")]
+             ({"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "invalid_max_tokens"),
+             ({"model": "smollm2", "prompt": "hi", "logprobs": 3}, 400, "unsupported_parameter"),
+             ({"model": "smollm2", "prompt": "hi", "echo": True}, 400, "unsupported_parameter")]
     for body, status, code in cases:
         got, raw = await ahttp("POST", f"{front}/v1/completions", body)
         assert (got, json.loads(raw)["error"]["code"]) == (status, code), raw

@@ -33,11 +33,11 @@ def require_vllm() -> tuple[Path, Path]:
     return VLLM_PYTHON, model
 
 
-def run_check(python: Path, *args: str, timeout: float = 1500) -> dict:
-    """Run ``tests/vllm_checks/geometry_check.py`` in the vLLM venv; its RESULT line as a dict."""
+def run_check(python: Path, *args: str, timeout: float = 1500,
+              script: str = "geometry_check.py") -> dict:
+    """Run ``tests/vllm_checks/<script>`` in the vLLM venv; its RESULT line as a dict."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([str(python), str(REPO / "tests" / "vllm_checks" /
-                                              "geometry_check.py"), *args],
+    proc = subprocess.Popen([str(python), str(REPO / "tests" / "vllm_checks" / script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=env, start_new_session=True)
     try:

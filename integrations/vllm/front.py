@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import aiohttp
@@ -37,23 +37,18 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from common.errors import DualpathError
+from common.auth import load_secret
+from common.config import RpcConfig
 from common.protocol import RequestFailed, RequestFinished, RequestPlaced
+from integrations.vllm import openai_api as api
 from services.scheduler.client.client import SchedulerClient, failure_error
+from services.scheduler.etcd.election import LeaderResolver
+from services.scheduler.service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
-
-
-def chat_token_ids(rendered: Any) -> list[int]:
-    """The token ids of ``apply_chat_template(tokenize=True)``: transformers 5 returns a
-    mapping (``BatchEncoding``, ids under ``input_ids``) where 4.x returned the list itself —
-    iterating the mapping would submit its keys as token ids."""
-    ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
-    if ids and isinstance(ids[0], list):       # a batch of one conversation
-        ids = ids[0]
-    return [int(t) for t in ids]
 
 class FrontConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the scheduler and the engines are, and the limits the front states."""
@@ -70,30 +65,13 @@ class FrontConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_inflight: PositiveInt = 64
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     recompute_engine: str = ""                # kv_loading=false goes here ("" = first engine)
-
-
-class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
-    model: str
-    prompt: str | list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    max_tokens: int = 16
-    stream: bool = False
-    temperature: float = 0.0
-    session_id: str | None = None             # extension: the agent session (prefix reuse)
-    kv_loading: bool = True                   # extension: false = no dualpath, vLLM recomputes
-    user: str | None = None
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
+    auth_secret_file: str = ""                # the scheduler's rpc.auth_secret_file, if set
+    etcd_endpoints: list[str] = []            # find the scheduler leader there (etcd mode)
+    etcd_prefix: str = "/dualpath"
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": code}},
-                             status=status)
+    return web.json_response(api.error_body(status, message, code), status=status)
 
 
 class Metrics:
@@ -115,9 +93,10 @@ class Front:
     def __init__(self, cfg: FrontConfig, tokenizer: Any) -> None:
         self.cfg, self.tok = cfg, tokenizer
         self.metrics = Metrics()
-        self.sched = SchedulerClient(cfg.scheduler_host, cfg.scheduler_port, client_id="front")
+        self.sched = scheduler_client(cfg)
         self.http: aiohttp.ClientSession | None = None
         self.slots = asyncio.Semaphore(cfg.max_inflight)
+        self._models: dict[str, str] = {}     # vLLM base URL -> the model name it serves
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=4 << 20)
@@ -159,94 +138,114 @@ class Front:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()                # TTFT counts from here, not from placement
         try:
             body, ids = self._parse(await request.read(), chat)
-        except HttpError as e:
-            self.metrics.requests.labels("rejected").inc()
+        except api.HttpError as e:
+            self.metrics.requests.labels("rejected" if e.status < 500 else "error").inc()
             return error_response(e.status, str(e), e.code)
         if self.slots.locked():
             self.metrics.requests.labels("overloaded").inc()
             return error_response(429, "front overloaded: too many requests in flight", "overloaded")
         async with self.slots:
-            return await self._generate(request, body, ids, chat)
+            return await self._generate(request, Call(body, ids, chat, arrival))
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[CompletionBody, list[int]]:
+    def _parse(self, raw: bytes, chat: bool) -> tuple[api.CompletionBody, list[int]]:
         try:
-            body = msgspec.json.decode(raw, type=CompletionBody)
+            body = msgspec.json.decode(raw, type=api.CompletionBody)
         except msgspec.DecodeError as e:
-            raise HttpError(400, f"malformed request body: {e}", "invalid_body") from None
+            raise api.HttpError(400, f"malformed request body: {e}", "invalid_body") from None
         if body.model != self.cfg.model_name:
-            raise HttpError(404, f"model {body.model!r} not served here (serving "
-                                 f"{self.cfg.model_name!r}, see /v1/models)", "model_not_found")
-        if not 1 <= body.max_tokens <= self.cfg.max_tokens:
-            raise HttpError(400, f"max_tokens must be in [1, {self.cfg.max_tokens}]",
-                            "invalid_max_tokens")
+            raise api.HttpError(404, f"model {body.model!r} not served here (serving "
+                                     f"{self.cfg.model_name!r}, see /v1/models)",
+                                "model_not_found")
+        api.check_supported(body)
+        if not 1 <= api.max_tokens(body) <= self.cfg.max_tokens:
+            raise api.HttpError(400, f"max_tokens must be in [1, {self.cfg.max_tokens}]",
+                                "invalid_max_tokens")
         ids = self._tokens(body, chat)
+        if not all(type(t) is int for t in ids):  # our tokenizer's fault, not the caller's
+            raise api.HttpError(500, f"the front's tokenization produced non-integer ids "
+                                     f"({type(ids[0]).__name__}, ...)", "internal_error")
         if not 1 <= len(ids) <= self.cfg.max_prompt_tokens:
-            raise HttpError(400, f"prompt has {len(ids)} tokens; this front takes 1 to "
-                                 f"{self.cfg.max_prompt_tokens}", "prompt_too_long")
+            raise api.HttpError(400, f"prompt has {len(ids)} tokens; this front takes 1 to "
+                                     f"{self.cfg.max_prompt_tokens}", "prompt_too_long")
         return body, ids
 
-    def _tokens(self, body: CompletionBody, chat: bool) -> list[int]:
+    def _tokens(self, body: api.CompletionBody, chat: bool) -> list[int]:
         if chat:
             if not body.messages:
-                raise HttpError(400, "chat completions need a non-empty 'messages'", "invalid_body")
+                raise api.HttpError(400, "chat completions need a non-empty 'messages'",
+                                    "invalid_body")
             try:
                 rendered = self.tok.apply_chat_template(body.messages, add_generation_prompt=True,
                                                         tokenize=True)
             except Exception as e:  # noqa: BLE001 -- a bad message list is the caller's error
-                raise HttpError(400, f"bad messages: {e}", "invalid_body") from None
-            return chat_token_ids(rendered)
+                raise api.HttpError(400, f"bad messages: {e}", "invalid_body") from None
+            return api.chat_token_ids(rendered)
         if isinstance(body.prompt, str):
             return list(self.tok(body.prompt)["input_ids"])
         if isinstance(body.prompt, list) and all(0 <= t < len(self.tok) for t in body.prompt):
             return list(body.prompt)
-        raise HttpError(400, "'prompt' must be a string or a list of token ids in the vocabulary",
-                        "invalid_body")
+        raise api.HttpError(400, "'prompt' must be a string or a list of token ids in the "
+                                 "vocabulary", "invalid_body")
 
-    async def _generate(self, request: web.Request, body: CompletionBody, ids: list[int],
-                        chat: bool) -> web.StreamResponse:
-        rid = f"front-{uuid.uuid4().hex[:16]}"
-        session = body.session_id or body.user or rid
+    async def _generate(self, request: web.Request, call: Call) -> web.StreamResponse:
         out: web.StreamResponse | None = None
-        if body.stream:
+        if call.body.stream:
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
+            if call.chat:                         # OpenAI opens a chat stream with the role
+                await out.write(sse(api.chunk(call.rid, self.cfg.model_name, True,
+                                              call.created, role=True, text="")))
         try:
-            result = (await self._run(rid, session, ids, body, out, chat) if body.kv_loading
-                      else await self._recompute(rid, ids, body, out, chat))
-        except DualpathError as e:
+            result = (await self._run(call, out) if call.body.kv_loading
+                      else await self._recompute(call, out))
+        except DualpathError as e:               # dualpath (scheduler, nodes, engines) failed
             self.metrics.requests.labels("failed").inc()
-            log.warning("front_request_failed", request_id=rid, error=str(e))
-            if out is None:
-                return error_response(503, str(e), e.code.value if hasattr(e, "code") else "failed")
-            await out.write(b"data: " + json.dumps({"error": {"message": str(e)}}).encode()
-                            + b"\n\n")
-            await out.write_eof()
-            return out
+            log.warning("front_request_failed", request_id=call.rid, error=str(e))
+            return await self._fail(out, 503, str(e), e.code.value)
+        except Exception as e:  # noqa: BLE001 -- the front's own fault: a 500, not blamed on dualpath
+            self.metrics.requests.labels("error").inc()
+            log.exception("front_request_error", request_id=call.rid)
+            return await self._fail(out, 500, f"front internal error: {e!r}", "internal_error")
         self.metrics.requests.labels("ok").inc()
-        if out is not None:
-            await out.write(b"data: [DONE]\n\n")
-            await out.write_eof()
-            return out
-        return web.json_response(result)
+        if out is None:
+            return web.json_response(result)
+        model, usage = self.cfg.model_name, result["usage"]
+        await out.write(sse(api.chunk(call.rid, model, call.chat, call.created,
+                                      finish_reason=result["choices"][0]["finish_reason"])))
+        if call.body.stream_options is not None and call.body.stream_options.include_usage:
+            await out.write(sse(api.usage_chunk(call.rid, model, call.chat, call.created,
+                                                usage["prompt_tokens"],
+                                                usage["completion_tokens"])))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
 
-    async def _run(self, rid: str, session: str, ids: list[int], body: CompletionBody,
-                   out: web.StreamResponse | None, chat: bool) -> dict[str, Any]:
+    async def _fail(self, out: web.StreamResponse | None, status: int, message: str,
+                    code: str) -> web.StreamResponse:
+        if out is None:
+            return error_response(status, message, code)
+        await out.write(sse(api.error_body(status, message, code)))
+        await out.write_eof()
+        return out
+
+    async def _run(self, call: Call, out: web.StreamResponse | None) -> dict[str, Any]:
         """Submit, follow the events, drive the placed pair; the final response dict."""
-        t0 = time.monotonic()
-        self.metrics.prompt_tokens.inc(len(ids))
-        sent: list[int] = []
-        attempt: asyncio.Task[dict[str, Any]] | None = None
+        self.metrics.prompt_tokens.inc(len(call.ids))
+        sent = Sent()
+        attempt: asyncio.Task[Decoded] | None = None
         placed: RequestPlaced | None = None
-        async with self.sched.submit(rid, session, len(ids), body.max_tokens, token_ids=ids,
+        async with self.sched.submit(call.rid, call.session, len(call.ids), call.max_tokens,
+                                     token_ids=call.ids,
                                      deadline_s=self.cfg.request_timeout_s) as events:
             async for ev in events:
                 if isinstance(ev, RequestPlaced):
                     if attempt is not None:
                         attempt.cancel()
                     placed = ev
-                    attempt = asyncio.create_task(self._attempt(ev, ids, body, out, sent, chat))
+                    attempt = asyncio.create_task(self._attempt(ev, call, out, sent))
                 elif isinstance(ev, RequestFailed):
                     if attempt is not None:
                         attempt.cancel()
@@ -254,39 +253,30 @@ class Front:
                 elif isinstance(ev, RequestFinished):
                     break
         if attempt is None or placed is None:
-            raise DualpathError(f"request {rid}: finished without a placement")
+            raise DualpathError(f"request {call.rid}: finished without a placement")
         decoded = await attempt
         self.metrics.hit_tokens.inc(placed.hit_tokens)
-        return self._response(rid, ids, chat, decoded, t0, hit_tokens=placed.hit_tokens,
+        return self._response(call, decoded, hit_tokens=placed.hit_tokens,
                               read_side=placed.read_side, pe_engine=placed.pe_engine,
                               de_engine=placed.de_engine)
 
-    async def _recompute(self, rid: str, ids: list[int], body: CompletionBody,
-                         out: web.StreamResponse | None, chat: bool) -> dict[str, Any]:
+    async def _recompute(self, call: Call, out: web.StreamResponse | None) -> dict[str, Any]:
         """The A/B baseline (``kv_loading: false``): the whole request on one engine without
         ``kv_transfer_params`` — the connector stays idle and vLLM computes every prompt token
         (prefix caching off on the instances). No scheduler involved, same response shape."""
-        t0 = time.monotonic()
         engine = self.cfg.recompute_engine or next(iter(self.cfg.engines))
-        decoded = await self._relay(self._url(engine), ids, body.max_tokens, None, out, [],
-                                    rid, chat, t0)
-        return self._response(rid, ids, chat, decoded, t0, hit_tokens=0, read_side="off",
+        decoded = await self._relay(self._url(engine), call, None, out, Sent(), call.rid)
+        return self._response(call, decoded, hit_tokens=0, read_side="off",
                               pe_engine=engine, de_engine=engine)
 
-    def _response(self, rid: str, ids: list[int], chat: bool, decoded: dict[str, Any],
-                  t0: float, **dualpath: Any) -> dict[str, Any]:
+    def _response(self, call: Call, decoded: Decoded, **dualpath: Any) -> dict[str, Any]:
         """The OpenAI-shaped body, with the ``dualpath`` object (placement, token ids, TTFT)."""
-        toks = decoded["token_ids"]
-        text = self.tok.decode(toks, skip_special_tokens=True)
-        choice: dict[str, Any] = ({"message": {"role": "assistant", "content": text}} if chat
-                                  else {"text": text})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "model": self.cfg.model_name,
-                "choices": [{"index": 0, **choice, "finish_reason": decoded["finish_reason"]}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
-                          "total_tokens": len(ids) + len(toks)},
-                "dualpath": {"request_id": rid, **dualpath, "token_ids": toks,
-                             "ttft_s": decoded["ttft_s"], "e2e_s": time.monotonic() - t0}}
+        body = api.response(call.rid, self.cfg.model_name, call.chat, decoded.text,
+                            decoded.finish_reason, len(call.ids), len(decoded.token_ids),
+                            call.created)
+        body["dualpath"] = {"request_id": call.rid, **dualpath, "token_ids": decoded.token_ids,
+                            "ttft_s": decoded.ttft_s, "e2e_s": time.monotonic() - call.arrival}
+        return body
 
     def _url(self, engine: str) -> str:
         try:
@@ -295,72 +285,81 @@ class Front:
             raise DualpathError(f"the scheduler placed on engine {engine!r}, which this front "
                                 f"has no URL for (known: {sorted(self.cfg.engines)})") from None
 
-    async def _attempt(self, p: RequestPlaced, ids: list[int], body: CompletionBody,
-                       out: web.StreamResponse | None, sent: list[int], chat: bool
-                       ) -> dict[str, Any]:
+    async def _attempt(self, p: RequestPlaced, call: Call, out: web.StreamResponse | None,
+                       sent: Sent) -> Decoded:
         """Prefill (max_tokens=1) and decode on the placed pair; stream the decode's tokens."""
         plan = {"request_id": p.request_id, "hit_tokens": p.hit_tokens}
-        t0 = time.monotonic()
-        prefill = asyncio.create_task(self._post(self._url(p.pe_engine), ids, 1, plan))
+        prefill = asyncio.create_task(self._post(self._url(p.pe_engine), call, plan))
         try:
-            decoded = await self._relay(self._url(p.de_engine), ids, body.max_tokens,
-                                        {"request_id": p.request_id}, out, sent, p.request_id,
-                                        chat, t0)
+            decoded = await self._relay(self._url(p.de_engine), call,
+                                        {"request_id": p.request_id}, out, sent, p.request_id)
             await prefill
         finally:
             prefill.cancel()
         return decoded
 
-    async def _relay(self, url: str, ids: list[int], max_tokens: int,
-                     plan: dict[str, Any] | None, out: web.StreamResponse | None,
-                     sent: list[int], rid: str, chat: bool, t0: float) -> dict[str, Any]:
-        """Stream one vLLM completion; forward tokens not in ``sent`` yet (a re-planned
-        attempt does not repeat what the client has); its tokens, finish reason and TTFT."""
-        toks: list[int] = []
-        finish_reason, ttft = None, None
-        async for chunk in self._stream(url, ids, max_tokens, plan):
-            choice = chunk["choices"][0]
+    async def _relay(self, url: str, call: Call, plan: dict[str, Any] | None,
+                     out: web.StreamResponse | None, sent: Sent, rid: str) -> Decoded:
+        """Stream one vLLM completion; forward what the client does not have yet (a re-planned
+        attempt does not repeat it). The text is vLLM's own incremental detokenization (a
+        multi-byte character split over tokens arrives whole; stop strings are cut there)."""
+        got = Decoded()
+        async for piece in self._stream(url, call, plan):
+            choice = piece["choices"][0]
             new = list(choice.get("token_ids") or [])
-            if new and ttft is None:
-                ttft = time.monotonic() - t0
-                self.metrics.ttft.observe(ttft)
-            toks.extend(new)
-            finish_reason = choice.get("finish_reason") or finish_reason
-            if out is not None and len(toks) > len(sent):
-                fresh = toks[len(sent):]
-                sent.extend(fresh)
-                await out.write(self._sse(rid, fresh, chat))
-        return {"token_ids": toks, "finish_reason": finish_reason or "length", "ttft_s": ttft}
+            if new and got.ttft_s is None:
+                got.ttft_s = time.monotonic() - call.arrival
+                if not sent.token_ids:
+                    self.metrics.ttft.observe(got.ttft_s)
+            before = len(got.token_ids)
+            got.token_ids.extend(new)
+            got.text += choice.get("text") or ""
+            got.finish_reason = choice.get("finish_reason") or got.finish_reason
+            if out is not None and len(got.token_ids) > len(sent.token_ids):
+                text = (choice.get("text") or "" if before >= len(sent.token_ids) else
+                        self.tok.decode(got.token_ids[len(sent.token_ids):],
+                                        skip_special_tokens=True))
+                fresh = got.token_ids[len(sent.token_ids):]
+                sent.token_ids.extend(fresh)
+                await out.write(sse(api.chunk(rid, self.cfg.model_name, call.chat,
+                                              call.created, text=text, token_ids=fresh)))
+        got.finish_reason = got.finish_reason or "length"
+        return got
 
-    def _sse(self, rid: str, toks: list[int], chat: bool) -> bytes:
-        text = self.tok.decode(toks, skip_special_tokens=True)
-        delta = {"delta": {"content": text}} if chat else {"text": text}
-        chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                 "model": self.cfg.model_name,
-                 "choices": [{"index": 0, **delta, "token_ids": toks}]}
-        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    async def _upstream_model(self, url: str) -> str:
+        """The name vLLM serves under (its ``/v1/models``), asked once per instance: the
+        front's own ``--model-name`` is what clients say, not what vLLM was started with."""
+        name = self._models.get(url)
+        if name is None:
+            assert self.http is not None
+            async with self.http.get(f"{url}/v1/models") as r:
+                if r.status != 200:
+                    raise DualpathError(f"vLLM at {url}/v1/models answered {r.status}")
+                name = str((await r.json())["data"][0]["id"])
+            self._models[url] = name
+        return name
 
-    def _vllm_body(self, ids: list[int], max_tokens: int, plan: dict[str, Any] | None,
-                   stream: bool) -> dict[str, Any]:
-        body = {"model": self.cfg.tokenizer, "prompt": ids, "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": stream, "return_token_ids": True}
+    async def _vllm_body(self, url: str, call: Call, max_tokens: int,
+                         plan: dict[str, Any] | None, stream: bool) -> dict[str, Any]:
+        body = {"model": await self._upstream_model(url), "prompt": call.ids,
+                "max_tokens": max_tokens, **api.sampling_fields(call.body), "stream": stream,
+                "return_token_ids": True}
         return body if plan is None else {**body, "kv_transfer_params": {"dualpath": plan}}
 
-    async def _post(self, url: str, ids: list[int], max_tokens: int,
-                    plan: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, url: str, call: Call, plan: dict[str, Any]) -> dict[str, Any]:
         assert self.http is not None
-        async with self.http.post(f"{url}/v1/completions",
-                                  json=self._vllm_body(ids, max_tokens, plan, False)) as r:
+        body = await self._vllm_body(url, call, 1, plan, False)
+        async with self.http.post(f"{url}/v1/completions", json=body) as r:
             data = await r.json()
             if r.status != 200:
                 raise DualpathError(f"vLLM at {url} answered {r.status}: {data}")
             return data
 
-    async def _stream(self, url: str, ids: list[int], max_tokens: int,
-                      plan: dict[str, Any] | None) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, url: str, call: Call, plan: dict[str, Any] | None
+                      ) -> AsyncIterator[dict[str, Any]]:
         assert self.http is not None
-        async with self.http.post(f"{url}/v1/completions",
-                                  json=self._vllm_body(ids, max_tokens, plan, True)) as r:
+        body = await self._vllm_body(url, call, call.max_tokens, plan, True)
+        async with self.http.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
                 raise DualpathError(f"vLLM at {url} answered {r.status}: {await r.text()}")
             async for raw in r.content:
@@ -368,6 +367,51 @@ class Front:
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 yield json.loads(line[6:])
+
+
+class Call:
+    """One client request as the front serves it: its body, prompt ids and arrival time."""
+
+    def __init__(self, body: api.CompletionBody, ids: list[int], chat: bool,
+                 arrival: float) -> None:
+        self.body, self.ids, self.chat, self.arrival = body, ids, chat, arrival
+        self.rid = f"front-{uuid.uuid4().hex[:16]}"
+        self.session = body.session_id or body.user or self.rid
+        self.max_tokens = api.max_tokens(body)
+        self.created = int(time.time())
+
+
+class Sent:
+    """The token ids already streamed to the client (kept across re-planned attempts)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+
+
+class Decoded:
+    """What one vLLM completion produced."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.ttft_s: float | None = None
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def scheduler_client(cfg: FrontConfig) -> SchedulerClient:
+    """The scheduler's frontend client: the static address, or the etcd-elected leader
+    (resolved before every connection, so a leader change is followed), with the RPC
+    secret when the cluster sets ``rpc.auth_secret_file``."""
+    secret = (load_secret(RpcConfig(auth_secret_file=cfg.auth_secret_file))
+              if cfg.auth_secret_file else None)
+    resolve = (LeaderResolver(EtcdConfig(endpoints=cfg.etcd_endpoints, prefix=cfg.etcd_prefix))
+               if cfg.etcd_endpoints else None)
+    return SchedulerClient(cfg.scheduler_host, cfg.scheduler_port, client_id="front",
+                           auth_secret=secret, resolve=resolve)
 
 
 def parse_args(argv: list[str] | None = None) -> FrontConfig:
@@ -384,6 +428,12 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
                     help="each request's dualpath deadline (and the HTTP calls' to vLLM)")
     ap.add_argument("--recompute-engine", default="",
                     help="engine id for requests with kv_loading=false (default: the first)")
+    ap.add_argument("--auth-secret-file", default="",
+                    help="the cluster's rpc.auth_secret_file (scheduler RPC authentication)")
+    ap.add_argument("--etcd", default="", metavar="HOST:PORT[,...]",
+                    help="etcd endpoints: connect to the elected scheduler leader, following "
+                         "leader changes (--scheduler is then only the first guess)")
+    ap.add_argument("--etcd-prefix", default="/dualpath", help="the cluster's [etcd] prefix")
     a = ap.parse_args(argv)
     host, _, port = a.scheduler.rpartition(":")
     engines = dict(e.split("=", 1) for e in a.engine)
@@ -395,7 +445,10 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
                             "engines": engines, "host": a.host, "port": a.port,
                             "max_prompt_tokens": a.max_prompt_tokens,
                             "request_timeout_s": a.request_timeout_s,
-                            "recompute_engine": a.recompute_engine}, FrontConfig)
+                            "recompute_engine": a.recompute_engine,
+                            "auth_secret_file": a.auth_secret_file,
+                            "etcd_endpoints": [e for e in a.etcd.split(",") if e],
+                            "etcd_prefix": a.etcd_prefix}, FrontConfig)
 
 
 class FrontStartError(Exception):

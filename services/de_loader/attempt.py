@@ -54,7 +54,7 @@ class DecodeAttempt:
                  engine_id: str, deadline_at: float, *,
                  hit_source: HitSource | None = None) -> None:
         self.io, self.port, self.spec = io, port, io.spec
-        self.settings: DELoaderConfig = io.settings  # type: ignore[assignment]
+        self.settings = cast(DELoaderConfig, io.settings)
         self.key = (request_id, attempt)
         self.request_id, self.attempt = request_id, attempt
         self.engine_id = engine_id

@@ -105,7 +105,7 @@ class NodeBase(Service):
         self.gateways = NodeGateways(
             self.cfg.rpc, self.transport, self.pool.arena, self.spec, node_id=self.node_id,
             role=self.name, local=(s.gateway_host, s.gateway_port) if s.gateway_port else None)
-        self.io = NodeIO(self.node_id, self.spec, s, self.transport, self.regions, self.arbiter,
+        self.io = NodeIO(self.spec, s, self.transport, self.regions, self.arbiter,
                          self.gateways, self.counters, report=self.report,
                          supervise=self.requests.spawn, ended=self._forget)
         self.rpc = RpcServer(self.cfg.rpc, service=self.name, node_id=self.node_id,

@@ -29,7 +29,6 @@ ReportFn = Callable[..., Awaitable[bool]]
 class NodeIO:
     """One node's I/O as its attempts see it (built by the node service once it started)."""
 
-    node_id: str
     spec: KVSpec
     settings: NodeServiceConfig
     transport: PageTransport

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import structlog
@@ -65,7 +65,7 @@ class PrefillAttempt:
     def __init__(self, io: NodeIO, port: PrefillPort, data_path: RpcClient, plan: RequestPlan,
                  info: PromptInfo, deadline_at: float) -> None:
         self.io, self.port, self.dp, self.plan, self.info = io, port, data_path, plan, info
-        self.settings: PEReceiverConfig = io.settings  # type: ignore[assignment]
+        self.settings = cast(PEReceiverConfig, io.settings)
         self.engine_id = plan.pe_engine
         self.key = (info.request_id, info.attempt)
         assert plan.de_loader is not None             # checked with the plan

@@ -253,7 +253,7 @@ class PrefillAttempt:
         # Watched from the start: a receive that fails while the call is out (the link to the
         # DE aborted) fails the attempt now, not when the DE's reply comes back — its send
         # into a receive that is gone would only end at the deadline (chaos tests).
-        arrived = asyncio.ensure_future(handle.wait())
+        arrived = self.drv.tasks.spawn(handle.wait())
         arrived.add_done_callback(self._receive_failed)
         layers = [ls.layer for ls in slots]
         try:

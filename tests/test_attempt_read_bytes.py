@@ -11,10 +11,10 @@ import collections
 from common.errors import DeadlineExceeded, PeerFailed
 from common.kv import PRESETS
 from common.protocol import LayerSlots, ReportProgress
-from services.de_loader.transfer import DecodeTransfer, Report as DEReport
+from services.de_loader.transfer import DecodeTransfer
 from services.engine_api.prompt import PromptInfo
-from services.pe_receiver.transfer import (Lookahead, PostPull, PrefillTransfer,
-                                           Report as PEReport)
+from services.node.actions import Report
+from services.pe_receiver.transfer import Lookahead, PostPull, PrefillTransfer
 
 L, B, BT = 8, 16, 64
 PROMPT, HIT = 5 * BT + 10, 4 * BT
@@ -31,7 +31,7 @@ def pe_core(side: str) -> PrefillTransfer:
 
 
 def failed_report(actions) -> dict:
-    (rep,) = [a for a in actions if isinstance(a, (PEReport, DEReport)) and a.stage == "failed"]
+    (rep,) = [a for a in actions if isinstance(a, Report) and a.stage == "failed"]
     return dict(rep.fields)
 
 

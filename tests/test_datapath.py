@@ -264,7 +264,7 @@ async def test_bad_plans_and_calls_allocate_nothing(tmp_path):
             await rpc.call(prep)
             assert de.pool.used_pages > 0
             att = de.attempts[("r5", 0)]
-            await until(att._read_done.is_set, what="DE read done")
+            await until(lambda: att.core.read_done, what="DE read done")
             with pytest.raises(InvalidArgument, match="out of range"):
                 await rpc.call(PullLayers("r5", 0, [LayerSlots(99, 1, [(0, BT * 256)])]))
             with pytest.raises(InvalidArgument, match="hit"):

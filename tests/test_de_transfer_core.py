@@ -14,9 +14,10 @@ from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, ErrorCode
 from common.kv import PRESETS, block_keys_from_tokens
 from common.protocol import LayerSlots
 from services.de_loader.transfer import (AwaitEngine, DecodeTransfer, FreeBlock, FreeRegion,
-                                         HandToEngine, Log, PostReceive, ReadHit, Release,
-                                         Report, SendLayers, WriteGenerated, WritePrompt)
+                                         HandToEngine, PostReceive, ReadHit, Release,
+                                         SendLayers, WriteGenerated, WritePrompt)
 from services.engine_api.prompt import PromptInfo, next_block_key
+from services.node.actions import Log, Report
 
 SPEC = PRESETS["test-small"]        # 4 layers x 256 B, 64-token blocks
 B, BT, L = SPEC.kv_bytes_per_token_per_layer, SPEC.block_tokens, SPEC.num_layers

@@ -6,6 +6,10 @@ test proves it at run time, where a lazy import or a package ``__init__`` would 
 fresh interpreter imports ``services.scheduler.core`` and reports what ended up loaded. The
 simulator reuses the core unchanged, so anything on this list would drag an event loop, the
 network or a tool into every simulated run.
+
+The second half checks that no two files of ``services/`` import each other, directly or
+around a circle (``if TYPE_CHECKING:`` imports count): a node attempt gets the node's I/O
+object, never its service.
 """
 
 from __future__ import annotations
@@ -90,3 +94,96 @@ def test_serving_a_gateway_loads_no_engine_emulator(tmp_path):
             ] == []
     assert [n for n in loaded if n.startswith(("services.pe_receiver", "services.de_loader"))
             or n == "services.scheduler.shell.service"] == []
+
+
+# ---------------------------------------------------------------- no import circles in services/
+
+def _services_imports() -> dict[str, set[str]]:
+    """Module → the modules of ``services/`` it imports at module level, ``if TYPE_CHECKING:``
+    blocks included (a cycle there is still two files that need each other to be read)."""
+    import ast
+
+    files = {".".join(p.relative_to(REPO).with_suffix("").parts): p
+             for p in (REPO / "services").rglob("*.py")}
+    mods = {m.removesuffix(".__init__"): p for m, p in files.items()}
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out: set[str] = set()
+        for node in _module_level(ast.parse(path.read_text(), str(path)).body):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                         for a in node.names]
+            out.update(n for n in names if n in mods and n != mod)
+        graph[mod] = out
+    return graph
+
+
+def _module_level(body):
+    """Import statements run at import time or under ``if TYPE_CHECKING:`` (any ``if``/``try``
+    at module level), not those inside functions."""
+    import ast
+
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            yield from _module_level(node.body)
+            yield from _module_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            for part in (node.body, node.orelse, node.finalbody,
+                         *(h.body for h in node.handlers)):
+                yield from _module_level(part)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_any_two_files_of_services():
+    """An attempt never imports its service (it gets the node's I/O instead), and no file of
+    ``services/`` imports one that imports it back — TYPE_CHECKING imports included."""
+    graph = _services_imports()
+    assert graph["services.pe_receiver.service"] >= {"services.pe_receiver.attempt"}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -12,9 +12,10 @@ from common.errors import (Cancelled, DeadlineExceeded, InternalError, InvalidAr
                            PeerFailed, ProtocolError, Unavailable)
 from common.protocol import Endpoint, LayerSlots
 from services.engine_api.prompt import PromptInfo
-from services.pe_receiver.transfer import (Abort, AbortDE, AwaitEngineRelease, Count, FreePages,
-                                           HandOff, LoadLayer, Log, Lookahead, MarkReady,
-                                           PostPull, PrefillTransfer, Report, SendLayer)
+from services.node.actions import Count, Log, Report
+from services.pe_receiver.transfer import (Abort, AbortDE, AwaitEngineRelease, FreePages, HandOff,
+                                           LoadLayer, Lookahead, MarkReady, PostPull,
+                                           PrefillTransfer, SendLayer)
 
 L, B, BT = 8, 16, 64
 PROMPT, HIT = 5 * BT + 10, 4 * BT

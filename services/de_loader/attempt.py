@@ -3,9 +3,11 @@
 :class:`~services.de_loader.transfer.DecodeTransfer` decides (docs/datapath.md): which receives
 to post, what to send on ``PullLayers``, when to hand the prompt KV to the decode engine, what
 to write back and when pages go. This shell feeds it the PE receiver's data-path calls, the
-decode engine's calls (it is the engine request's backend), I/O completions and the deadline,
-and runs the actions it returns: allocations, UCX receives and sends, gateway reads and
-writes, reports.
+decode engine's calls (it is the engine request's backend), I/O completions and the deadline
+through the node's :class:`~services.node.driver.AttemptDriver` (one action table, one task
+owner, one wake-up, one deadline), and does the I/O its actions name — allocations, UCX
+receives and sends, gateway reads and writes, reports — through the node's
+:class:`~services.node.io.NodeIO`; it never sees the service.
 
 Failures: every sub-task is cancelled, every posted receive cancelled and every page freed
 (after the engine let go of its views) by :meth:`DecodeAttempt.release`.
@@ -15,55 +17,72 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import structlog
 
 from common.errors import DualpathError
 from common.faults import failpoint
-from common.protocol import DecodeBinding, LayerSlots, PrefillDone, PrepareDecode, PullLayers
-from services.engine_api.decode import DecodeRequest, GeneratedBlock
+from common.protocol import DecodeBinding, Endpoint, LayerSlots, PrefillDone, PrepareDecode, \
+    PullLayers
+from services.engine_api.decode import DecodePort, DecodeRequest, GeneratedBlock
+from services.engine_api.kv_region import KVRegion
 from services.engine_api.prompt import PromptInfo
-from services.node.reports import OrderedReports
-from services.node.subtasks import SubTasks
+from services.node.config import DELoaderConfig
+from services.node.driver import AttemptDriver
+from services.node.io import NodeIO
 
-from .transfer import (Action, AwaitEngine, DecodeTransfer, FreeBlock, FreeRegion,
-                       HandToEngine, Log, PostReceive, ReadHit, Release, Report, SendLayers,
-                       WriteGenerated, WritePrompt)
-
-if TYPE_CHECKING:
-    from .service import DELoaderService
+from .transfer import (AwaitEngine, DecodeTransfer, FreeBlock, FreeRegion, HandToEngine,
+                       PostReceive, ReadHit, Release, SendLayers, WriteGenerated, WritePrompt)
 
 log = structlog.get_logger(__name__)
 
+# Benchmarks/tests: where DE-path hit KV comes from instead of the gateway.
+HitSource = Callable[[KVRegion, PromptInfo], Awaitable[int]]
+
 
 class DecodeAttempt:
-    """The DE side of one (request, attempt); also the decode engine request's backend."""
+    """The DE side of one (request, attempt); also the decode engine request's backend.
 
-    def __init__(self, svc: DELoaderService, request_id: str, attempt: int,
-                 engine_id: str, deadline_at: float) -> None:
-        self.svc, self.spec = svc, svc.spec
+    ``io`` is the node's I/O, ``port`` the bound engine's queue; ``hit_source`` replaces the
+    gateway read of the hit (benchmarks, tests). The service registers the attempt and calls
+    its data-path handlers (:meth:`prepare`, :meth:`pull`, :meth:`prefill_done`).
+    """
+
+    def __init__(self, io: NodeIO, port: DecodePort, request_id: str, attempt: int,
+                 engine_id: str, deadline_at: float, *,
+                 hit_source: HitSource | None = None) -> None:
+        self.io, self.port, self.spec = io, port, io.spec
+        self.settings = cast(DELoaderConfig, io.settings)
         self.key = (request_id, attempt)
         self.request_id, self.attempt = request_id, attempt
         self.engine_id = engine_id
-        self.deadline_at = deadline_at
-        self.core = DecodeTransfer(request_id, attempt, engine_id, svc.spec,
-                                   writeback=svc.settings.writeback, counters=svc.counters)
+        self.hit_source = hit_source
+        self.core = DecodeTransfer(request_id, attempt, engine_id, io.spec,
+                                   writeback=self.settings.writeback, counters=io.counters)
         self.binding: DecodeBinding | None = None
         self.pe_ucx: tuple[str, int] | None = None
+        self.read_gateway: Endpoint | None = None
         self.region: Any = None
         self.receives: list[Any] = []
-        self.sub = SubTasks(lambda: self.core.error)
         self.writebacks: set[asyncio.Task] = set()
+        self._sends: list[Any] = []               # SendLayers of the pull being answered
         self.request: DecodeRequest | None = None
-        self._failed, self._read_done = asyncio.Event(), asyncio.Event()
-        self._all_received, self._engine_released = asyncio.Event(), asyncio.Event()
-        self._prompt_written = asyncio.Event()
-        self._release_task: asyncio.Task | None = None
-        self._reports = OrderedReports(svc, request_id, attempt, self._stale)
+        self.release_task: asyncio.Task | None = None
         self.t_start = time.monotonic()
-        self._timer = asyncio.get_running_loop().call_at(deadline_at, self._on_deadline)
+        self.drv = AttemptDriver(
+            io, self.key, deadline_at, error=lambda: self.core.error,
+            ending=lambda: self.core.ending,
+            on_deadline=lambda: self.drv.feed(self.core.deadline),
+            on_stale=lambda stage: self.drv.feed(self.core.stale, stage),
+            handlers={Release: self._release_later, FreeRegion: self._free_region,
+                      FreeBlock: self._free_block, HandToEngine: self._hand_to_engine,
+                      WritePrompt: self._start_prompt_write,
+                      WriteGenerated: self._start_generated_write,
+                      ReadHit: self._start_read, PostReceive: self._post,
+                      SendLayers: self._queue_send, AwaitEngine: self._await_engine})
+        self.sub = self.drv.tasks
 
     # ------------------------------------------------------------------ state (the core's)
     info = property(lambda self: self.core.info)
@@ -78,7 +97,7 @@ class DecodeAttempt:
 
     @property
     def remaining(self) -> float:
-        return max(0.0, self.deadline_at - asyncio.get_running_loop().time())
+        return self.drv.remaining
 
     def dropped(self) -> bool:
         return self.core.error is not None
@@ -86,45 +105,21 @@ class DecodeAttempt:
     def _check(self) -> None:
         self.core.check()
 
-    # ------------------------------------------------------------------ running the core
-    def _feed(self, event: Callable[..., Any], *args: Any) -> Any:
-        """Feed one event to the core, wake the waiters, run the synchronous actions."""
-        try:
-            out = event(*args)
-        finally:
-            self._wake()
-        for action in out if isinstance(out, list) else ():
-            self._RUN[type(action)](self, action)
-        return out
-
-    def _wake(self) -> None:
-        c = self.core
-        for event, flag in ((self._failed, c.ending), (self._read_done, c.read_done),
-                            (self._all_received, c.all_received),
-                            (self._engine_released, c.engine_let_go),
-                            (self._prompt_written, c.prompt_written)):
-            if flag and not event.is_set():
-                event.set()
-
-    def _report(self, a: Report) -> None:
-        self._reports.send(a.stage, **a.fields)
-
-    def _log(self, a: Log) -> None:
-        getattr(log, a.level)(a.event, **a.fields)
-
+    # ------------------------------------------------------------------ actions
     def _release_later(self, a: Release) -> None:
-        self._release_task = asyncio.get_running_loop().create_task(self.release())
+        self.release_task = self.io.supervise(self.release(),
+                                              f"decode-release-{self.request_id}-{self.attempt}")
 
     def _free_region(self, a: FreeRegion) -> None:
-        self.svc.regions.free(self.region)
+        self.io.regions.free(self.region)
 
     def _free_block(self, a: FreeBlock) -> None:
-        self.svc.regions.free(cast(GeneratedBlock, a.block).region)
+        self.io.regions.free(cast(GeneratedBlock, a.block).region)
 
     def _hand_to_engine(self, a: HandToEngine) -> None:
         self.request = DecodeRequest(self.info, self.engine_id, a.hit_tokens, a.first_token_id,
                                      self.region, self)
-        self.svc.ports[self.engine_id].put(self.request)
+        self.port.put(self.request)
 
     def _start_prompt_write(self, a: WritePrompt) -> None:
         self.sub.spawn(self._write_prompt(a))
@@ -134,34 +129,21 @@ class DecodeAttempt:
         self.writebacks.add(task)
         task.add_done_callback(self.writebacks.discard)
 
-    def _by_caller(self, a: Action) -> None:
-        """Receives, sends, the hit read, the engine wait: run inline by the handler."""
+    def _start_read(self, a: ReadHit) -> None:
+        self.sub.spawn(self._read(a.blocks))
 
-    _RUN: dict[type, Callable[[DecodeAttempt, Any], None]] = {
-        Report: _report, Log: _log, Release: _release_later, FreeRegion: _free_region,
-        FreeBlock: _free_block, HandToEngine: _hand_to_engine,
-        WritePrompt: _start_prompt_write, WriteGenerated: _start_generated_write,
-        ReadHit: _by_caller, PostReceive: _by_caller, SendLayers: _by_caller,
-        AwaitEngine: _by_caller}
-
-    # ------------------------------------------------------------------ asyncio helpers
-    async def _wait(self, event: asyncio.Event) -> None:
-        if not event.is_set() and self.core.error is None:
-            waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._failed.wait())}
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
-        self._check()
+    def _queue_send(self, a: SendLayers) -> None:
+        """Sent by :meth:`pull` once its returns are posted: every transfer of the call in
+        flight at once."""
+        self._sends.append(a)
 
     async def _allocate(self, tokens: int, owner: str, **kw: Any) -> Any:
         """Pages from the DE buffer; given straight back if the attempt ended meanwhile."""
-        region = await self.sub.guard(self.svc.regions.allocate(
-            self.spec, tokens, owner, min(self.remaining, self.svc.settings.alloc_timeout_s),
+        region = await self.sub.guard(self.io.regions.allocate(
+            self.spec, tokens, owner, min(self.remaining, self.settings.alloc_timeout_s),
             **kw))
         if self.core.ending:
-            self.svc.regions.free(region)
+            self.io.regions.free(region)
             self._check()
         return region
 
@@ -172,16 +154,14 @@ class DecodeAttempt:
 
     async def prepare(self, msg: PrepareDecode, info: PromptInfo) -> list[LayerSlots]:
         """Allocate, then post the forward receives or start the hit read."""
-        self._feed(self.core.prepare, info)
+        self.drv.feed(self.core.prepare, info)
         self.pe_ucx = (msg.ucx_host, msg.ucx_port)
+        self.read_gateway = msg.read_gateway
         with self.sub.using():
             self.region = await self._allocate(info.prompt_tokens,
                                                f"{self.request_id}#{self.attempt}")
-            actions = self._feed(self.core.region_allocated)
-            for a in actions:
-                if isinstance(a, ReadHit):
-                    self.sub.spawn(self._read(msg, a.blocks))
-            return [await self._post(a) for a in actions if isinstance(a, PostReceive)]
+            done = await self.drv.feed_async(self.core.region_allocated)
+            return [ls for ls in done if isinstance(ls, LayerSlots)]
 
     async def _post(self, a: PostReceive) -> LayerSlots:
         """Post the receive of ``[layer, first:prompt]`` from the PE; watch it.
@@ -190,7 +170,7 @@ class DecodeAttempt:
         transport and us; a release that started meanwhile cancels it right here.
         """
         self._check()
-        t = self.svc.transport
+        t = self.io.transport
         tid = t.new_transfer_id()
         slot = self.region.slot(a.layer, a.first, self.info.prompt_tokens)
         h = await t.expect(self.pe_ucx, tid, self.region.arena, [slot], self.remaining)
@@ -205,105 +185,105 @@ class DecodeAttempt:
         try:
             await h.wait()
         except DualpathError as e:
-            self._feed(self.core.peer_failed, e)
+            self.drv.feed(self.core.peer_failed, e)
             return
-        self._feed(self.core.layer_received)
+        self.drv.feed(self.core.layer_received)
 
-    async def _read(self, msg: PrepareDecode, blocks: int) -> None:
+    async def _read(self, blocks: int) -> None:
         """DE path: the hit Full Blocks from storage, scattered per layer into ``[l, 0:hit]``."""
-        source = self.svc.hit_source
+        source = self.hit_source
         try:
             if source is not None:
                 hit = await source(self.region, self.info)
             else:
-                found, nbytes = await self._read_gateway(msg, blocks)
+                found, nbytes = await self._read_gateway(blocks)
         except DualpathError as e:
-            self._feed(self.core.read_failed, e)
+            self.drv.feed(self.core.read_failed, e)
             return
         if source is not None:
-            self._feed(self.core.hit_read, hit)
+            self.drv.feed(self.core.hit_read, hit)
         else:
-            self._feed(self.core.hit_blocks_read, found, nbytes)
+            self.drv.feed(self.core.hit_blocks_read, found, nbytes)
 
-    async def _read_gateway(self, msg: PrepareDecode, n: int) -> tuple[int, int]:
+    async def _read_gateway(self, n: int) -> tuple[int, int]:
         """Blocks of the hit's leading ``n`` the gateway holds and the bytes it read
         ((0, 0) without a gateway)."""
-        client = self.svc.gateway(msg.read_gateway)
-        if client is None:
-            log.warning("no_gateway_for_read", request_id=self.request_id)
-            return 0, 0
-        failpoint("de.read.batch")
-        reply = await client.read_blocks(self.request_id, self.info.keys[:n],
-                                         [self.region.block_dest(j) for j in range(n)],
-                                         self.remaining, self.svc.settings.read_batch_bytes,
-                                         layer_major=True)
-        return reply.prefix_blocks, reply.nbytes
+        got = await self.io.gateways.read_hit(
+            self.read_gateway, self.request_id, self.info.keys[:n], self.region,
+            self.remaining, self.settings.read_batch_bytes, fault="de.read.batch")
+        return (0, 0) if got is None else got
 
     # ------------------------------------------------------------------ DE path: pulls
     async def pull(self, msg: PullLayers) -> tuple[int, list[LayerSlots]]:
         """Send the pulled layers' ``[l, 0:hit]``; returns (usable hit, return slots)."""
         plan = self.core.pull(msg.layers)
-        await self._wait(self._read_done)
+        await self.drv.until(lambda: self.core.read_done)
+        self._check()
         with self.sub.using():
-            actions = self._feed(self.core.pull_ready, plan)
-            returns = [await self._post(a) for a in actions if isinstance(a, PostReceive)]
+            self._sends = []
+            done = await self.drv.feed_async(self.core.pull_ready, plan)
+            returns = [ls for ls in done if isinstance(ls, LayerSlots)]
+            sends, self._sends = self._sends, []
             self._check()
             await self.sub.send_all([     # every transfer of the call in flight at once
                 self._send_layers(a, [self.region.flat(layer, 0, a.tokens) for layer in a.layers])
-                for a in actions if isinstance(a, SendLayers)])
+                for a in sends])
         return self.core.layers_sent(plan), returns
 
     async def _send_layers(self, a: SendLayers, views: list) -> None:
-        await self.svc.arbiter.kv(sum(v.nbytes for v in views))
+        await self.io.arbiter.kv(sum(v.nbytes for v in views))
         self._check()
         failpoint("de.pull.send")
-        await self.svc.transport.send(self.pe_ucx, a.transfer_id, views, list(a.slots),
-                                      self.remaining)
+        await self.io.transport.send(self.pe_ucx, a.transfer_id, views, list(a.slots),
+                                     self.remaining)
 
     # ------------------------------------------------------------------ assembly
     async def prefill_done(self, msg: PrefillDone) -> None:
         """Wait until every receive completed, then hand the prompt KV to the engine."""
         self.core.prefill_done(msg.hit_tokens, msg.first_token_id)
         failpoint("de.assemble")
-        await self._wait(self._all_received)
-        self._feed(self.core.assembled)
+        await self.drv.until(lambda: self.core.all_received)
+        self._check()
+        self.drv.feed(self.core.assembled)
 
     async def _write_prompt(self, a: WritePrompt) -> None:
         """Persist the prompt's new complete blocks (gathered from the request layout)."""
         try:
-            per = await self.svc.writeback_batch()
+            s = self.settings
+            per = await self.io.gateways.write_batch(s.writeback_batch_blocks,
+                                                     s.control_timeout_s)
             for first, keys in a.batches(per):
                 await self._write(list(keys), [self.region.block_views(first + j)
                                                for j in range(len(keys))])
         finally:
-            self._feed(self.core.prompt_write_done)
+            self.drv.feed(self.core.prompt_write_done)
 
     async def _write(self, keys: list[str], payloads: list) -> None:
-        svc = self.svc
-        client = svc.gateway(None)
+        s, counters = self.settings, self.io.counters
+        client = self.io.gateways.local()
         if client is None:
-            svc.counters["writeback_skipped_no_gateway"] += len(keys)
+            counters["writeback_skipped_no_gateway"] += len(keys)
             return
         try:
             failpoint("de.writeback")
             done = await client.write_blocks(f"{self.request_id}#{self.attempt}", keys, payloads,
-                                             min(self.remaining or svc.settings.writeback_timeout_s,
-                                                 svc.settings.writeback_timeout_s))
-            svc.counters["blocks_written"] += done.written
-            svc.counters["blocks_duplicate"] += done.duplicates
+                                             min(self.remaining or s.writeback_timeout_s,
+                                                 s.writeback_timeout_s))
+            counters["blocks_written"] += done.written
+            counters["blocks_duplicate"] += done.duplicates
         except DualpathError as e:      # best effort: the next turn recomputes these blocks
-            svc.counters["writeback_failed"] += len(keys)
+            counters["writeback_failed"] += len(keys)
             log.warning("writeback_failed", request_id=self.request_id, blocks=len(keys),
                         error=repr(e))
 
     # ------------------------------------------------------------------ engine side
     async def took_kv(self, req: DecodeRequest) -> None:
-        self._feed(self.core.took_kv)
+        self.drv.feed(self.core.took_kv)
 
     async def second_token(self, req: DecodeRequest) -> None:
         self._check()
         failpoint("de.decode")
-        self._feed(self.core.second_token)
+        self.drv.feed(self.core.second_token)
 
     async def new_block(self, req: DecodeRequest, token_ids) -> GeneratedBlock:
         key = self.core.block_key(token_ids)
@@ -317,65 +297,62 @@ class DecodeAttempt:
         return blk
 
     async def put_block(self, req: DecodeRequest, blk: GeneratedBlock) -> None:
-        self._feed(self.core.put_block, blk, blk.index)
+        self.drv.feed(self.core.put_block, blk, blk.index)
         self._check()
 
     async def _write_generated(self, blk: GeneratedBlock) -> None:
         try:
             await self._write([blk.key], [blk.region.block_views(0)])
         finally:
-            self._feed(self.core.block_written, blk)
+            self.drv.feed(self.core.block_written, blk)
 
     async def finish(self, req: DecodeRequest, output_token_ids: list[int]) -> None:
-        self._feed(self.core.finish)
-        settings = self.svc.settings
-        if settings.finish_after_writeback:
+        self.drv.feed(self.core.finish)
+        s = self.settings
+        if s.finish_after_writeback:
             pending = [t for t in self.writebacks if not t.done()]
-            pending += [asyncio.ensure_future(self._prompt_written.wait())]
+            pending += [asyncio.ensure_future(self.drv.until(lambda: self.core.prompt_written,
+                                                             or_failure=False))]
             await asyncio.wait(pending, timeout=min(self.remaining or 1.0,
-                                                    settings.writeback_timeout_s))
+                                                    s.writeback_timeout_s))
             pending[-1].cancel()
-        self._feed(self.core.finished, output_token_ids)
+        self.drv.feed(self.core.finished, output_token_ids)
         await self.release()
 
     async def fail(self, req: DecodeRequest | None, error: BaseException | None) -> None:
-        self._feed(self.core.engine_failed, error)
+        self.drv.feed(self.core.engine_failed, error)
 
     # ------------------------------------------------------------------ failure / release
     def abort(self, err: DualpathError, report: bool) -> None:
         """End the attempt with ``err`` (reported when the PE cannot know it)."""
-        self._feed(self.core.abort, err, report)
+        self.drv.feed(self.core.abort, err, report)
 
     def drop(self, reason: str) -> None:
-        self._feed(self.core.drop, reason)
-
-    def _stale(self, stage: str) -> None:
-        self._feed(self.core.stale, stage)
-
-    def _on_deadline(self) -> None:
-        self._feed(self.core.deadline)
+        self.drv.feed(self.core.drop, reason)
 
     async def release(self) -> None:
         """Cancel sub-tasks and receives, wait for the engine, free every page (idempotent)."""
-        if not self._feed(self.core.begin_release):
+        if not self.drv.feed(self.core.begin_release):
             return
-        svc = self.svc
-        self._timer.cancel()
+        self.drv.cancel_deadline()
         await self.sub.stop()
         for h in self.receives:
             await h.cancel()
-        taken_back = self.request is not None and svc.ports[self.engine_id].discard(self.request)
-        if AwaitEngine() in self._feed(self.core.unwound, taken_back):
-            try:
-                await asyncio.wait_for(self._engine_released.wait(),
-                                       svc.settings.engine_release_timeout_s)
-            except TimeoutError:
-                log.error("engine_did_not_release", request_id=self.request_id)
-        self._feed(self.core.free_all)
-        if svc.attempts.get(self.key) is self:
-            del svc.attempts[self.key]
-        await self._reports.flush(svc.settings.control_timeout_s)
+        taken_back = self.request is not None and self.port.discard(self.request)
+        await self.drv.feed_async(self.core.unwound, taken_back)
+        self.drv.feed(self.core.free_all)
+        self.io.ended(self.key, self)
+        await self.drv.flush_reports(self.settings.control_timeout_s)
         outcome = self.core.end()
         log.info("decode_attempt_done", request_id=self.request_id, attempt=self.attempt,
                  state=self.state, outcome=outcome,
                  ms=round((time.monotonic() - self.t_start) * 1e3, 3))
+
+    async def _await_engine(self, a: AwaitEngine) -> None:
+        """The engine may still read the pages: wait (bounded) until it lets go."""
+        try:
+            await asyncio.wait_for(self.drv.until(lambda: self.core.engine_let_go,
+                                                  or_failure=False),
+                                   self.settings.engine_release_timeout_s)
+        except TimeoutError:
+            log.error("engine_did_not_release", request_id=self.request_id)

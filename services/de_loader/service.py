@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 from common.errors import DualpathError, InvalidArgument, NotFound
 from common.kv import KVSpec
@@ -23,17 +22,15 @@ from common.protocol import (AbortDecode, AbortDecodeReply, DataPathRequest, Dec
                              Revocation)
 from common.rpc import CallContext
 from services.engine_api.decode import DecodePort
-from services.engine_api.kv_region import KVRegion
-from services.engine_api.prompt import PromptInfo, make_prompt
+from services.engine_api.prompt import make_prompt
 from services.node.base import NodeBase
 
-from .attempt import DecodeAttempt
+from .attempt import DecodeAttempt, HitSource
 
 if TYPE_CHECKING:
     from services.config import ServicesConfig
 
 SERVICE_NAME = "de_loader"
-HitSource = Callable[[KVRegion, PromptInfo], Awaitable[int]]
 
 
 class DELoaderService(NodeBase):
@@ -90,7 +87,8 @@ class DELoaderService(NodeBase):
         if att is None:
             budget = deadline_s if deadline_s is not None else self.settings.default_deadline_s
             deadline_at = asyncio.get_running_loop().time() + max(budget, 0.0)
-            att = DecodeAttempt(self, rid, attempt, engine, deadline_at)
+            att = DecodeAttempt(self.io, self.ports[engine], rid, attempt, engine, deadline_at,
+                                hit_source=self.hit_source)
             self.attempts[key] = att
         elif att.engine_id != engine:
             raise InvalidArgument(f"{rid!r} attempt {attempt} is bound to {att.engine_id}, "
@@ -107,22 +105,9 @@ class DELoaderService(NodeBase):
         atts = list(self.attempts.values())
         for att in atts:
             att.drop(reason)
-        tasks = [a._release_task for a in atts if a._release_task is not None]
+        tasks = [a.release_task for a in atts if a.release_task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=self.settings.engine_release_timeout_s)
-
-    async def writeback_batch(self) -> int:
-        """Blocks per WriteBlocks: the config's, capped by what the gateway states one write
-        may carry (``GatewayClient.max_write_blocks``, cached per connection by the client;
-        ``write_blocks`` splits under the same limits whatever it is given)."""
-        per = self.settings.writeback_batch_blocks
-        client = self.gateway(None)
-        if client is None:
-            return per
-        try:
-            return max(1, min(per, await client.max_write_blocks(self.settings.control_timeout_s)))
-        except DualpathError:
-            return per                         # the write itself asks again (and splits)
 
     def _live(self, rid: str, attempt: int) -> DecodeAttempt:
         att = self.attempts.get((rid, attempt))

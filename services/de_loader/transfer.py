@@ -24,18 +24,20 @@ imports asyncio, a transport or a service: tests drive every ordering in millise
 from __future__ import annotations
 
 from collections.abc import Hashable, MutableMapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, DualpathError,
                            InternalError, InvalidArgument)
 from common.kv import KVSpec
-from common.protocol import LayerSlots, Stage
+from common.protocol import LayerSlots
 from services.engine_api.prompt import PromptInfo, next_block_key
+from services.node.actions import Log, Report
 from services.node.errors import copy_error, peer_error, with_hop
 
 
 # ---------------------------------------------------------------------- actions
+# Report and Log are the actions both cores share (services/node/actions.py).
+
 @dataclass(frozen=True)
 class ReadHit:
     """DE path: read the hit's leading ``blocks`` Full Blocks from storage into ``[l, 0:hit]``."""
@@ -99,23 +101,6 @@ class FreeBlock:
     """Give a generated block's page back to the DE buffer."""
 
     block: Hashable
-
-
-@dataclass(frozen=True)
-class Report:
-    """Report ``stage`` of the attempt to the scheduler (in order)."""
-
-    stage: Stage
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Log:
-    """A structured log line (``level`` is the logger method)."""
-
-    level: str
-    event: str
-    fields: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ with, and ``finished`` reports stay in ``self.finished`` for ``finished_keep_s``
 re-registers and finds another scheduler incarnation, it drops its in-flight attempts (their
 frontends resubmit them) and redelivers the kept results, so an attempt that finished while
 no scheduler listened is not redone (docs/frontend-api.md, "Scheduler restart").
+
+Attempts get the node's I/O (:class:`~services.node.io.NodeIO`: transport, regions, arbiter,
+gateways, reports), never the service; the service registers them and runs their tasks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from common.auth import load_secret
 from common.buffers import PagePool
 from common.errors import DualpathError, InvalidArgument
 from common.kv import KVSpec, spec_from_config
-from common.protocol import (Stage, EngineInfo, EngineLoad, Endpoint, FetchWorkReply, GetStats,
+from common.protocol import (Stage, EngineInfo, EngineLoad, FetchWorkReply, GetStats,
                              GetStatsReply, Ping, Pong, ReportProgress, Revocation)
 from common.rpc import CallContext, RpcServer
 from common.service import Service
@@ -35,9 +38,10 @@ from services.node.arbiter import EgressArbiter
 from services.engine_api.kv_region import RegionPool
 from services.engine_api.server import EngineApiServer
 from services.scheduler.client.node_client import NodeSession
-from storage_gateway.client import GatewayClient
 
 from .config import NodeServiceConfig
+from .gateway import NodeGateways
+from .io import NodeIO
 
 if TYPE_CHECKING:
     from services.config import ServicesConfig
@@ -87,7 +91,8 @@ class NodeBase(Service):
         # one with no live attempt is answered at once instead of waiting out its timeout
         self.failed_ids: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._gateways: dict[tuple[str, int], GatewayClient] = {}
+        self.gateways: NodeGateways | None = None       # once started (they use the transport)
+        self.io: NodeIO | None = None                   # what attempts get (once started)
         self._closing = False
         self.extra_stats = None           # () -> dict: e.g. the attached engines' counters
         self.engine_api: EngineApiServer | None = None    # engines in other processes
@@ -97,6 +102,12 @@ class NodeBase(Service):
         s = self.settings
         self.transport = PageTransport(self.cfg.transport, self.node_id)
         await self.transport.start()
+        self.gateways = NodeGateways(
+            self.cfg.rpc, self.transport, self.pool.arena, self.spec, node_id=self.node_id,
+            role=self.name, local=(s.gateway_host, s.gateway_port) if s.gateway_port else None)
+        self.io = NodeIO(self.spec, s, self.transport, self.regions, self.arbiter,
+                         self.gateways, self.counters, report=self.report,
+                         supervise=self.requests.spawn, ended=self._forget)
         self.rpc = RpcServer(self.cfg.rpc, service=self.name, node_id=self.node_id,
                              handlers=self.handlers(), request_type=self.request_union,
                              kv_fingerprint=self.spec.fingerprint(),
@@ -138,6 +149,11 @@ class NodeBase(Service):
             owner_of=self._engine_of, failure_of=self._failure_of)
         await self.engine_api.start(path)
 
+    def _forget(self, key: tuple[str, int], attempt: object) -> None:
+        """An attempt ended: drop it from :attr:`attempts` (if it is still the one held)."""
+        if self.attempts.get(key) is attempt:
+            del self.attempts[key]
+
     def _engine_of(self, request_id: str) -> str | None:
         """The engine a live attempt of ``request_id`` is assigned to (None: none here)."""
         for (rid, _), att in self.attempts.items():
@@ -166,8 +182,8 @@ class NodeBase(Service):
             await self.session.close()
         if self.rpc is not None:
             await self.rpc.stop(grace_s=0.5)
-        for client in self._gateways.values():
-            await client.close()
+        if self.gateways is not None:
+            await self.gateways.close()
         if self.transport is not None:
             await self.transport.stop()
         self.pool.close()                 # unlinks its /dev/shm segment, if any
@@ -290,7 +306,7 @@ class NodeBase(Service):
 
     async def _read_q_loop(self) -> None:
         """Follow this node's gateway read queue (sent with each FetchWork)."""
-        client = self.gateway(None)
+        client = self.gateways.local()
         interval = self.settings.telemetry_interval_s
         while True:
             try:
@@ -302,27 +318,6 @@ class NodeBase(Service):
                 log.debug("gateway_telemetry_lost", error=repr(e))
             self.read_q = None
             await asyncio.sleep(interval)
-
-    # ------------------------------------------------------------------ gateways
-    def gateway(self, endpoint: Endpoint | None) -> GatewayClient | None:
-        """A client of ``endpoint``'s gateway (None: this node's configured one, if any)."""
-        s = self.settings
-        if endpoint is not None:
-            addr, ucx = (endpoint.control_host, endpoint.control_port), \
-                (endpoint.ucx_host, endpoint.ucx_port)
-        elif s.gateway_port:
-            addr, ucx = (s.gateway_host, s.gateway_port), None
-        else:
-            return None
-        client = self._gateways.get(addr)
-        if client is None:
-            client = GatewayClient.connect(self.cfg.rpc, addr[0], addr[1], self.transport,
-                                           self.pool.arena, self.spec, node_id=self.node_id,
-                                           role=self.name, auth_secret=load_secret(self.cfg.rpc))
-            if ucx is not None:
-                client._gateway_ucx = ucx
-            self._gateways[addr] = client
-        return client
 
     # ------------------------------------------------------------------ admin
     async def _ping(self, msg: Ping, ctx: CallContext) -> Pong:

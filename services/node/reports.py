@@ -8,14 +8,12 @@ data path and a report never overtakes an earlier one.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 
 from common.protocol import Stage
-
-if TYPE_CHECKING:
-    from services.node.base import NodeBase
 
 log = structlog.get_logger(__name__)
 
@@ -36,12 +34,15 @@ async def cancel_and_wait(tasks) -> None:
 class OrderedReports:
     """Progress reports of one attempt, sent in order by one background task.
 
-    ``on_stale(stage)`` runs when the scheduler answers that the attempt is no longer
-    current. ``flush()`` waits (bounded) until everything queued was sent, then stops.
+    ``report(request_id, attempt, stage, **fields)`` sends one (the node's channel to the
+    scheduler; False: the attempt is no longer current, and ``on_stale(stage)`` runs).
+    ``flush()`` waits (bounded) until everything queued was sent, then stops.
     """
 
-    def __init__(self, svc: NodeBase, request_id: str, attempt: int, on_stale) -> None:
-        self._svc, self._rid, self._attempt, self._on_stale = svc, request_id, attempt, on_stale
+    def __init__(self, report: Callable[..., Awaitable[bool]], request_id: str, attempt: int,
+                 on_stale: Callable[[str], object]) -> None:
+        self._report, self._rid, self._attempt, self._on_stale = \
+            report, request_id, attempt, on_stale
         # bounded: an attempt reports each of the 7 stages at most once
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=16)
         self._task: asyncio.Task | None = None
@@ -55,7 +56,7 @@ class OrderedReports:
         while True:
             stage, kw = await self._queue.get()
             try:
-                if not await self._svc.report(self._rid, self._attempt, stage, **kw) \
+                if not await self._report(self._rid, self._attempt, stage, **kw) \
                         and stage not in ("failed", "finished"):
                     self._on_stale(stage)
             finally:

@@ -30,10 +30,12 @@ class SubTasks:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, sending: bool = False) -> asyncio.Task[Any]:
+        """Start a sub-task; ``sending``: a send to the peer, which :meth:`stop` lets end."""
         task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        owner = self.sending if sending else self.tasks
+        owner.add(task)
+        task.add_done_callback(owner.discard)
         return task
 
     async def guard(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -67,10 +69,10 @@ class SubTasks:
         task.add_done_callback(self.sending.discard)
         await self.guard(_shielded(task))
 
-    async def stop(self) -> None:
-        """Let the sends end (bounded), cancel every sub-task, wait for the handlers."""
+    async def stop(self, drain_s: float = SEND_DRAIN_S) -> None:
+        """Let the sends end (up to ``drain_s``), cancel every sub-task, wait for the handlers."""
         if self.sending:
-            await asyncio.wait(list(self.sending), timeout=SEND_DRAIN_S)
+            await asyncio.wait(list(self.sending), timeout=drain_s)
         await cancel_and_wait(list(self.tasks) + list(self.sending))
         while self._busy:                     # handlers notice the failure and unwind
             await self._idle.wait()

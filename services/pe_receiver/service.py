@@ -80,7 +80,8 @@ class PEReceiverService(NodeBase):
         budget = plan.deadline_s if plan.deadline_s is not None else \
             self.settings.default_deadline_s
         deadline_at = asyncio.get_running_loop().time() + max(budget, 0.0)
-        att = PrefillAttempt(self, plan, info, deadline_at)
+        att = PrefillAttempt(self.io, self.ports[plan.pe_engine], self.data_path(plan), plan, info,
+                             deadline_at)
         self.attempts[key] = att
         self.counters["plans"] += 1
         self.requests.spawn(att.run(), name=f"prefill-{plan.request_id}-{plan.attempt}")
@@ -117,7 +118,7 @@ class PEReceiverService(NodeBase):
     async def drop_all(self, reason: str) -> None:
         for att in list(self.attempts.values()):
             att.drop(reason)
-        tasks = [att._run_task for att in self.attempts.values() if att._run_task is not None]
+        tasks = [att.run_task for att in self.attempts.values() if att.run_task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=self.settings.engine_release_timeout_s)
 

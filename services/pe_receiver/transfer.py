@@ -14,41 +14,20 @@ goes through :meth:`PrefillTransfer.failed`, which answers :class:`Abort` once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Union
 
 from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InternalError,
                            InvalidArgument, PeerFailed, ProtocolError, Unavailable)
-from common.protocol import Endpoint, LayerSlots, PrepareDecode, Stage
+from common.protocol import Endpoint, LayerSlots, PrepareDecode
 from services.engine_api.prompt import PromptInfo
+from services.node.actions import Count, Log, Report
 from services.node.errors import copy_error, with_hop
 
 
 # ---------------------------------------------------------------------------- actions
-@dataclass(frozen=True, slots=True)
-class Report:
-    """Report ``stage`` of the attempt to the scheduler (in order)."""
-
-    stage: Stage
-    fields: Mapping[str, object] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Count:
-    """Add one to the node counter ``counter``."""
-
-    counter: str
-
-
-@dataclass(frozen=True, slots=True)
-class Log:
-    """Log ``event`` at ``level`` with ``fields`` (they include the request id)."""
-
-    level: str
-    event: str
-    fields: Mapping[str, object]
-
+# Report, Log and Count are the actions both cores share (services/node/actions.py).
 
 @dataclass(frozen=True, slots=True)
 class MarkReady:

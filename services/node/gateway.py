@@ -1,0 +1,96 @@
+"""A node's storage-gateway clients and the one hit read both node services use.
+
+The PE receiver (PE path) and the DE loader (DE path) read a request's hit Full Blocks the same
+way: the gateway a plan names (or the node's own), the hit's leading keys, scattered per layer
+into the request region ``[l, 64j:64(j+1)]`` (docs/datapath.md). :meth:`NodeGateways.read_hit`
+is that read; the clients are cached per gateway address and closed with the node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from common.auth import load_secret
+from common.config import RpcConfig
+from common.errors import DualpathError
+from common.faults import failpoint
+from common.kv import KVSpec
+from common.protocol import Endpoint
+from common.transport import PageTransport
+from storage_gateway.client import GatewayClient
+
+from services.node.errors import with_hop
+
+log = structlog.get_logger(__name__)
+
+
+class NodeGateways:
+    """Clients of the gateways a node reads from and writes to (one per address)."""
+
+    def __init__(self, rpc: RpcConfig, transport: PageTransport, arena: Any, spec: KVSpec, *,
+                 node_id: str, role: str, local: tuple[str, int] | None) -> None:
+        self._rpc, self._transport, self._arena, self._spec = rpc, transport, arena, spec
+        self._node_id, self._role, self._local = node_id, role, local
+        self._clients: dict[tuple[str, int], GatewayClient] = {}
+
+    def client(self, endpoint: Endpoint | None) -> GatewayClient | None:
+        """A client of ``endpoint``'s gateway (None: this node's configured one, if any)."""
+        if endpoint is not None:
+            addr, ucx = (endpoint.control_host, endpoint.control_port), \
+                (endpoint.ucx_host, endpoint.ucx_port)
+        elif self._local is not None:
+            addr, ucx = self._local, None
+        else:
+            return None
+        client = self._clients.get(addr)
+        if client is None:
+            client = GatewayClient.connect(self._rpc, addr[0], addr[1], self._transport,
+                                           self._arena, self._spec, node_id=self._node_id,
+                                           role=self._role, auth_secret=load_secret(self._rpc))
+            if ucx is not None:
+                client._gateway_ucx = ucx
+            self._clients[addr] = client
+        return client
+
+    def local(self) -> GatewayClient | None:
+        """This node's own gateway (write-backs, the read-queue watch), if configured."""
+        return self.client(None)
+
+    async def read_hit(self, endpoint: Endpoint | None, request_id: str, keys: Sequence[str],
+                       region: Any, budget_s: float, batch_bytes: int, *, fault: str,
+                       **log_fields: Any) -> tuple[int, int] | None:
+        """Read the Full Blocks ``keys`` (the hit's leading ones) into ``region``'s blocks
+        ``0..len(keys)``, layer-major; returns the leading blocks the gateway held and the bytes
+        it read (None: no gateway to read from). ``fault`` names the failpoint before the read;
+        errors carry the hop ``gateway``."""
+        client = self.client(endpoint)
+        if client is None:
+            log.warning("no_gateway_for_read", request_id=request_id, **log_fields)
+            return None
+        dests = [region.block_dest(j) for j in range(len(keys))]
+        try:
+            failpoint(fault)
+            reply = await client.read_blocks(request_id, keys, dests, budget_s, batch_bytes,
+                                             layer_major=True)
+        except DualpathError as e:
+            raise with_hop(e, "gateway") from None
+        return reply.prefix_blocks, reply.nbytes
+
+    async def write_batch(self, per: int, timeout_s: float) -> int:
+        """Blocks per WriteBlocks: ``per``, capped by what the local gateway states one write
+        may carry (``GatewayClient.max_write_blocks``, cached per connection by the client;
+        ``write_blocks`` splits under the same limits whatever it is given)."""
+        client = self.local()
+        if client is None:
+            return per
+        try:
+            return max(1, min(per, await client.max_write_blocks(timeout_s)))
+        except DualpathError:
+            return per                         # the write itself asks again (and splits)
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()

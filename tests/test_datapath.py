@@ -57,7 +57,8 @@ def report(svc, rid: str, stage: str):
 async def no_leaks(c) -> None:
     await until(lambda: not any(c.leaks().values()) and not c.pe["p0"].attempts
                 and not c.de["d0"].attempts, timeout=30,
-                what=f"pools empty (used pages {c.leaks()})")
+                what=lambda: f"pools empty (used pages {c.leaks()}, attempts "
+                             f"{list(c.pe['p0'].attempts)} / {list(c.de['d0'].attempts)})")
 
 
 # ---------------------------------------------------------------- through the scheduler

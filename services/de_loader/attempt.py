@@ -317,7 +317,12 @@ class DecodeAttempt:
                                                     s.writeback_timeout_s))
             pending[-1].cancel()
         self.drv.feed(self.core.finished, output_token_ids)
-        await self.release()
+        # the engine's call may be cancelled as soon as it has its answer (its task stopped):
+        # the release runs as the node's own task, so it always completes (pages, attempts)
+        if self.release_task is None:
+            self.release_task = self.io.supervise(
+                self.release(), f"decode-release-{self.request_id}-{self.attempt}")
+        await asyncio.shield(self.release_task)
 
     async def fail(self, req: DecodeRequest | None, error: BaseException | None) -> None:
         self.drv.feed(self.core.engine_failed, error)

@@ -187,3 +187,16 @@ def test_no_import_circle_between_any_two_files_of_services():
 
 def test_the_cycle_check_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_ignored_import_of_the_contracts_must_match_an_import():
+    """An ignore entry that matches nothing is an error (a renamed module would otherwise
+    leave a stale exception that hides the next real violation)."""
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"]
+    with_ignores = [c for c in contracts if c.get("ignore_imports")]
+    assert with_ignores
+    assert {c["id"]: c.get("unmatched_ignore_imports_alerting") for c in with_ignores} == {
+        c["id"]: "error" for c in with_ignores}

@@ -24,7 +24,7 @@ from common.protocol import EngineInfo, RequestFinished, RequestQueued
 from services.config import ServicesConfig
 from common.kv import spec_from_config
 from services.scheduler.client.client import SchedulerClient
-from services.scheduler.etcd.election import LeaderResolver
+from services.scheduler.client.leader import LeaderResolver
 from services.scheduler.client.node_client import NodeSession
 from services.scheduler.shell.service import SchedulerService
 from services.scheduler.service_config import EtcdConfig

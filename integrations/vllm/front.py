@@ -42,7 +42,7 @@ from common.config import RpcConfig
 from common.protocol import RequestFailed, RequestFinished, RequestPlaced
 from integrations.vllm import openai_api as api
 from services.scheduler.client.client import SchedulerClient, failure_error
-from services.scheduler.etcd.election import LeaderResolver
+from services.scheduler.client.leader import LeaderResolver
 from services.scheduler.service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)

@@ -118,7 +118,7 @@ class NodeBase(Service):
         etcd = getattr(self.cfg, "etcd", None)
         resolve = None
         if etcd is not None and etcd.endpoints:     # the scheduler leader, found in etcd
-            from services.scheduler.etcd.election import LeaderResolver
+            from services.scheduler.client.leader import LeaderResolver
             resolve = LeaderResolver(etcd)
         if s.scheduler_port or resolve is not None:
             infos = [EngineInfo(e, self.role, self.engine_hbm()) for e in self.engine_ids]

@@ -35,6 +35,10 @@ from services.scheduler.etcd.election import SchedulerElection
 from services.scheduler.shell.gateway_lookup import GatewayHitLookup, PrefixLookupClient
 from services.scheduler.shell.service import SchedulerService
 
+# the seam to run a scheduler: what tools (the launcher, the in-process cluster) may use
+__all__ = ["GatewayHitLookup", "SchedulerService", "lookup_client", "serve_scheduler",
+           "start_scheduler", "watch_cluster"]
+
 if TYPE_CHECKING:
     from services.config import ServicesConfig
 

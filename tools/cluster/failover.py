@@ -136,7 +136,7 @@ class FailoverHarness(ChaosHarness):
         return Replica(proc, ready, argv)
 
     def resolver(self) -> Any:
-        from services.scheduler.etcd.election import LeaderResolver
+        from services.scheduler.client.leader import LeaderResolver
         return LeaderResolver(self.cluster.cfg.etcd)
 
     async def status(self):

@@ -38,9 +38,7 @@ from services.de_loader import app as de_app
 from services.de_loader.service import DELoaderService
 from services.pe_receiver import app as pe_app
 from services.pe_receiver.service import PEReceiverService
-from services.scheduler.app import start_scheduler
-from services.scheduler.shell.gateway_lookup import GatewayHitLookup
-from services.scheduler.shell.service import SchedulerService
+from services.scheduler.app import GatewayHitLookup, SchedulerService, start_scheduler
 from storage_gateway.app import start_gateway
 from storage_gateway.service import GatewayService
 from tools.config import DualpathConfig

@@ -206,22 +206,3 @@ class SchedulerElection:
                 await self.etcd.call(lambda c: c.revoke_lease(self._lease.id))
             self._lease = None
         await self.etcd.close()
-
-
-class LeaderResolver:
-    """``await resolver()`` → the current leader's (host, port), read from etcd."""
-
-    def __init__(self, cfg: EtcdConfig) -> None:
-        self.etcd = EtcdEndpoints(cfg.endpoints, cfg.dial_timeout_s)
-        self.key = leader_key(cfg)
-
-    async def __call__(self) -> tuple[str, int]:
-        got = await self.etcd.call(lambda c: c.get(self.key))
-        if got is None:
-            raise Unavailable(f"no scheduler leader in etcd ({self.key.decode()}): an "
-                              f"election is under way, or no replica runs")
-        info = json.loads(got.value)
-        return str(info["host"]), int(info["port"])
-
-    async def close(self) -> None:
-        await self.etcd.close()

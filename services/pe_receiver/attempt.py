@@ -38,7 +38,7 @@ from common.errors import DualpathError, InternalError
 from common.faults import failpoint
 from common.protocol import (AbortDecode, LayerSlots, PrefillDone, PullLayers,
                              PullLayersReply, RequestPlan)
-from services.engine_api.prefill import PrefillHandle
+from services.engine_api.prefill import PrefillRequest
 from services.engine_api.prompt import PromptInfo
 from services.node.errors import peer_error as _peer_error, with_hop
 from services.node.reports import OrderedReports, both as _both, cancel_and_wait
@@ -74,7 +74,7 @@ class PrefillAttempt:
         self.tasks: set[asyncio.Task] = set()
         self.receives: list[Any] = []
         self._sender: asyncio.Task | None = None
-        self.handle: PrefillHandle | None = None
+        self.handle: PrefillRequest | None = None
         self._failed = asyncio.Event()
         self._pulse = asyncio.Event()           # the core's state moved (sent, failed …)
         self._post_lock = asyncio.Lock()        # pulls post their receives in order
@@ -180,7 +180,7 @@ class PrefillAttempt:
             self.ready[layer].set()
 
     def _hand_off(self, act: HandOff) -> None:
-        self.handle = PrefillHandle(self)
+        self.handle = PrefillRequest(self)
         self.svc.ports[self.engine_id].put(self.handle)
 
     def _on_abort(self, act: Abort) -> None:

@@ -48,12 +48,9 @@ class Portal:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def start(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
     def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
         """Run ``coro`` on the loop and wait for it (DeadlineExceeded after ``timeout_s``)."""
-        fut = self.start(coro)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout_s)
         except concurrent.futures.TimeoutError:

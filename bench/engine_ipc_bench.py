@@ -92,8 +92,8 @@ async def _inprocess_engines(c: Any, n: int) -> None:
             req = await de_port.next_ready()
             for layer in range(spec.num_layers):
                 np.copyto(scratch[:req.info.prompt_tokens], req.layer(layer))
-            await de_port.took_kv(req)
-            await de_port.finish(req, [1, 2])
+            await req.took_kv()
+            await req.finish([1, 2])
 
     await asyncio.gather(prefill(), decode())
 

@@ -128,9 +128,9 @@ class RecordingEngines:
     async def decode(self, port: DecodePort) -> None:
         req = await port.next_ready()
         self.prompt_kv = [req.layer(layer).copy() for layer in range(self.spec.num_layers)]
-        await port.took_kv(req)
-        await port.second_token(req)
-        await port.finish(req, [req.first_token_id, 12, 13])
+        await req.took_kv()
+        await req.second_token()
+        await req.finish([req.first_token_id, 12, 13])
 
     async def close(self) -> None:
         for t in self.tasks:
@@ -319,9 +319,9 @@ async def test_decode_engine_failure_is_reported_and_frees_the_de(tmp_path):
         async def give_up():
             port = c.de["d0"].ports["d0.e0"]
             req = await port.next_ready()
-            await port.fail(req, DeadlineExceeded("decode engine out of HBM time"))
+            await req.fail(DeadlineExceeded("decode engine out of HBM time"))
             with pytest.raises(DualpathError):
-                await port.took_kv(req)
+                await req.took_kv()
         eng.tasks[1] = asyncio.ensure_future(give_up())
         try:
             c.pe["p0"].submit_plan(plan(c, "r9", tokens(BT + 9, 2), 0, "none"))

@@ -50,7 +50,8 @@ from integrations.vllm.geometry import (
 )
 from integrations.vllm.kv_spec import check_same_layout, spec_from_vllm
 from integrations.vllm.local_store import LocalKVStore
-from integrations.vllm.sessions import KVSource, PrefillSession
+from integrations.vllm.sessions import KVSource
+from services.engine_api.blocking import SyncPrefillHandle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -151,7 +152,7 @@ class DualPathConnector(KVConnectorBase_V1):
         self._name_of: dict[int, str] = {}
         self._geom: CacheGeometry | None = None
         self._prepared: DualPathMetadata | None = None
-        self._sessions: dict[str, PrefillSession] = {}
+        self._sessions: dict[str, Any] = {}      # SyncPrefillHandle, or a DecodeSession
         self._load_errors: set[int] = set()
         self._block_tables: dict[str, list[int]] = {}
         self._finishing: dict[str, Future[None]] = {}
@@ -338,7 +339,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 self._sessions.pop(step.req_id, None)
                 session.fail(f"save of layer {layer} failed: {e}")
 
-    def _save(self, session: PrefillSession, step: ReqStep, layer: int, kv_layer: torch.Tensor,
+    def _save(self, session: SyncPrefillHandle, step: ReqStep, layer: int, kv_layer: torch.Tensor,
               start: int, stop: int) -> None:
         """Gather tokens ``[start, stop)`` of one layer into the session's output slots; put the
         layer once the prompt is complete. The engine API hands out a layer's output only after

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from services.engine_api.remote import SyncDecodeRequest
+from services.engine_api.blocking import SyncDecodeRequest
 
 # fill(start_token, page [L, block_tokens, B]) copies those tokens' KV out of the paged cache
 FillBlock = Callable[[int, np.ndarray], None]

@@ -18,37 +18,7 @@ from common.errors import (DeadlineExceeded, InvalidArgument, NotFound, PeerFail
                            Unavailable)
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
-from services.engine_api.remote import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
-
-
-class EnginePrefillSession:
-    """A claimed ``SyncPrefillHandle`` with the session shape the connector uses."""
-
-    def __init__(self, handle: SyncPrefillHandle) -> None:
-        self._h = handle
-
-    @property
-    def hit_tokens(self) -> int:
-        return self._h.hit_tokens
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._h.info.prompt_tokens
-
-    def layer(self, layer: int, timeout_s: float) -> Any:
-        return self._h.layer(layer, timeout_s)
-
-    def output(self, layer: int) -> Any:
-        return self._h.output(layer)
-
-    def put_layer(self, layer: int) -> None:
-        self._h.put_layer(layer)
-
-    def finish(self, first_token_id: int) -> None:
-        self._h.finish(first_token_id)
-
-    def fail(self, reason: str) -> None:
-        self._h.fail(reason)
+from services.engine_api.blocking import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
 
 
 class EngineSource:
@@ -84,9 +54,10 @@ class EngineSource:
         return hit
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float) -> EnginePrefillSession:
-        handle = self._claim_or_detach("claim_prefill", request_id, timeout_s)
-        return EnginePrefillSession(self._checked(handle, token_ids))
+                     timeout_s: float) -> SyncPrefillHandle:
+        """The claimed request's handle, used by the connector as it is."""
+        return self._checked(self._claim_or_detach("claim_prefill", request_id, timeout_s),
+                             token_ids)
 
     def open_decode(self, request_id: str, token_ids: Sequence[int],
                     timeout_s: float) -> SyncDecodeRequest:

@@ -5,6 +5,8 @@ and the same Full Block layout ``[L, 64, B]`` as the storage gateway, so what it
 a cluster would store; it is how the geometry tests move KV from one vLLM instance to a fresh
 one. Reads happen when the first layer is asked for; writes when the prompt finishes, one file
 per new full block, written to a temp name and renamed (a reader never sees half a block).
+A request is a ``PrefillHandle`` like the engine socket's, made blocking the same way
+(``services.engine_api.blocking``), so the connector sees one shape whatever the source.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import numpy as np
 
 from common.errors import InvalidArgument
 from common.kv import KVSpec, block_keys_from_tokens
+from services.engine_api.blocking import Blocking, Portal, SyncPrefillHandle
+from services.engine_api.prompt import PromptInfo
 
 from integrations.vllm.kv_spec import check_same_layout
 
@@ -38,6 +42,7 @@ class LocalKVStore:
             spec_file.write_bytes(msgspec.json.encode(spec))
         self.bytes_read = 0
         self.bytes_written = 0
+        self._portal: Portal | None = None       # started by the first request
 
     @property
     def spec(self) -> KVSpec:
@@ -60,11 +65,14 @@ class LocalKVStore:
         return blocks
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float) -> LocalPrefillSession:
+                     timeout_s: float) -> SyncPrefillHandle:
         keys = block_keys_from_tokens(token_ids, self._spec.block_tokens)
         hit_blocks = min(self._stored_prefix(keys, len(token_ids)),
                          planned_hit // self._spec.block_tokens)
-        return LocalPrefillSession(self, request_id, keys, hit_blocks, len(token_ids))
+        if self._portal is None:
+            self._portal = Portal("dualpath-local-kv")
+        return Blocking(LocalPrefillSession(self, request_id, keys, hit_blocks, len(token_ids)),
+                        self._portal)
 
     def read_blocks(self, keys: Sequence[str], out: np.ndarray) -> None:
         """Fill ``out`` (``[L, len(keys)·T, B]``) from the blocks' files."""
@@ -87,34 +95,44 @@ class LocalKVStore:
         self.bytes_written += full_block.nbytes
 
     def close(self) -> None:
-        return None
+        portal, self._portal = self._portal, None
+        if portal is not None:
+            portal.stop()
 
 
 class LocalPrefillSession:
-    """One prompt against a ``LocalKVStore``: the hit is read whole, the new blocks written at
-    ``finish``; ``layer``/``output`` are views into one ``[L, prompt, B]`` array."""
+    """One prompt against a ``LocalKVStore`` as a ``PrefillHandle``: the hit is read whole, the
+    new blocks written at ``finish``; ``layer``/``output`` are views into one
+    ``[L, prompt, B]`` array. The calls do their file I/O directly (no awaits): they run on
+    the store's portal thread, off vLLM's forward thread."""
 
     def __init__(self, store: LocalKVStore, request_id: str, keys: list[str], hit_blocks: int,
                  prompt_tokens: int) -> None:
         spec = store.spec
-        self.request_id = request_id
         self._store, self._keys = store, keys
         self._hit = hit_blocks * spec.block_tokens
-        self._prompt = prompt_tokens
+        self.info = PromptInfo(request_id, 0, "", prompt_tokens, self._hit, 1,
+                               tuple(keys), None, spec.block_tokens,
+                               "pe" if self._hit else "none", tuple(keys), None)
         self._kv = np.empty((spec.num_layers, prompt_tokens, spec.kv_bytes_per_token_per_layer),
                             dtype=np.uint8)
         self._loaded = False
         self._put: set[int] = set()
+        self.dropped = False
+
+    @property
+    def request_id(self) -> str:
+        return self.info.request_id
 
     @property
     def hit_tokens(self) -> int:
         return self._hit
 
     @property
-    def prompt_tokens(self) -> int:
-        return self._prompt
+    def new_tokens(self) -> int:
+        return self.info.prompt_tokens - self._hit
 
-    def layer(self, layer: int, timeout_s: float) -> np.ndarray:
+    async def layer(self, layer: int, timeout_s: float | None = None) -> np.ndarray:
         if not self._loaded:
             hit_blocks = self._hit // self._store.spec.block_tokens
             self._store.read_blocks(self._keys[:hit_blocks], self._kv[:, :self._hit])
@@ -124,10 +142,13 @@ class LocalPrefillSession:
     def output(self, layer: int) -> np.ndarray:
         return self._kv[layer, self._hit:]
 
-    def put_layer(self, layer: int) -> None:
+    def prompt_layer(self, layer: int) -> np.ndarray:
+        return self._kv[layer]
+
+    async def put_layer(self, layer: int) -> None:
         self._put.add(layer)
 
-    def finish(self, first_token_id: int) -> None:
+    async def finish(self, first_token_id: int | None = None) -> None:
         spec = self._store.spec
         if len(self._put) != spec.num_layers:
             raise InvalidArgument(f"request {self.request_id}: finish with layers "
@@ -136,5 +157,5 @@ class LocalPrefillSession:
         for i in range(self._hit // t, len(self._keys)):
             self._store.write_block(self._keys[i], self._kv[:, i * t:(i + 1) * t])
 
-    def fail(self, reason: str) -> None:
+    async def fail(self, error: BaseException | str | None = None) -> None:
         self._put.clear()

@@ -1,11 +1,13 @@
 """The engine side of the cross-process engine API, for asyncio engines.
 
-:class:`EngineClient` attaches to a node's engine socket and gives the same interface as the
-in-process API — :class:`RemotePrefillPort` / :class:`RemotePrefillHandle` like
-``PrefillPort`` / ``PrefillHandle``, :class:`RemoteDecodePort` / :class:`RemoteDecodeRequest`
-like ``DecodePort`` / ``DecodeRequest`` — so ``tools/engine_sim`` runs unchanged through it,
-plus claim by request id. Views are numpy views of the node's ``/dev/shm`` arena, mapped once;
-no KV byte crosses the socket.
+:class:`EngineClient` attaches to a node's engine socket and gives the handles of
+:mod:`.handles` — :class:`RemotePrefillHandle` is a ``PrefillHandle``,
+:class:`RemoteDecodeRequest` a ``DecodeHandle``, their ports a ``PrefillQueue`` /
+``DecodeQueue`` — so ``tools/engine_sim`` runs unchanged through it, plus claim by request id.
+Each request-scoped call is one engine message (``common/protocol/engine.py``) built from the
+handle's ``(request_id, attempt)`` and the call's arguments (:meth:`_RemoteRequest._send`).
+Views are numpy views of the node's ``/dev/shm`` arena, mapped once; no KV byte crosses the
+socket.
 
 This module is what an engine process imports: it must not import ucxx, the transport or any
 node service (``tests/test_engine_ipc.py`` checks ``sys.modules`` in a subprocess).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +35,7 @@ from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, Cla
 from common.rpc_client import RpcClient
 from common.shm import ShmMappings, ShmUnavailable
 
-from .decode import GeneratedBlock
+from .handles import GeneratedBlock
 from .prompt import PromptInfo
 
 log = structlog.get_logger(__name__)
@@ -183,46 +186,77 @@ def _reason(error: BaseException | str | None) -> str:
     return repr(error)[:300]
 
 
-# --------------------------------------------------------------------------- prefill
+# --------------------------------------------------------------------------- handles
 
-class RemotePrefillHandle:
-    """``PrefillHandle`` across processes: one request on this engine."""
+class _RemoteRequest:
+    """What both remote handles share: the request's identity and one message per call."""
 
-    def __init__(self, client: EngineClient, msg: PrefillAssigned) -> None:
+    _deadline_loses = False      # a DeadlineExceeded also means the attempt is gone
+
+    def __init__(self, client: EngineClient, prompt: EnginePrompt, hit_tokens: int) -> None:
         self._c = client
-        self.info = prompt_info(msg.prompt)
-        self.hit_tokens = msg.hit_tokens
+        self.info = prompt_info(prompt)
+        self.engine_id = client.engine_id
+        self.hit_tokens = hit_tokens
         self.ended = False
-        self.dropped = False
-        self._ready: dict[int, LayerReady] = {}
+        self._lost = False            # a call failed: the node dropped the attempt
 
     @property
     def request_id(self) -> str:
         return self.info.request_id
 
+    async def _send(self, message: type, *fields: Any, wait_s: float = 0.0) -> Any:
+        """``message(request_id, attempt, *fields)`` to the node; a failure means the node
+        no longer holds the attempt (a prefill's deadline only means: ask again)."""
+        try:
+            return await self._c.call(message(self.request_id, self.info.attempt, *fields),
+                                      wait_s)
+        except DualpathError as e:
+            if self._deadline_loses or not isinstance(e, DeadlineExceeded):
+                self._lost = True
+            raise
+
+    async def fail(self, error: BaseException | str | None = None) -> None:
+        """Give the request up (no-op once ended); errors of a gone node are swallowed."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            await self._c.call(FailRequest(self.request_id, self.info.attempt, _reason(error)))
+        except DualpathError as e:
+            log.debug("engine_fail_unacknowledged", request_id=self.request_id, error=repr(e))
+
+
+class RemotePrefillHandle(_RemoteRequest):
+    """A :class:`~.handles.PrefillHandle` across processes.
+
+    ``put_layer(l, wait=False)`` returns at once (a forward pass need not wait a round trip
+    per layer): the put goes out in order behind earlier ones, and its failure is raised by
+    the next call on this handle — by ``finish()`` at the latest.
+    """
+
+    def __init__(self, client: EngineClient, msg: PrefillAssigned) -> None:
+        super().__init__(client, msg.prompt, msg.hit_tokens)
+        self._ready: dict[int, LayerReady] = {}
+        self._puts: list[asyncio.Task] = []          # put_layer(wait=False) calls
+
+    @property
+    def dropped(self) -> bool:
+        return self._lost
+
     @property
     def new_tokens(self) -> int:
         return self.info.prompt_tokens - self.hit_tokens
 
-    async def _call(self, msg: Any, wait_s: float = 0.0) -> Any:
-        try:
-            return await self._c.call(msg, wait_s)
-        except DualpathError as e:
-            if not isinstance(e, DeadlineExceeded):
-                self.dropped = True
-            raise
-
     async def layer(self, layer: int, timeout_s: float | None = None) -> np.ndarray:
-        """``[hit_tokens, B]`` view of layer ``layer``'s hit KV once loaded (None: wait as
-        long as the attempt lives; else DeadlineExceeded after ``timeout_s``)."""
+        self._raise_failed_put()
         loop = asyncio.get_running_loop()
         end = None if timeout_s is None else loop.time() + timeout_s
         while True:
             left = self._c.max_wait_s if end is None else max(0.0, end - loop.time())
             wait = min(left, self._c.max_wait_s)
             try:
-                ready = await self._call(WaitLayer(self.request_id, self.info.attempt, layer,
-                                                   wait), wait)
+                ready = await self._send(WaitLayer, layer, wait, wait_s=wait)
                 break
             except DeadlineExceeded:
                 if end is not None and loop.time() >= end:
@@ -238,34 +272,94 @@ class RemotePrefillHandle:
         return ready
 
     def output(self, layer: int) -> np.ndarray:
-        """``[new_tokens, B]`` view to write layer ``layer``'s new KV into (after layer())."""
         return self._c.view(self._slots(layer).output)
 
     def prompt_layer(self, layer: int) -> np.ndarray:
-        """``[prompt_tokens, B]`` view of the whole layer (after layer())."""
         return self._c.view(self._slots(layer).prompt)
 
-    async def put_layer(self, layer: int) -> None:
-        await self._call(PutLayer(self.request_id, self.info.attempt, layer),
-                         self._c.max_wait_s)
+    async def put_layer(self, layer: int, wait: bool = True) -> None:
+        self._raise_failed_put()
+        if wait:
+            await self._put(layer)
+        else:
+            self._puts.append(asyncio.get_running_loop().create_task(self._put(layer)))
+
+    async def _put(self, layer: int) -> None:
+        await self._send(PutLayer, layer, wait_s=self._c.max_wait_s)
         self._ready.pop(layer, None)
 
+    def _raise_failed_put(self) -> None:
+        done = [t for t in self._puts if t.done()]
+        self._puts = [t for t in self._puts if not t.done()]
+        for t in done:
+            t.result()                    # raises the put's typed error
+
     async def finish(self, first_token_id: int | None = None) -> None:
-        """Returns once the decode side holds the full prompt KV."""
+        puts, self._puts = self._puts, []
+        for t in puts:                    # puts still on their way, in order
+            await t
         self.ended = True
-        await self._call(FinishPrefill(self.request_id, self.info.attempt, first_token_id),
-                         self._c.max_wait_s)
+        await self._send(FinishPrefill, first_token_id, wait_s=self._c.max_wait_s)
 
     async def fail(self, error: BaseException | str | None = None) -> None:
-        """Give the request up (no-op once ended); errors of a gone node are swallowed."""
-        if self.ended:
-            return
-        self.ended = True
-        try:
-            await self._c.call(FailRequest(self.request_id, self.info.attempt, _reason(error)))
-        except DualpathError as e:
-            log.debug("engine_fail_unacknowledged", request_id=self.request_id, error=repr(e))
+        puts, self._puts = self._puts, []
+        for t in puts:
+            if t.done() and not t.cancelled():
+                t.exception()             # the failure is this fail's reason, not news
+            t.cancel()
+        await super().fail(error)
 
+
+class RemoteDecodeRequest(_RemoteRequest):
+    """A :class:`~.handles.DecodeHandle` across processes; views valid until ``took_kv``."""
+
+    _deadline_loses = True
+
+    def __init__(self, client: EngineClient, msg: DecodeAssigned) -> None:
+        super().__init__(client, msg.prompt, msg.hit_tokens)
+        self.first_token_id = msg.first_token_id
+        self.slots = msg.layers
+
+    @property
+    def cancelled(self) -> bool:
+        return self._lost
+
+    def layer(self, layer: int) -> np.ndarray:
+        if not 0 <= layer < len(self.slots):
+            raise InvalidArgument(f"layer {layer} out of range [0, {len(self.slots)})")
+        return self._c.view(self.slots[layer])
+
+    @property
+    def kv(self) -> np.ndarray | None:
+        first, size = self.slots[0].offset, self.slots[0].nbytes
+        if any(s.offset != first + i * size for i, s in enumerate(self.slots)):
+            return None
+        whole = self._c.view(ArenaSlot(first, size * len(self.slots)))
+        return whole.reshape(len(self.slots), -1, whole.shape[1])
+
+    async def took_kv(self) -> None:
+        await self._send(TookKV)
+
+    async def second_token(self) -> None:
+        await self._send(SecondToken)
+
+    async def new_block(self, token_ids: Sequence[int]) -> GeneratedBlock:
+        ids = [int(t) for t in token_ids]
+        opened: BlockOpened = await self._send(NewBlock, ids, wait_s=self._c.max_wait_s)
+        spec = self._c.kv_spec
+        view = self._c.view(opened.slot).reshape(spec.num_layers, spec.block_tokens, -1)
+        return GeneratedBlock(opened.index, opened.key, tuple(ids), view)
+
+    async def put_block(self, blk: GeneratedBlock) -> None:
+        await self._send(PutBlock, blk.index)
+
+    async def finish(self, output_token_ids: Sequence[int]) -> None:
+        self.ended = True
+        await self._send(FinishDecode, [int(t) for t in output_token_ids],
+                         wait_s=self._c.max_wait_s)
+
+
+# --------------------------------------------------------------------------- ports
 
 class _RemotePort:
     """FIFO of requests handed to this engine, with a small local prefetch for try_next()."""
@@ -312,90 +406,14 @@ class _RemotePort:
 
 
 class RemotePrefillPort(_RemotePort):
-    """``PrefillPort`` across processes."""
+    """A :class:`~.handles.PrefillQueue` across processes."""
 
     async def next_request(self) -> RemotePrefillHandle:
         return await self._next()
 
 
-# --------------------------------------------------------------------------- decode
-
-class RemoteDecodeRequest:
-    """``DecodeRequest`` across processes; views valid until ``took_kv``."""
-
-    def __init__(self, client: EngineClient, msg: DecodeAssigned) -> None:
-        self._c = client
-        self.info = prompt_info(msg.prompt)
-        self.engine_id = client.engine_id
-        self.hit_tokens = msg.hit_tokens
-        self.first_token_id = msg.first_token_id
-        self.slots = msg.layers
-        self.cancelled = False
-        self.ended = False
-
-    @property
-    def request_id(self) -> str:
-        return self.info.request_id
-
-    def layer(self, layer: int) -> np.ndarray:
-        """``[prompt_tokens, B]`` view of layer ``layer`` of the full prompt KV."""
-        if not 0 <= layer < len(self.slots):
-            raise InvalidArgument(f"layer {layer} out of range [0, {len(self.slots)})")
-        return self._c.view(self.slots[layer])
-
-    @property
-    def kv(self) -> np.ndarray | None:
-        """``[L, prompt_tokens, B]`` view when the layers are one extent (else use layer())."""
-        first, size = self.slots[0].offset, self.slots[0].nbytes
-        if any(s.offset != first + i * size for i, s in enumerate(self.slots)):
-            return None
-        whole = self._c.view(ArenaSlot(first, size * len(self.slots)))
-        return whole.reshape(len(self.slots), -1, whole.shape[1])
-
-    async def call(self, msg: Any, wait_s: float = 0.0) -> Any:
-        try:
-            return await self._c.call(msg, wait_s)
-        except DualpathError:
-            self.cancelled = True
-            raise
-
-
 class RemoteDecodePort(_RemotePort):
-    """``DecodePort`` across processes."""
+    """A :class:`~.handles.DecodeQueue` across processes."""
 
     async def next_ready(self) -> RemoteDecodeRequest:
         return await self._next()
-
-    async def took_kv(self, req: RemoteDecodeRequest) -> None:
-        await req.call(TookKV(req.request_id, req.info.attempt))
-
-    async def second_token(self, req: RemoteDecodeRequest) -> None:
-        await req.call(SecondToken(req.request_id, req.info.attempt))
-
-    async def new_block(self, req: RemoteDecodeRequest, token_ids: Any) -> GeneratedBlock:
-        """A page ``[L, block_tokens, B]`` for the Full Block of ``token_ids``."""
-        ids = [int(t) for t in token_ids]
-        opened: BlockOpened = await req.call(NewBlock(req.request_id, req.info.attempt, ids),
-                                             self.client.max_wait_s)
-        spec = self.client.kv_spec
-        view = self.client.view(opened.slot).reshape(spec.num_layers, spec.block_tokens, -1)
-        return GeneratedBlock(opened.index, opened.key, tuple(ids), view)
-
-    async def put_block(self, req: RemoteDecodeRequest, blk: GeneratedBlock) -> None:
-        await req.call(PutBlock(req.request_id, req.info.attempt, blk.index))
-
-    async def finish(self, req: RemoteDecodeRequest, output_token_ids: list[int]) -> None:
-        req.ended = True
-        await req.call(FinishDecode(req.request_id, req.info.attempt,
-                                    [int(t) for t in output_token_ids]), self.client.max_wait_s)
-
-    async def fail(self, req: RemoteDecodeRequest,
-                   error: BaseException | str | None = None) -> None:
-        if req.ended:
-            return
-        req.ended = True
-        try:
-            await self.client.call(FailRequest(req.request_id, req.info.attempt,
-                                               _reason(error)))
-        except DualpathError as e:
-            log.debug("engine_fail_unacknowledged", request_id=req.request_id, error=repr(e))

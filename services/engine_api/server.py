@@ -26,7 +26,7 @@ import numpy as np
 import structlog
 
 from common.config import RpcConfig
-from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, DualpathError, InternalError,
+from common.errors import (AlreadyExists, Cancelled, DualpathError, InternalError,
                            InvalidArgument, KVSpecMismatch, NotFound, PeerFailed, Unavailable,
                            VersionMismatch)
 from common.kv import KVSpec
@@ -38,8 +38,9 @@ from common.protocol import (ENGINE_API_VERSION, ArenaSlot, Assigned, AttachEngi
                              WaitLayer)
 from common.rpc import CallContext, RpcServer, ServerConnection
 
-from .decode import DecodePort, DecodeRequest, GeneratedBlock
-from .prefill import PrefillHandle
+from .decode import DecodeRequest
+from .handles import GeneratedBlock
+from .prefill import PrefillRequest
 from .prompt import PromptInfo
 
 log = structlog.get_logger(__name__)
@@ -60,7 +61,7 @@ class EngineSession:
     conn: ServerConnection
     engine_id: str
     role: str
-    prefill: dict[str, PrefillHandle] = field(default_factory=dict)
+    prefill: dict[str, PrefillRequest] = field(default_factory=dict)
     decode: dict[str, DecodeRequest] = field(default_factory=dict)
     blocks: dict[tuple[str, int], GeneratedBlock] = field(default_factory=dict)
     closed: bool = False
@@ -203,9 +204,8 @@ class EngineApiServer:
         held = sess.held
         for h in list(sess.prefill.values()):
             await h.fail(PeerFailed(err))
-        port = self.ports[sess.engine_id]
         for req in list(sess.decode.values()):
-            await port.fail(req, PeerFailed(err))
+            await req.fail(PeerFailed(err))
         sess.prefill.clear()
         sess.decode.clear()
         sess.blocks.clear()
@@ -290,7 +290,7 @@ class EngineApiServer:
         out = Assigned()
         for item in items:
             self.counters["requests_handed"] += 1
-            if isinstance(item, PrefillHandle):
+            if isinstance(item, PrefillRequest):
                 sess.prefill[item.request_id] = item
                 out.prefill.append(PrefillAssigned(_prompt(item.info), item.hit_tokens))
             else:
@@ -303,13 +303,7 @@ class EngineApiServer:
     # ------------------------------------------------------------------ prefill calls
     async def _wait_layer(self, msg: WaitLayer, ctx: CallContext) -> LayerReady:
         h = self._held_prefill(ctx, msg.request_id, msg.attempt)
-        timeout = _timeout(msg.timeout_s)
-        try:
-            async with asyncio.timeout(timeout):
-                hit = await h.layer(msg.layer)
-        except TimeoutError:
-            raise DeadlineExceeded(f"layer {msg.layer} of {msg.request_id!r} not loaded within "
-                                   f"{timeout:.3g}s (ask again)") from None
+        hit = await h.layer(msg.layer, _timeout(msg.timeout_s))
         return LayerReady(msg.request_id, msg.layer, self._slot(hit),
                           self._slot(h.output(msg.layer)), self._slot(h.prompt_layer(msg.layer)))
 
@@ -327,8 +321,8 @@ class EngineApiServer:
         self.counters["prefills_finished"] += 1
         return EngineOk(msg.request_id)
 
-    def _held_prefill(self, ctx: CallContext, rid: str, attempt: int) -> PrefillHandle:
-        h: PrefillHandle = self._held(ctx, rid, attempt, "prefill")
+    def _held_prefill(self, ctx: CallContext, rid: str, attempt: int) -> PrefillRequest:
+        h: PrefillRequest = self._held(ctx, rid, attempt, "prefill")
         return h
 
     def _held(self, ctx: CallContext, rid: str, attempt: int, role: str) -> Any:
@@ -345,41 +339,38 @@ class EngineApiServer:
 
     # ------------------------------------------------------------------ decode calls
     async def _took_kv(self, msg: TookKV, ctx: CallContext) -> EngineOk:
-        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
-        await port.took_kv(req)
+        await self._held_decode(ctx, msg.request_id, msg.attempt).took_kv()
         return EngineOk(msg.request_id)
 
     async def _second_token(self, msg: SecondToken, ctx: CallContext) -> EngineOk:
-        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
-        await port.second_token(req)
+        await self._held_decode(ctx, msg.request_id, msg.attempt).second_token()
         return EngineOk(msg.request_id)
 
     async def _new_block(self, msg: NewBlock, ctx: CallContext) -> BlockOpened:
-        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
-        blk = await port.new_block(req, msg.token_ids)
+        req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        blk = await req.new_block(msg.token_ids)
         self._session(ctx).blocks[(msg.request_id, blk.index)] = blk
         return BlockOpened(msg.request_id, blk.index, blk.key, self._slot(blk.view))
 
     async def _put_block(self, msg: PutBlock, ctx: CallContext) -> EngineOk:
-        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        req = self._held_decode(ctx, msg.request_id, msg.attempt)
         blk = self._session(ctx).blocks.pop((msg.request_id, msg.index), None)
         if blk is None:
             raise NotFound(f"{msg.request_id!r} has no open generated block {msg.index} "
                            f"(never opened by NewBlock, or already put)")
-        await port.put_block(req, blk)
+        await req.put_block(blk)
         return EngineOk(msg.request_id)
 
     async def _finish_decode(self, msg: FinishDecode, ctx: CallContext) -> EngineOk:
-        port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+        req = self._held_decode(ctx, msg.request_id, msg.attempt)
         self._forget_decode(self._session(ctx), msg.request_id)
-        await port.finish(req, msg.output_token_ids)
+        await req.finish(msg.output_token_ids)
         self.counters["decodes_finished"] += 1
         return EngineOk(msg.request_id)
 
-    def _held_decode(self, ctx: CallContext, rid: str, attempt: int
-                     ) -> tuple[DecodePort, DecodeRequest]:
+    def _held_decode(self, ctx: CallContext, rid: str, attempt: int) -> DecodeRequest:
         req: DecodeRequest = self._held(ctx, rid, attempt, "decode")
-        return self.ports[self._session(ctx).engine_id], req
+        return req
 
     def _forget_decode(self, sess: EngineSession, rid: str) -> None:
         sess.decode.pop(rid, None)
@@ -396,9 +387,9 @@ class EngineApiServer:
             sess.prefill.pop(msg.request_id, None)
             await h.fail(err)
         else:
-            port, req = self._held_decode(ctx, msg.request_id, msg.attempt)
+            req = self._held_decode(ctx, msg.request_id, msg.attempt)
             self._forget_decode(sess, msg.request_id)
-            await port.fail(req, err)
+            await req.fail(err)
         self.counters["requests_failed_by_engine"] += 1
         return EngineOk(msg.request_id)
 

@@ -41,7 +41,7 @@ from common.faults import failpoint
 from common.protocol import (AbortDecode, LayerSlots, PrefillDone, PullLayers,
                              PullLayersReply, RequestPlan)
 from common.rpc import RpcClient
-from services.engine_api.prefill import PrefillHandle, PrefillPort
+from services.engine_api.prefill import PrefillPort, PrefillRequest
 from services.engine_api.prompt import PromptInfo
 from services.node.driver import AttemptDriver
 from services.node.errors import peer_error as _peer_error, with_hop
@@ -78,7 +78,7 @@ class PrefillAttempt:
                       s.max_unsent_layers), engine_id=plan.pe_engine)
         self.region: Any = None
         self.receives: list[Any] = []
-        self.handle: PrefillHandle | None = None
+        self.handle: PrefillRequest | None = None
         self._post_lock = asyncio.Lock()        # pulls post their receives in order
         self._ended = False                     # the run's outcome is known (engine: finish)
         self.run_task: asyncio.Task | None = None
@@ -171,7 +171,7 @@ class PrefillAttempt:
         ``ready``."""
 
     def _hand_off(self, act: HandOff) -> None:
-        self.handle = PrefillHandle(self)
+        self.handle = PrefillRequest(self)
         self.port.put(self.handle)
 
     def _on_abort(self, act: Abort) -> None:

@@ -26,8 +26,9 @@ import structlog
 
 from common.errors import ChecksumMismatch, DualpathError, InvalidArgument
 from common.kv import KVSpec
-from services.engine_api.decode import DecodePort, DecodeRequest
-from services.engine_api.prefill import PrefillHandle, PrefillPort
+from services.engine_api.decode import DecodePort
+from services.engine_api.handles import DecodeHandle, DecodeQueue, PrefillHandle, PrefillQueue
+from services.engine_api.prefill import PrefillPort
 from services.compute_model.batching import PrefillBatcher
 from services.compute_model.cost_model import ModelCost, cost_model
 
@@ -56,9 +57,9 @@ class PrefillTiming:
 
 
 class PrefillEngineSim:
-    """One emulated prefill engine on a :class:`PrefillPort`."""
+    """One emulated prefill engine on a :class:`PrefillQueue` (in-process or remote)."""
 
-    def __init__(self, port: PrefillPort, spec: KVSpec, cfg: EngineSimConfig,
+    def __init__(self, port: PrefillQueue, spec: KVSpec, cfg: EngineSimConfig,
                  cost: ModelCost | None = None) -> None:
         self.port, self.spec, self.cfg = port, spec, cfg
         self.cost = cost or _cost(spec, cfg)
@@ -189,7 +190,7 @@ class PrefillEngineSim:
 
 @dataclass
 class _Seq:
-    req: DecodeRequest
+    req: DecodeHandle
     out: list[int]
     hbm: list[np.ndarray] = field(default_factory=list)
     blocks_done: int = 0
@@ -200,9 +201,9 @@ class _Seq:
 
 
 class DecodeEngineSim:
-    """One emulated decode engine on a :class:`DecodePort`."""
+    """One emulated decode engine on a :class:`DecodeQueue` (in-process or remote)."""
 
-    def __init__(self, port: DecodePort, spec: KVSpec, cfg: EngineSimConfig,
+    def __init__(self, port: DecodeQueue, spec: KVSpec, cfg: EngineSimConfig,
                  cost: ModelCost | None = None) -> None:
         self.port, self.spec, self.cfg = port, spec, cfg
         self.cost = cost or _cost(spec, cfg)
@@ -221,18 +222,18 @@ class DecodeEngineSim:
                     await self._step()
         finally:
             for s in list(self.active.values()):
-                await self.port.fail(s.req, None)
+                await s.req.fail(None)
 
-    async def _admit(self, req: DecodeRequest) -> None:
+    async def _admit(self, req: DecodeHandle) -> None:
         info = req.info
         try:
             if self.cfg.verify:
                 self._verify(req)
             hbm = [req.layer(layer).copy() for layer in range(self.spec.num_layers)] \
                 if self.cfg.hbm_copy else []
-            await self.port.took_kv(req)
+            await req.took_kv()
         except DualpathError as e:
-            await self.port.fail(req, e)
+            await req.fail(e)
             self.counters["dropped"] += 1
             return
         first = req.first_token_id if req.first_token_id is not None else \
@@ -242,7 +243,7 @@ class DecodeEngineSim:
         if info.gen_tokens == 1:
             await self._end(seq)
 
-    def _verify(self, req: DecodeRequest) -> None:
+    def _verify(self, req: DecodeHandle) -> None:
         info = req.info
         # oracle: the hit's rows were never sent (resident in this engine's HBM by
         # assumption); the new tokens' KV, the part that crossed PE -> DE, is checked
@@ -272,14 +273,14 @@ class DecodeEngineSim:
             s.out.append(token_id(info.session_id, info.prompt_tokens + len(s.out), self.cfg.vocab))
             try:
                 if len(s.out) == 2:
-                    await self.port.second_token(s.req)
+                    await s.req.second_token()
                 await self._blocks(s)
                 if len(s.out) >= info.gen_tokens:
                     await self._end(s)
             except DualpathError as e:
                 self.active.pop(s.req.request_id, None)
                 self.counters["dropped"] += 1
-                await self.port.fail(s.req, e)
+                await s.req.fail(e)
 
     async def _blocks(self, s: _Seq) -> None:
         """Persist each block of prompt tail + generated tokens whose KV now exists."""
@@ -289,16 +290,16 @@ class DecodeEngineSim:
         known = list(info.tail_token_ids or ()) + s.out[:-1]   # the last token has no KV yet
         while len(known) >= (s.blocks_done + 1) * bt:
             ids = known[s.blocks_done * bt:(s.blocks_done + 1) * bt]
-            blk = await self.port.new_block(s.req, ids)
+            blk = await s.req.new_block(ids)
             for layer in range(self.spec.num_layers):
                 layer_pattern(blk.key, layer, self.spec.layer_block_bytes, blk.view[layer])
-            await self.port.put_block(s.req, blk)
+            await s.req.put_block(blk)
             s.blocks_done += 1
             self.counters["blocks_generated"] += 1
 
     async def _end(self, s: _Seq) -> None:
         self.active.pop(s.req.request_id, None)
-        await self.port.finish(s.req, s.out)
+        await s.req.finish(s.out)
         self.counters["finished"] += 1
 
 

@@ -93,7 +93,7 @@ class RemoteEngineHost:
             try:
                 if client is None:
                     client = await self._connect(engine_id, False)
-                eng = sim(client.port, self.spec, self.cfg)      # type: ignore[arg-type]
+                eng = sim(client.port, self.spec, self.cfg)
                 old = self.sims.get(engine_id)
                 if old is not None:
                     eng.counters = old.counters        # cumulative across re-attaches

@@ -1,0 +1,295 @@
+"""The engine handles are declared once (services/engine_api/handles.py) and every
+implementation follows that declaration: the in-process adapters, the remote handles (one
+engine message per call), the local store of the vLLM connector; the blocking bridge gives the
+same calls, blocking. No sockets here: the remote client is a recording stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.errors import DeadlineExceeded, InvalidArgument, NotFound
+from common.kv import KVSpec
+from common.protocol import (ArenaSlot, BlockOpened, DecodeAssigned, EngineOk, EnginePrompt,
+                             EngineRequest, LayerReady, PrefillAssigned, union_members)
+from services.engine_api.blocking import Blocking, Portal
+from services.engine_api.decode import DecodePort, DecodeRequest
+from services.engine_api.handles import (DecodeHandle, DecodeQueue, GeneratedBlock,
+                                         PrefillHandle, PrefillQueue)
+from services.engine_api.prefill import PrefillPort, PrefillRequest
+from services.engine_api.remote_async import (RemoteDecodePort, RemoteDecodeRequest,
+                                              RemotePrefillHandle, RemotePrefillPort)
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = KVSpec("t", 2, 16)
+PROMPT = EnginePrompt("r1", 3, "s", 70, 64, 2, ["ab" * 16], [1] * 6, 64, "pe", ["ab" * 16], None)
+
+
+def _methods(proto: type) -> dict[str, inspect.Signature]:
+    return {n: inspect.signature(f) for n, f in vars(proto).items()
+            if inspect.isfunction(f) and not n.startswith("_")}
+
+
+def _properties(proto: type) -> set[str]:
+    return {n for n, v in vars(proto).items() if isinstance(v, property)}
+
+
+def _follows(impl: type, proto: type) -> list[str]:
+    """What ``impl`` does differently from ``proto``'s methods (async-ness, parameters)."""
+    wrong = []
+    for name, want in _methods(proto).items():
+        got = getattr(impl, name, None)
+        if got is None:
+            wrong.append(f"{name} missing")
+            continue
+        if inspect.iscoroutinefunction(got) != inspect.iscoroutinefunction(getattr(proto, name)):
+            wrong.append(f"{name}: async-ness differs")
+        params = inspect.signature(got).parameters
+        for p in want.parameters.values():
+            if p.name not in params:
+                wrong.append(f"{name}: no parameter {p.name}")
+            elif (p.default is inspect.Parameter.empty) != (
+                    params[p.name].default is inspect.Parameter.empty):
+                wrong.append(f"{name}: {p.name} optional in one, required in the other")
+    return wrong
+
+
+class FakeClient:
+    """Stands in for EngineClient: records every message, answers like the node."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+        self.arena = np.zeros(1 << 16, np.uint8)
+        self.kv_spec = SPEC
+        self.engine_id = "p0.e0"
+        self.max_wait_s = 1.0
+        self.fail_with: Exception | None = None
+
+    async def call(self, msg, wait_s: float = 0.0):
+        self.sent.append(msg)
+        if self.fail_with is not None:
+            raise self.fail_with
+        name = type(msg).__name__
+        if name == "WaitLayer":
+            return LayerReady(msg.request_id, msg.layer, ArenaSlot(0, 64 * 16),
+                              ArenaSlot(1024, 6 * 16), ArenaSlot(0, 70 * 16))
+        if name == "NewBlock":
+            return BlockOpened(msg.request_id, 1, "cd" * 16, ArenaSlot(4096, 2 * 64 * 16))
+        return EngineOk(msg.request_id)
+
+    def view(self, slot: ArenaSlot) -> np.ndarray:
+        return self.arena[slot.offset:slot.offset + slot.nbytes].reshape(-1, 16)
+
+
+def remote_pair(client: FakeClient) -> tuple[RemotePrefillHandle, RemoteDecodeRequest]:
+    return (RemotePrefillHandle(client, PrefillAssigned(PROMPT, 64)),  # type: ignore[arg-type]
+            RemoteDecodeRequest(client, DecodeAssigned(PROMPT, 64, 5,  # type: ignore[arg-type]
+                                                       [ArenaSlot(0, 1120), ArenaSlot(1120, 1120)])))
+
+
+# ---------------------------------------------------------------- one declaration
+
+def test_each_handle_protocol_is_declared_once_in_the_tree():
+    for name in ("PrefillHandle", "DecodeHandle", "PrefillQueue", "DecodeQueue"):
+        hits = [p for d in ("common", "services", "storage_gateway", "sim", "tools", "bench",
+                            "integrations") for p in (REPO / d).rglob("*.py")
+                if re.search(rf"^class {name}\b", p.read_text(), re.M)]
+        assert [p.relative_to(REPO).as_posix() for p in hits] == \
+            ["services/engine_api/handles.py"], name
+
+
+@pytest.mark.parametrize("impl,proto", [
+    (PrefillRequest, PrefillHandle), (RemotePrefillHandle, PrefillHandle),
+    (DecodeRequest, DecodeHandle), (RemoteDecodeRequest, DecodeHandle),
+    (PrefillPort, PrefillQueue), (RemotePrefillPort, PrefillQueue),
+    (DecodePort, DecodeQueue), (RemoteDecodePort, DecodeQueue)],
+    ids=lambda x: x.__name__)
+def test_every_implementation_follows_the_declaration(impl, proto):
+    assert _follows(impl, proto) == []
+
+
+def test_the_local_store_session_is_a_prefill_handle():
+    pytest.importorskip("msgspec")
+    from integrations.vllm.local_store import LocalPrefillSession
+    assert _follows(LocalPrefillSession, PrefillHandle) == []
+
+
+def test_remote_handles_are_handles_at_run_time():
+    pre, dec = remote_pair(FakeClient())
+    assert isinstance(pre, PrefillHandle) and isinstance(dec, DecodeHandle)
+    assert _properties(PrefillHandle) <= set(dir(pre)) and _properties(DecodeHandle) <= set(dir(dec))
+
+
+# ---------------------------------------------------------------- one message per call
+
+async def test_every_request_scoped_message_is_one_handle_call():
+    client = FakeClient()
+    pre, dec = remote_pair(client)
+    await pre.layer(0)
+    pre.output(0)[:] = 1
+    await pre.put_layer(0)
+    await pre.finish(7)
+    blk = await dec.new_block(list(range(64)))
+    await dec.took_kv()
+    await dec.second_token()
+    await dec.put_block(blk)
+    await dec.finish([5, 6])
+    pre2, _ = remote_pair(client)
+    await pre2.fail("gave up")
+    sent = [type(m).__name__ for m in client.sent]
+    assert sent == ["WaitLayer", "PutLayer", "FinishPrefill", "NewBlock", "TookKV",
+                    "SecondToken", "PutBlock", "FinishDecode", "FailRequest"]
+    assert all((m.request_id, m.attempt) == ("r1", 3) for m in client.sent)
+    scoped = {t.__name__ for t in union_members(EngineRequest)
+              if {"request_id", "attempt"} <= set(t.__struct_fields__)}
+    assert scoped == set(sent)
+
+
+async def test_a_failed_call_drops_the_request_but_a_prefill_deadline_does_not():
+    client = FakeClient()
+    pre, dec = remote_pair(client)
+    client.fail_with = DeadlineExceeded("slow")
+    with pytest.raises(DeadlineExceeded):
+        await pre.layer(0, 0.0)
+    assert not pre.dropped
+    with pytest.raises(DeadlineExceeded):
+        await dec.took_kv()
+    assert dec.cancelled
+    client.fail_with = NotFound("gone")
+    with pytest.raises(NotFound):
+        await pre.put_layer(0)
+    assert pre.dropped
+    await pre.fail(None)                   # swallowed: the node is gone
+    await pre.fail(None)                   # once ended: nothing sent
+    assert [type(m).__name__ for m in client.sent].count("FailRequest") == 1
+
+
+async def test_a_pipelined_put_failure_is_raised_by_the_next_call_and_finish_drains():
+    client = FakeClient()
+    pre, _ = remote_pair(client)
+    await pre.layer(0)
+    await pre.put_layer(0, wait=False)
+    await pre.finish(1)                    # waits for the put before finishing
+    assert [type(m).__name__ for m in client.sent] == ["WaitLayer", "PutLayer", "FinishPrefill"]
+    pre, _ = remote_pair(client)
+    client.fail_with = InvalidArgument("layers are put in order")
+    await pre.put_layer(1, wait=False)
+    await asyncio.sleep(0)
+    with pytest.raises(InvalidArgument, match="in order"):
+        await pre.layer(2)
+
+
+# ---------------------------------------------------------------- the in-process adapters
+
+class PrefillBackendStub:
+    def __init__(self) -> None:
+        from services.engine_api.prompt import PromptInfo
+        self.info = PromptInfo("r1", 0, "s", 70, 64, 2, ("ab" * 16,), None, 64)
+        self.engine_id, self.hit_tokens, self.calls = "p0.e0", 64, []
+        self.gate = asyncio.Event()
+
+    async def wait_layer(self, layer):
+        await self.gate.wait()
+        return np.zeros((64, 16), np.uint8)
+
+    def output_view(self, layer):
+        return np.zeros((6, 16), np.uint8)
+
+    def region_layer(self, layer):
+        return np.zeros((70, 16), np.uint8)
+
+    async def put_layer(self, layer):
+        self.calls.append(("put", layer))
+
+    async def finish(self, first):
+        self.calls.append(("finish", first))
+
+    async def fail(self, error):
+        self.calls.append(("fail", error))
+
+    def dropped(self):
+        return False
+
+
+async def test_the_in_process_prefill_handle_adapts_its_backend():
+    b = PrefillBackendStub()
+    h = PrefillRequest(b)
+    assert isinstance(h, PrefillHandle) and (h.request_id, h.new_tokens) == ("r1", 6)
+    with pytest.raises(DeadlineExceeded, match="ask again"):
+        await h.layer(0, 0.01)
+    b.gate.set()
+    assert (await h.layer(0)).shape == (64, 16)
+    await h.put_layer(0)
+    await h.fail("engine said no")
+    await h.fail("twice")
+    assert b.calls[0] == ("put", 0) and len(b.calls) == 2
+    assert "engine said no" in str(b.calls[1][1])
+
+
+async def test_the_in_process_decode_handle_calls_its_backend_with_itself():
+    calls = []
+
+    class Backend:
+        def dropped(self):
+            return False
+
+        def __getattr__(self, name):
+            async def call(req, *args):
+                calls.append((name, req, args))
+                if name == "new_block":
+                    return GeneratedBlock(1, "k", tuple(args[0]), np.zeros(1))
+            return call
+
+    class Region:
+        def layer(self, layer):
+            return np.zeros((70, 16))
+
+        def whole(self):
+            return None
+
+    from services.engine_api.prompt import PromptInfo
+    req = DecodeRequest(PromptInfo("r1", 0, "s", 70, 64, 2, (), None, 64), "d0.e0", 64, 5,
+                        Region(), Backend())
+    assert isinstance(req, DecodeHandle)
+    await req.took_kv()
+    blk = await req.new_block([1, 2])
+    await req.put_block(blk)
+    await req.finish((5, 6))
+    assert [(n, r is req, a) for n, r, a in calls] == [
+        ("took_kv", True, ()), ("new_block", True, ([1, 2],)), ("put_block", True, (blk,)),
+        ("finish", True, ([5, 6],))]
+
+
+# ---------------------------------------------------------------- the blocking bridge
+
+def test_the_blocking_bridge_waits_for_calls_and_returns_handles_blocking():
+    client = FakeClient()
+    pre, dec = remote_pair(client)
+
+    class Source:
+        async def claim(self):
+            return pre
+
+        async def nothing(self):
+            return None
+
+    portal = Portal("test")
+    try:
+        src = Blocking(Source(), portal)
+        h = src.claim()
+        assert isinstance(h, Blocking) and src.nothing() is None
+        assert h.hit_tokens == 64 and h.layer(0, 1.0).shape == (64, 16)
+        h.put_layer(0, False)              # pipelined: returns at once
+        h.finish(3)
+        client.fail_with = NotFound("gone")
+        with pytest.raises(NotFound):
+            Blocking(dec, portal).took_kv()
+    finally:
+        portal.stop()
+    assert [type(m).__name__ for m in client.sent] == ["WaitLayer", "PutLayer",
+                                                       "FinishPrefill", "TookKV"]

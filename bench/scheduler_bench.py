@@ -30,7 +30,9 @@ import numpy as np
 
 from bench.report import bench_parser, headline, print_table, write_results
 from common.kv import PRESETS as KV_PRESETS
-from services.scheduler.core import EngineSpec, Request, Role, Scheduler, SchedulerConfig, Telemetry
+from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.core.records import EngineSpec, Request, Role, Telemetry
+from services.scheduler.core.scheduler import Scheduler
 
 P_NODES, D_NODES, PER_NODE = 48, 96, 8
 QUEUED = 10_000

@@ -29,7 +29,8 @@ from collections import deque
 from typing import Any
 
 from services.compute_model.batching import PrefillBatcher
-from services.scheduler.core import EngineSpec, ReadSide, Request, Role, Scheduler
+from services.scheduler.core.records import EngineSpec, ReadSide, Request, Role
+from services.scheduler.core.scheduler import Scheduler
 
 from .config import SimConfig, mode_spec, scheduler_config
 from .engines import SIDE_DE, SIDE_NONE, SIDE_PE, DEGpu, PEGpu, PEUnit, Prefill

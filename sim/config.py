@@ -29,7 +29,7 @@ from common.config import (NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, S
                            load_config)
 from common.kv import PRESETS as KV_PRESETS
 from common.kv import KVSpec
-from services.scheduler.core import SchedulerConfig
+from services.scheduler.core.config import SchedulerConfig
 from services.compute_model.cost_model import ModelCost, cost_model
 # The mode table is the scheduler's (one copy, shared with tools.cluster); re-exported here.
 from services.scheduler.core.modes import MODE_SPECS, MODES, ModeSpec, mode_spec  # noqa: F401

@@ -9,8 +9,9 @@ import pytest
 from common.config import build_config
 from common.errors import ConfigError, InvalidArgument
 from common.kv import PRESETS as KV_PRESETS
-from services.scheduler.core import (EngineReport, EngineSpec, Phase, Request, Role, Scheduler,
-                                SchedulerConfig, Telemetry)
+from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.core.records import (EngineReport, EngineSpec, Phase, Request, Role, Telemetry)
+from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core import policy
 from services.compute_model.cost_model import PrefillLoad, cost_model
 

@@ -13,7 +13,11 @@ import textwrap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.core import Request, Role, Scheduler, SchedulerConfig
+from services.scheduler.core.config import SchedulerConfig
+
+from services.scheduler.core.records import Request, Role
+
+from services.scheduler.core.scheduler import Scheduler
 from tests.test_scheduler_policy import de, pe
 
 
@@ -117,7 +121,7 @@ def test_deterministic_across_processes_with_different_hash_seeds():
     code = textwrap.dedent("""
         import json, random
         from bench.scheduler_bench import build, make_requests
-        from services.scheduler.core import Role
+        from services.scheduler.core.records import Role
         s = build("dualpath")
         for r in make_requests(random.Random(5), 0, 3000):
             s.submit(r)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from common.errors import NotFound
-from services.scheduler.core import EngineReport, Phase, ReadSide, Scheduler
+from services.scheduler.core.records import EngineReport, Phase, ReadSide
+from services.scheduler.core.scheduler import Scheduler
 from tests.test_scheduler_policy import BETA, BIG, _pair, bind_all, cfg, de, load, pe, req
 
 

@@ -7,7 +7,8 @@ import msgspec
 import pytest
 
 from common.errors import AlreadyExists, InvalidArgument, NotFound
-from services.scheduler.core import EngineReport, Phase, Request, Role, Scheduler, Telemetry
+from services.scheduler.core.records import EngineReport, Phase, Request, Role, Telemetry
+from services.scheduler.core.scheduler import Scheduler
 from tests.test_scheduler_policy import _pair, bind_all, cfg, de, load, pe, req
 
 

@@ -5,7 +5,9 @@ tests of ``test_scheduler_properties.py``."""
 
 from __future__ import annotations
 
-from services.scheduler.core import Role, Scheduler
+from services.scheduler.core.records import Role
+
+from services.scheduler.core.scheduler import Scheduler
 from tests.test_scheduler_policy import BIG, bind_all, cfg, de, load, pe, req
 
 

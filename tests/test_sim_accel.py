@@ -81,7 +81,7 @@ def test_all_or_nothing_when_scheduler_was_imported_first(tmp_path):
     """Compiled sim code must never meet interpreted scheduler classes: nothing is loaded."""
     _fake_build(tmp_path)        # would fail to import if the hook tried to load it
     code = """
-        import services.scheduler.core
+        import services.scheduler.core.scheduler
         from sim import accel
         import sim.cluster
         print(accel.active(), '|', accel.status(), '|', sim.cluster.__file__)

@@ -9,7 +9,6 @@ import json
 import pytest
 
 import services.compute_model.batching
-import services.scheduler.core
 import services.scheduler.core.scheduler
 from common.config import build_config
 from common.kv import PRESETS as KV
@@ -86,7 +85,7 @@ def test_second_turn_waits_for_the_fetch_tick():
 
 def test_the_policy_is_the_scheduler_services_code():
     cl, _ = run_fixed(tiny(), "dualpath", 640, 64, 2)
-    assert type(cl.sched) is services.scheduler.core.Scheduler
+    assert type(cl.sched) is services.scheduler.core.scheduler.Scheduler
     assert sim_cluster.Scheduler is services.scheduler.core.scheduler.Scheduler
     assert sim_engines.PrefillBatcher is services.compute_model.batching.PrefillBatcher
     assert all(type(g.batcher) is services.compute_model.batching.PrefillBatcher

@@ -3,7 +3,7 @@
 The sub-packages state the parts; this package itself imports nothing, so importing one part
 never loads another:
 
-* ``core`` — the sans-I/O placement core (``core.Scheduler``: DE two-phase placement, PE
+* ``core`` — the sans-I/O placement core (``core.scheduler.Scheduler``: DE two-phase placement, PE
   Algorithm 1, read side), its rules (``policy``), mutable state (``state``), inputs and outputs
   (``records``), constants (``config.SchedulerConfig``) and the ablation-mode table (``modes``).
   It imports neither asyncio nor ucxx, reads no clock and touches no network, so the live

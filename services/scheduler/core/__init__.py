@@ -7,14 +7,5 @@ ablation switches) and ``modes`` (the ablation-mode table the simulator and the 
 Nothing here imports asyncio, ucxx, the RPC layer or ``tools`` (import-linter's
 ``sans-io-cores`` contract and ``tests/test_layering.py``); ``scheduler``, ``policy`` and
 ``state`` are compiled with mypyc for the simulator (``sim.accel``).
-"""
-
-from .config import SchedulerConfig
-from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReadSide,
-                      ReplanResult, Request, Role, Telemetry)
-from .scheduler import Scheduler
-
-__all__ = [
-    "Assignment", "DEBinding", "EngineReport", "EngineSpec", "Phase", "ReadSide",
-    "ReplanResult", "Request", "Role", "Scheduler", "SchedulerConfig", "Telemetry",
-]
+Importing this package loads none of them: a process that only needs a section type
+(``config``) does not pay for the placement code."""

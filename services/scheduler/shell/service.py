@@ -5,7 +5,7 @@ union + the node union + Ping/GetStats): one port to deploy, configure and healt
 frontends and node services are told apart by what they call, and only a frontend
 connection's requests are cancelled when it goes away (node services are judged by leases).
 
-Shell around the sans-I/O :class:`~services.scheduler.core.Scheduler` (docs/contributing.md):
+Shell around the sans-I/O :class:`~services.scheduler.core.scheduler.Scheduler` (docs/contributing.md):
 every handler validates, then calls the core synchronously (never across an ``await``), so the
 core sees one caller. :class:`SchedulerService` is the composition — lifecycle, the RPC
 dispatch table and the read-only views (status, stats); the work is done by objects it builds

@@ -200,3 +200,25 @@ def test_every_ignored_import_of_the_contracts_must_match_an_import():
     assert with_ignores
     assert {c["id"]: c.get("unmatched_ignore_imports_alerting") for c in with_ignores} == {
         c["id"]: "error" for c in with_ignores}
+
+
+def test_the_readme_layout_names_every_package_of_the_tree():
+    """README's layout table is the map a newcomer reads first: every package directory of
+    the layered roots (and every composition root) must appear in it by path."""
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Layout"):readme.index("## Real engine")]
+    roots = ("common", "storage_gateway", "services", "sim", "tools", "bench", "integrations")
+    packages = sorted(str(p.parent.relative_to(REPO)) + "/"
+                      for root in roots for p in (REPO / root).rglob("__init__.py")
+                      if "__pycache__" not in p.parts)
+    def named(p: str) -> bool:
+        if f"`{p}`" in table or (p.count("/") == 1 and f"`{p}" in table):  # a root: its rows
+            return True
+        parent = p.rsplit("/", 2)[0]          # a sub-package named in its parent's row
+        return f"`{parent}/`" in table and f"`{p[len(parent) + 1:]}`" in table
+
+    missing = [p for p in packages if not named(p)]
+    assert missing == [], f"packages not in README's layout table: {missing}"
+    for app in ("storage_gateway/", "services/scheduler/", "services/pe_receiver/",
+                "services/de_loader/"):
+        assert (REPO / app / "app.py").exists()

@@ -222,3 +222,24 @@ def test_the_readme_layout_names_every_package_of_the_tree():
     for app in ("storage_gateway/", "services/scheduler/", "services/pe_receiver/",
                 "services/de_loader/"):
         assert (REPO / app / "app.py").exists()
+
+
+def test_no_class_over_40_methods_and_no_module_over_600_lines():
+    """Size is a hint to find a seam (docs/contributing.md): a class past 40 methods or a
+    module past 600 lines has two jobs — split it by responsibility, not across files."""
+    import ast
+
+    roots = ("common", "storage_gateway", "services", "sim", "tools", "bench", "integrations")
+    big_classes, long_modules = [], []
+    for root in roots:
+        for path in sorted((REPO / root).rglob("*.py")):
+            text = path.read_text()
+            if len(text.splitlines()) > 600:
+                long_modules.append(str(path.relative_to(REPO)))
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef):
+                    n = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))
+                            for b in node.body)
+                    if n > 40:
+                        big_classes.append(f"{path.relative_to(REPO)}:{node.name} ({n})")
+    assert (big_classes, long_modules) == ([], [])

@@ -134,6 +134,7 @@ class DecodeTransfer:
     def __init__(self, request_id: str, attempt: int, engine_id: str, spec: KVSpec, *,
                  writeback: bool, counters: MutableMapping[str, int]) -> None:
         self.request_id, self.attempt, self.engine_id = request_id, attempt, engine_id
+        self.name = f"{request_id}#{attempt}"   # for messages: request#attempt
         self.spec, self.writeback, self.counters = spec, writeback, counters
         self.info: PromptInfo | None = None
         self.state = "reserved"
@@ -169,10 +170,6 @@ class DecodeTransfer:
     @property
     def all_received(self) -> bool:
         return self.expected_receives > 0 and self.received >= self.expected_receives
-
-    @property
-    def name(self) -> str:
-        return f"{self.request_id}#{self.attempt}"
 
     def check(self) -> None:
         """Raise (a copy of) the attempt's error, if it failed."""

@@ -460,15 +460,15 @@ class PrefillTransfer:
             acts.append(AwaitEngineRelease())
         err = self.error
         if err is not None and self.dropped_reason is None and self.region_allocated \
-                and self._de_may_hold(err):
+                and _de_may_hold(err):
             acts.append(AbortDE(err.message[:300]))
         if self.region_allocated and not self.pages_freed:
             self.pages_freed = True
             acts.append(FreePages())
         return acts
 
-    @staticmethod
-    def _de_may_hold(err: DualpathError) -> bool:
-        """A DE loader that failed or is unreachable holds nothing to abort."""
-        return not (getattr(err, "hop", "") == "de_loader"
-                    and isinstance(err, (PeerFailed, Unavailable)))
+
+def _de_may_hold(err: DualpathError) -> bool:
+    """A DE loader that failed or is unreachable holds nothing to abort."""
+    return not (getattr(err, "hop", "") == "de_loader"
+                and isinstance(err, (PeerFailed, Unavailable)))

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from common.kv import KVSpec
 from common.metrics import export_stats, serve_metrics
 
 from .base import NodeBase
@@ -24,6 +25,31 @@ if TYPE_CHECKING:
 
 N = TypeVar("N", bound=NodeBase)
 EngineAttach = Callable[[contextlib.AsyncExitStack, NodeBase], Awaitable[object]]
+
+
+class NodeApp(Generic[N]):
+    """A node service's composition root, the same for both roles: ``build`` (not started),
+    ``start`` (started into a stack, engines attached: what the in-process cluster runs) and
+    ``serve`` (the whole process: that, plus :func:`announce_node`)."""
+
+    def __init__(self, service: Callable[..., N]) -> None:
+        self.service = service
+
+    def build(self, cfg: ServicesConfig, node_id: str, *, engines: int | None = None,
+              spec: KVSpec | None = None) -> N:
+        return self.service(cfg, node_id, engines=engines, spec=spec)
+
+    async def start(self, stack: contextlib.AsyncExitStack, cfg: ServicesConfig, node_id: str,
+                    *, engines: int | None = None, spec: KVSpec | None = None,
+                    attach: EngineAttach | None = None) -> N:
+        return await start_node(stack, self.build(cfg, node_id, engines=engines, spec=spec),
+                                attach)
+
+    async def serve(self, stack: contextlib.AsyncExitStack, cfg: ServicesConfig, node_id: str,
+                    *, engines: int | None = None, attach: EngineAttach | None = None,
+                    metrics_port: int | None = None) -> tuple[N, dict[str, Any]]:
+        svc = await self.start(stack, cfg, node_id, engines=engines, attach=attach)
+        return svc, await announce_node(stack, cfg, svc, metrics_port)
 
 
 async def start_node(stack: contextlib.AsyncExitStack, svc: N,

@@ -244,9 +244,45 @@ async def test_unsupported_option_is_skipped_and_reported():
         async with PageTransport(cfg, "qos") as t:
             assert t.skipped_options == ["IB_SL"]
             assert t.stats()["ucx_options_skipped"] == 1.0
+            assert t.stats()["ucx_option_applied_IB_SL"] == 0.0     # named in stats/metrics
+            assert t.stats()["ucx_option_applied_TLS"] == 1.0
+            assert t.stats()["ucx_options_required"] == 0.0
             assert t.address[1] > 0
     skipped = [e for e in logs if e["event"] == "ucx_options_skipped"]
     assert len(skipped) == 1 and skipped[0]["options"] == ["IB_SL"]
+
+
+async def test_required_option_this_ucx_rejects_refuses_the_start_and_leaks_nothing():
+    """``require = true``: the start fails naming the option and this UCX (version, library,
+    transports), before any context, worker or listener exists (docs/qos.md)."""
+    from common.errors import ConfigError
+    from ucxx._lib_async.application_context import ApplicationContext
+    options = {"TLS": "tcp,sm,self", "NET_DEVICES": "lo", "IB_SL": "3"}
+    lane = TrafficClassConfig(options=options, require=True)
+    cfg = TransportConfig(traffic_classes={"kv": lane}, **CFG)
+    gc.collect()
+    contexts = sum(isinstance(o, ApplicationContext) for o in gc.get_objects())
+    t = PageTransport(cfg, "qos")
+    with pytest.raises(ConfigError) as info:
+        await t.start()
+    msg = str(info.value)
+    assert "transport.traffic_classes.kv.options.IB_SL = '3'" in msg
+    assert "require is true" in msg and "UCX 1." in msg and "libucp.so" in msg
+    assert "tcp/lo" in msg                       # the transports this UCX has
+    with pytest.raises(Unavailable):
+        t.address                                 # never listened
+    await t.stop()
+    gc.collect()
+    assert sum(isinstance(o, ApplicationContext) for o in gc.get_objects()) == contexts
+
+
+async def test_required_options_this_ucx_applies_start_and_are_listed():
+    lane = TrafficClassConfig(options={"TLS": "tcp,sm,self", "NET_DEVICES": "lo"},
+                              require=True)
+    async with PageTransport(TransportConfig(traffic_classes={"kv": lane}, **CFG), "q") as t:
+        stats = t.stats()
+        assert stats["ucx_options_required"] == 1.0 and stats["ucx_options_skipped"] == 0.0
+        assert stats["ucx_option_applied_TLS"] == stats["ucx_option_applied_NET_DEVICES"] == 1.0
 
 
 async def test_connect_to_nothing_is_unavailable():

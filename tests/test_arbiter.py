@@ -52,6 +52,42 @@ async def test_without_the_cap_kv_takes_a_fair_half():
     assert share < 0.75, share          # contention is real: the cap is what protects it
 
 
+async def test_an_engines_collective_engages_the_cap():
+    """Production caller of ``high_priority()``: an engine's announced collective
+    (``services.engine_api.collectives``) caps KV at ``kv_share``; its end lifts the cap."""
+    from services.engine_api.collectives import Collectives
+    cfg = ArbiterConfig(enabled=True, link_rate_bytes_per_s=64 * MiB, link_burst_bytes=256 << 10,
+                        kv_share=0.1, chunk_bytes=256 << 10)
+    arb = EgressArbiter(cfg)
+    collectives = Collectives(arb, max_hold_s=30.0)
+    await arb.kv(256 << 10)
+    assert arb.counters["kv_capped_waits"] == 0
+    collectives.begin("p0.e0")
+    await arb.kv(256 << 10)
+    assert arb.counters["kv_capped_waits"] == 1 and arb.stats()["arbiter_high_active"] == 1
+    collectives.end("p0.e0")
+    await arb.kv(256 << 10)
+    assert arb.counters["kv_capped_waits"] == 1 and not arb.high_active
+    stop = asyncio.Event()
+
+    async def collective():               # the high flow an engine's collective sends
+        collectives.begin("p0.e0")
+        try:
+            await arb.high(12 * MiB)
+        finally:
+            collectives.end("p0.e0")
+        stop.set()
+
+    async def kv_flow():
+        while not stop.is_set():
+            await arb.kv(256 << 10)
+
+    kv0, hi0 = arb.counters["kv_bytes"], arb.counters["high_bytes"]
+    await asyncio.gather(collective(), kv_flow())
+    kv, hi = arb.counters["kv_bytes"] - kv0, arb.counters["high_bytes"] - hi0
+    assert hi / (hi + kv) >= 1 - cfg.kv_share - 0.05, (hi, kv)
+
+
 def test_arbiter_config_is_checked():
     with pytest.raises(ValueError):
         ArbiterConfig(enabled=True)                        # a share of what rate?

@@ -131,3 +131,26 @@ async def test_collective_keeps_its_share_against_real_de_path_kv(tmp_path):
         assert counters["verified_requests"] == len(rids)
         assert counters.get("prompt_mismatches", 0) == 0
         assert not any(c.leaks().values())
+
+
+async def test_the_emulator_announces_its_collectives_per_layer_and_step(tmp_path):
+    """``engine_sim.collective_fraction``: every emulated layer (prefill) and decode step
+    begins and ends a collective on its node; none stays open; the bytes still verify."""
+    async with local_datapath(tmp_path, scheduler=False,
+                              overrides={"engine_sim": {"collective_fraction": 0.5}}) as c:
+        de, pe = c.de["d0"], c.pe["p0"]
+        ep = Endpoint("d0", "de_loader", "127.0.0.1", de.rpc_port, *de.ucx_address)
+        toks = [(j * 7) % 40_000 for j in range(2 * BT + 5)]
+        keys = block_keys_from_tokens(toks, BT)
+        await c.store_blocks(keys[:2])
+        pe.submit_plan(RequestPlan("c0", 0, "s0", "p0.e0", "p0", "d0.e0", "d0", "pe", "p0",
+                                   2 * BT, 5, 3, 1 << 20, keys[:2], [], ep, None, 30.0,
+                                   toks[2 * BT:]))
+        await until(lambda: any(r.stage == "finished" for r in de.reports), 60, "finished")
+        for node in (pe, de):
+            stats = node.stats()
+            assert stats["collectives_begun"] == stats["collectives_ended"] > 0
+            assert stats["collectives_engines_active"] == 0 and not node.arbiter.high_active
+        assert pe.stats()["collectives_begun"] == c.spec.num_layers     # one forward
+        assert c.engine_counters()["verified_requests"] == 1
+        assert not any(c.leaks().values())

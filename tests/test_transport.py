@@ -270,7 +270,7 @@ async def test_required_option_this_ucx_rejects_refuses_the_start_and_leaks_noth
     assert "require is true" in msg and "UCX 1." in msg and "libucp.so" in msg
     assert "tcp/lo" in msg                       # the transports this UCX has
     with pytest.raises(Unavailable):
-        t.address                                 # never listened
+        _ = t.address                             # never listened
     await t.stop()
     gc.collect()
     assert sum(isinstance(o, ApplicationContext) for o in gc.get_objects()) == contexts

@@ -276,6 +276,29 @@ async def test_required_option_this_ucx_rejects_refuses_the_start_and_leaks_noth
     assert sum(isinstance(o, ApplicationContext) for o in gc.get_objects()) == contexts
 
 
+async def test_a_node_service_whose_required_lane_is_rejected_fails_its_start_cleanly(tmp_path):
+    """The service-level face of ``require``: the PE receiver's start raises the ConfigError,
+    the service is FAILED, its shared-memory buffer is unlinked, its engine socket never
+    opened, and the transport never listened."""
+    from common.errors import ConfigError
+    from services.pe_receiver.service import PEReceiverService
+    from tools.cluster.inprocess import _cfg, base_config
+    sock = tmp_path / "p0.sock"
+    cfg = _cfg(base_config(tmp_path, {
+        "transport": {"traffic_classes": {"kv": {"require": True, "options": {
+            "TLS": "tcp,sm,self", "NET_DEVICES": "lo", "IB_TRAFFIC_CLASS": "32"}}}},
+        "pe_receiver": {"engine_socket": str(sock)}}))
+    svc = PEReceiverService(cfg, "p0")
+    with pytest.raises(ConfigError, match=r"traffic_classes\.kv\.options\.IB_TRAFFIC_CLASS"):
+        await svc.start()
+    assert svc.status.value == "failed"
+    assert svc.pool.shm is not None and svc.pool.shm.closed
+    assert svc.rpc is None and not sock.exists()
+    with pytest.raises(Unavailable):
+        _ = svc.transport.address
+    await svc.stop()
+
+
 async def test_required_options_this_ucx_applies_start_and_are_listed():
     lane = TrafficClassConfig(options={"TLS": "tcp,sm,self", "NET_DEVICES": "lo"},
                               require=True)

@@ -299,6 +299,17 @@ async def test_a_node_service_whose_required_lane_is_rejected_fails_its_start_cl
     await svc.stop()
 
 
+async def test_a_required_option_set_in_the_environment_is_checked_too(monkeypatch):
+    """``UCX_IB_SL`` wins over the config, and a UCX without verbs ignores it silently: with
+    ``require`` the environment's value is probed like the config's."""
+    from common.errors import ConfigError
+    monkeypatch.setenv("UCX_IB_SL", "2")
+    lane = TrafficClassConfig(options={"TLS": "tcp,sm,self", "NET_DEVICES": "lo", "IB_SL": "3"},
+                              require=True)
+    with pytest.raises(ConfigError, match=r"options\.IB_SL = '2'"):
+        await PageTransport(TransportConfig(traffic_classes={"kv": lane}, **CFG), "q").start()
+
+
 async def test_required_options_this_ucx_applies_start_and_are_listed():
     lane = TrafficClassConfig(options={"TLS": "tcp,sm,self", "NET_DEVICES": "lo"},
                               require=True)

@@ -18,7 +18,7 @@ import structlog
 from common.errors import ConfigError
 from common.transport import handshake
 from common.transport.plan import MessagePlan
-from common.transport.ucx_env import options_overridden_by_env
+from common.transport.ucx_env import UCX_PREFIX, options_overridden_by_env
 
 log = structlog.get_logger("common.transport")
 
@@ -63,7 +63,10 @@ def create_context(options: dict[str, str], traffic_class: str,
     opts = {k: v for k, v in options.items() if k not in from_env}
     try:
         if require:        # probe first: a refused start must not have made a context
-            _check_all_apply(opts, traffic_class)
+            # the environment's values too: UCX ignores a UCX_<NAME> it has no use for
+            # (unused variables are not even warned about, ucx_env), so probe them here
+            env = {k: os.environ[UCX_PREFIX + k] for k in from_env}
+            _check_all_apply({**opts, **env}, traffic_class)
         return u.app.ApplicationContext(opts, progress_mode="blocking"), []
     except u.Error as e:
         accepted, skipped = _probe_options(opts)

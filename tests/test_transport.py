@@ -252,6 +252,24 @@ async def test_unsupported_option_is_skipped_and_reported():
     assert len(skipped) == 1 and skipped[0]["options"] == ["IB_SL"]
 
 
+async def test_the_lanes_options_reach_metrics_by_name():
+    from prometheus_client import generate_latest
+    from common.metrics import register_source, registry, unregister_source
+    options = {"TLS": "tcp,sm,self", "NET_DEVICES": "lo", "IB_SL": "3"}
+    cfg = TransportConfig(traffic_classes={"kv": TrafficClassConfig(options=options)}, **CFG)
+    async with PageTransport(cfg, "qos") as t:
+        register_source("pe_receiver", "qos-m", lambda: {f"transport_{k}": v
+                                                         for k, v in t.stats().items()})
+        try:
+            text = generate_latest(registry().registry).decode()
+        finally:
+            unregister_source("pe_receiver", "qos-m")
+    assert ('dualpath_stat{name="transport_ucx_option_applied_IB_SL",node="qos-m",'
+            'service="pe_receiver"} 0.0') in text
+    assert 'name="transport_ucx_option_applied_TLS",node="qos-m",service="pe_receiver"} 1.0' \
+        in text
+
+
 async def test_required_option_this_ucx_rejects_refuses_the_start_and_leaks_nothing():
     """``require = true``: the start fails naming the option and this UCX (version, library,
     transports), before any context, worker or listener exists (docs/qos.md)."""

@@ -71,11 +71,15 @@ class TrafficClassConfig(Section, frozen=True):
     """UCX options of one traffic class (``UCX_`` prefix omitted), e.g. the low-priority KV lane.
 
     ``IB_SL`` / ``IB_TRAFFIC_CLASS`` put KV on a lower InfiniBand service level or RoCE class
-    than the model's collectives; options the UCX build cannot apply are reported once and
-    skipped (the PyPI UCX has no verbs).
+    than the model's collectives. Options the UCX build cannot apply are reported once and
+    skipped, unless ``require``: then the service refuses to start, naming the option and the
+    UCX that rejected it, so KV never silently shares the collectives' lane (docs/qos.md,
+    "Requiring the lane"). ``require`` is off by default because the PyPI UCX has no verbs:
+    with it on, no service could start on a host with the wheel alone.
     """
 
     options: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+    require: bool = False
 
     def ucx_options(self) -> dict[str, str]:
         """Options as UCX wants them: upper-case names, string values (booleans as y/n)."""

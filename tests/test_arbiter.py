@@ -52,6 +52,42 @@ async def test_without_the_cap_kv_takes_a_fair_half():
     assert share < 0.75, share          # contention is real: the cap is what protects it
 
 
+async def test_an_engines_collective_engages_the_cap():
+    """Production caller of ``high_priority()``: an engine's announced collective
+    (``services.engine_api.collectives``) caps KV at ``kv_share``; its end lifts the cap."""
+    from services.engine_api.collectives import Collectives
+    cfg = ArbiterConfig(enabled=True, link_rate_bytes_per_s=64 * MiB, link_burst_bytes=256 << 10,
+                        kv_share=0.1, chunk_bytes=256 << 10)
+    arb = EgressArbiter(cfg)
+    collectives = Collectives(arb, max_hold_s=30.0)
+    await arb.kv(256 << 10)
+    assert arb.counters["kv_capped_waits"] == 0
+    collectives.begin("p0.e0")
+    await arb.kv(256 << 10)
+    assert arb.counters["kv_capped_waits"] == 1 and arb.stats()["arbiter_high_active"] == 1
+    collectives.end("p0.e0")
+    await arb.kv(256 << 10)
+    assert arb.counters["kv_capped_waits"] == 1 and not arb.high_active
+    stop = asyncio.Event()
+
+    async def collective():               # the high flow an engine's collective sends
+        collectives.begin("p0.e0")
+        try:
+            await arb.high(12 * MiB)
+        finally:
+            collectives.end("p0.e0")
+        stop.set()
+
+    async def kv_flow():
+        while not stop.is_set():
+            await arb.kv(256 << 10)
+
+    kv0, hi0 = arb.counters["kv_bytes"], arb.counters["high_bytes"]
+    await asyncio.gather(collective(), kv_flow())
+    kv, hi = arb.counters["kv_bytes"] - kv0, arb.counters["high_bytes"] - hi0
+    assert hi / (hi + kv) >= 1 - cfg.kv_share - 0.05, (hi, kv)
+
+
 def test_arbiter_config_is_checked():
     with pytest.raises(ValueError):
         ArbiterConfig(enabled=True)                        # a share of what rate?
@@ -94,4 +130,27 @@ async def test_collective_keeps_its_share_against_real_de_path_kv(tmp_path):
         counters = c.engine_counters()
         assert counters["verified_requests"] == len(rids)
         assert counters.get("prompt_mismatches", 0) == 0
+        assert not any(c.leaks().values())
+
+
+async def test_the_emulator_announces_its_collectives_per_layer_and_step(tmp_path):
+    """``engine_sim.collective_fraction``: every emulated layer (prefill) and decode step
+    begins and ends a collective on its node; none stays open; the bytes still verify."""
+    async with local_datapath(tmp_path, scheduler=False,
+                              overrides={"engine_sim": {"collective_fraction": 0.5}}) as c:
+        de, pe = c.de["d0"], c.pe["p0"]
+        ep = Endpoint("d0", "de_loader", "127.0.0.1", de.rpc_port, *de.ucx_address)
+        toks = [(j * 7) % 40_000 for j in range(2 * BT + 5)]
+        keys = block_keys_from_tokens(toks, BT)
+        await c.store_blocks(keys[:2])
+        pe.submit_plan(RequestPlan("c0", 0, "s0", "p0.e0", "p0", "d0.e0", "d0", "pe", "p0",
+                                   2 * BT, 5, 3, 1 << 20, keys[:2], [], ep, None, 30.0,
+                                   toks[2 * BT:]))
+        await until(lambda: any(r.stage == "finished" for r in de.reports), 60, "finished")
+        for node in (pe, de):
+            stats = node.stats()
+            assert stats["collectives_begun"] == stats["collectives_ended"] > 0
+            assert stats["collectives_engines_active"] == 0 and not node.arbiter.high_active
+        assert pe.stats()["collectives_begun"] == c.spec.num_layers     # one forward
+        assert c.engine_counters()["verified_requests"] == 1
         assert not any(c.leaks().values())

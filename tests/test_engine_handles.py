@@ -19,8 +19,8 @@ from common.protocol import (ArenaSlot, BlockOpened, DecodeAssigned, EngineOk, E
                              EngineRequest, LayerReady, PrefillAssigned, union_members)
 from services.engine_api.blocking import Blocking, Portal
 from services.engine_api.decode import DecodePort, DecodeRequest
-from services.engine_api.handles import (DecodeHandle, DecodeQueue, GeneratedBlock,
-                                         PrefillHandle, PrefillQueue)
+from services.engine_api.handles import (CollectiveSignals, DecodeHandle, DecodeQueue,
+                                         GeneratedBlock, PrefillHandle, PrefillQueue)
 from services.engine_api.prefill import PrefillPort, PrefillRequest
 from services.engine_api.remote_async import (RemoteDecodePort, RemoteDecodeRequest,
                                               RemotePrefillHandle, RemotePrefillPort)
@@ -80,7 +80,7 @@ class FakeClient:
                               ArenaSlot(1024, 6 * 16), ArenaSlot(0, 70 * 16))
         if name == "NewBlock":
             return BlockOpened(msg.request_id, 1, "cd" * 16, ArenaSlot(4096, 2 * 64 * 16))
-        return EngineOk(msg.request_id)
+        return EngineOk(getattr(msg, "request_id", ""))
 
     def view(self, slot: ArenaSlot) -> np.ndarray:
         return self.arena[slot.offset:slot.offset + slot.nbytes].reshape(-1, 16)
@@ -107,7 +107,9 @@ def test_each_handle_protocol_is_declared_once_in_the_tree():
     (PrefillRequest, PrefillHandle), (RemotePrefillHandle, PrefillHandle),
     (DecodeRequest, DecodeHandle), (RemoteDecodeRequest, DecodeHandle),
     (PrefillPort, PrefillQueue), (RemotePrefillPort, PrefillQueue),
-    (DecodePort, DecodeQueue), (RemoteDecodePort, DecodeQueue)],
+    (DecodePort, DecodeQueue), (RemoteDecodePort, DecodeQueue),
+    (PrefillPort, CollectiveSignals), (RemotePrefillPort, CollectiveSignals),
+    (DecodePort, CollectiveSignals), (RemoteDecodePort, CollectiveSignals)],
     ids=lambda x: x.__name__)
 def test_every_implementation_follows_the_declaration(impl, proto):
     assert _follows(impl, proto) == []
@@ -148,6 +150,31 @@ async def test_every_request_scoped_message_is_one_handle_call():
     scoped = {t.__name__ for t in union_members(EngineRequest)
               if {"request_id", "attempt"} <= set(t.__struct_fields__)}
     assert scoped == set(sent)
+
+
+async def test_the_remote_ports_send_one_collective_message_per_call():
+    client = FakeClient()
+    for port in (RemotePrefillPort(client), RemoteDecodePort(client)):  # type: ignore[arg-type]
+        await port.collective_begin()
+        await port.collective_end()
+    assert [type(m).__name__ for m in client.sent] == ["CollectiveBegin", "CollectiveEnd"] * 2
+
+
+async def test_the_in_process_port_holds_its_nodes_gate_and_closing_releases_it():
+    from services.engine_api.collectives import Collectives
+    from services.node.arbiter import ArbiterConfig, EgressArbiter
+    arb = EgressArbiter(ArbiterConfig())
+    shared = Collectives(arb, max_hold_s=30.0)
+    a, b = PrefillPort("p0.e0", shared), PrefillPort("p0.e1", shared)
+    await a.collective_begin()
+    await b.collective_begin()
+    await a.collective_end()
+    assert arb.high_active and shared.active == ["p0.e1"]    # any engine of the node holds it
+    b.close()                                                # its engine is gone
+    assert not arb.high_active and shared.active == []
+    lone = DecodePort("d0.e0")                               # no node gate: calls are no-ops
+    await lone.collective_begin()
+    await lone.collective_end()
 
 
 async def test_a_failed_call_drops_the_request_but_a_prefill_deadline_does_not():

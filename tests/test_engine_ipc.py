@@ -26,7 +26,7 @@ from common.errors import (AlreadyExists, Cancelled, DualpathError, InvalidArgum
                            NotFound, PeerFailed, Unavailable, VersionMismatch)
 from common.kv import KVSpec, block_keys_from_tokens
 from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
-                             DecodeAssigned, EngineAttached, EngineOk, EnginePrompt,
+                             CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAttached, EngineOk, EnginePrompt,
                              EngineReply, EngineRequest, FailRequest, FinishDecode,
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
                              PutBlock, PutLayer, ReportCounters, RequestFinished,
@@ -94,6 +94,7 @@ SAMPLES = [
     PutLayer("r1", 0, 3), FinishPrefill("r1", 0, 7), TookKV("r1", 0), SecondToken("r1", 0),
     NewBlock("r1", 0, list(range(64))), PutBlock("r1", 0, 2), FinishDecode("r1", 0, [1, 2]),
     FailRequest("r1", 0, "gave up"), ReportCounters({"verified_requests": 3.0}),
+    CollectiveBegin(), CollectiveEnd(),
     EngineAttached("p0", "p0.e0", KVSpec("x", 4, 256), "dualpath-" + "0" * 32, 1 << 20, 60.0),
     Assigned([PrefillAssigned(SAMPLE_PROMPT, 64)],
              [DecodeAssigned(SAMPLE_PROMPT, 64, 5, [SLOT, SLOT])]),
@@ -384,6 +385,57 @@ async def test_an_engine_that_disconnects_fails_its_requests_retryable(tmp_path,
             await h.put_layer(0)
         reliability.record("fault", "engine disconnects holding a prefill request",
                            "PEER_FAILED retryable (hop engine), pages freed", leaked_pages=0)
+
+
+# ---------------------------------------------------------------- collectives cap KV egress
+
+async def test_collective_begin_holds_the_arbiter_high_until_its_end(tmp_path):
+    """CollectiveBegin → the node's arbiter is in high-priority mode (KV capped);
+    CollectiveEnd → released; a nested begin needs its own end; both roles."""
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides=sockets(tmp_path)) as c:
+        for node, role, eid in ((c.pe["p0"], "prefill", "p0.e0"),
+                                (c.de["d0"], "decode", "d0.e0")):
+            eng = await client(tmp_path, eid, role)
+            try:
+                assert not node.arbiter.high_active
+                await eng.collective_begin()
+                assert node.arbiter.high_active and node.stats()["arbiter_high_active"] == 1
+                await eng.port.collective_begin()            # nested
+                await eng.collective_end()
+                assert node.arbiter.high_active
+                await eng.port.collective_end()
+                assert not node.arbiter.high_active
+                await eng.collective_end()                    # nothing open: counted, no error
+                stats = node.stats()
+                assert stats["collectives_begun"] == stats["collectives_ended"] == 2
+                assert stats["collective_ends_unmatched"] == 1
+            finally:
+                await eng.close()
+
+
+@pytest.mark.reliability
+async def test_a_disconnect_or_the_deadline_releases_an_open_collective(tmp_path, reliability):
+    over = {**sockets(tmp_path), "arbiter": {"collective_max_s": 0.3}}
+    async with local_datapath(tmp_path, scheduler=False, engines=False, overrides=over) as c:
+        pe = c.pe["p0"]
+        eng = await client(tmp_path)
+        await eng.collective_begin()
+        assert pe.arbiter.high_active
+        await eng.close()                                     # the engine goes away mid-collective
+        await until(lambda: not pe.arbiter.high_active, what="the cap released on detach")
+        assert pe.collectives.counters["collectives_ended_on_detach"] == 1
+        hung = await client(tmp_path)                         # attached, but never ends it
+        try:
+            await hung.collective_begin()
+            assert pe.arbiter.high_active
+            await until(lambda: not pe.arbiter.high_active, 5.0, "the hold to expire")
+            assert pe.collectives.counters["collectives_expired"] == 1
+            await hung.collective_end()                       # late: harmless
+        finally:
+            await hung.close()
+        reliability.record("fault", "engine disconnects / hangs inside a collective",
+                           "KV cap released (detach, collective_max_s)", held_forever=0)
 
 
 # ---------------------------------------------------------------- the emulator as a process

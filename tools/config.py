@@ -8,7 +8,7 @@ gateway, a scheduler or a node without emulated engines must not load the emulat
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -29,6 +29,10 @@ class EngineSimConfig(Section):
     hbm_copy: bool = True                  # decode copies the prompt KV into its own "HBM"
     decode_max_batch: PositiveInt = 256
     vocab: PositiveInt = 100_000
+    # share of each modelled layer (prefill) / step (decode) spent in a TP/EP collective,
+    # announced to the node with collective_begin/end so its arbiter caps KV meanwhile
+    # (docs/qos.md); 0 = the emulator models no collective and sends no such message
+    collective_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
 
 
 class DualpathConfig(ServicesConfig):

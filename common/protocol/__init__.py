@@ -54,7 +54,8 @@ from common.protocol.engine import (
     ENGINE_API_VERSION, ArenaSlot, EnginePrompt, AttachEngine, EngineAttached, NextRequest,
     ClaimRequest, PrefillAssigned, DecodeAssigned, Assigned, WaitLayer, LayerReady, PutLayer,
     FinishPrefill, TookKV, SecondToken, NewBlock, BlockOpened, PutBlock, FinishDecode,
-    FailRequest, EngineOk, EngineRequest, EngineReply, ReportCounters,
+    FailRequest, EngineOk, EngineRequest, EngineReply, ReportCounters, CollectiveBegin,
+    CollectiveEnd,
 )
 
 __all__ = [
@@ -78,5 +79,5 @@ __all__ = [
     "NextRequest", "ClaimRequest", "PrefillAssigned", "DecodeAssigned", "Assigned", "WaitLayer",
     "LayerReady", "PutLayer", "FinishPrefill", "TookKV", "SecondToken", "NewBlock",
     "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "EngineOk", "EngineRequest",
-    "EngineReply", "ReportCounters", "ReadSide",
+    "EngineReply", "ReportCounters", "CollectiveBegin", "CollectiveEnd", "ReadSide",
 ]

@@ -16,6 +16,9 @@ the full prompt KV); ``TookKV``; ``SecondToken``; per generated Full Block ``New
 :class:`BlockOpened` (its ``[L, block_tokens, B]`` page) and ``PutBlock``; then
 ``FinishDecode`` or ``FailRequest``.
 
+Either role: ``CollectiveBegin`` / ``CollectiveEnd`` around the engine's own collectives, so
+the node's egress arbiter keeps KV below them (docs/qos.md, "Collectives tell the arbiter").
+
 Every request-scoped message names ``(request_id, attempt)``; the node refuses one its caller
 does not hold with NOT_FOUND (another engine's, finished, or never handed out).
 """
@@ -214,6 +217,18 @@ class ReportCounters(Message, tag="engine.counters", frozen=True):
     counters: dict[str, float]
 
 
+# --------------------------------------------------------------------------- collectives
+
+class CollectiveBegin(Message, tag="engine.collective_begin", frozen=True):
+    """This engine enters a collective (TP/EP communication on the compute network): its node
+    caps KV egress until :class:`CollectiveEnd` — or until the node's
+    ``arbiter.collective_max_s``, so a hung engine cannot hold the cap (docs/qos.md)."""
+
+
+class CollectiveEnd(Message, tag="engine.collective_end", frozen=True):
+    """This engine left the collective it began (one end per begin)."""
+
+
 class EngineOk(Message, tag="engine.ok", frozen=True):
     """Reply to the calls that return nothing else."""
 
@@ -222,5 +237,5 @@ class EngineOk(Message, tag="engine.ok", frozen=True):
 
 EngineRequest = Union[AttachEngine, NextRequest, ClaimRequest, WaitLayer, PutLayer,
                       FinishPrefill, TookKV, SecondToken, NewBlock, PutBlock, FinishDecode,
-                      FailRequest, ReportCounters]
+                      FailRequest, ReportCounters, CollectiveBegin, CollectiveEnd]
 EngineReply = Union[EngineAttached, Assigned, LayerReady, BlockOpened, EngineOk, ErrorReply]

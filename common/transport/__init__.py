@@ -11,7 +11,8 @@ one-sided RMA backend can replace tags later.
 Settings (measured, docs/performance.md):
 
 * One UCX context + worker per transport, options from ``cfg.traffic_classes[cfg.kv_class]``;
-  options this UCX build cannot apply (``IB_SL`` without verbs) are logged once and skipped.
+  options this UCX build cannot apply (``IB_SL`` without verbs) are logged once and skipped,
+  or refuse the start when the class has ``require = true`` (docs/qos.md).
 * Progress: our own event-driven driver (:class:`~common.transport.ucx_env.WorkerProgress`)
   on the worker's epoll fd. ucxx's ``BlockingMode`` never re-arms the worker after the first
   event, so once a connection exists it spins at 100 % of a core; ours arms after every

@@ -68,6 +68,7 @@ class PageTransport:
         self._n: collections.Counter[str] = collections.Counter()   # requests_orphaned
         self.single_copy_reason = ""
         self.skipped_options: list[str] = []
+        self._options: list[str] = []     # the KV lane's UCX option names (once started)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -99,8 +100,10 @@ class PageTransport:
             cfg, loop = self._cfg, asyncio.get_running_loop()
             env = apply_ucx_env(cfg.shared_memory)
             claim_progress(loop)
-            options = cfg.traffic_classes[cfg.kv_class].ucx_options()
-            ctx, self.skipped_options = create_context(options, cfg.kv_class)
+            lane = cfg.traffic_classes[cfg.kv_class]
+            options = lane.ucx_options()
+            ctx, self.skipped_options = create_context(options, cfg.kv_class, lane.require)
+            self._options = list(options)
             single, self.single_copy_reason = single_copy_supported(options.get("TLS"))
             progress = WorkerProgress(ctx.worker, loop)
             try:
@@ -189,7 +192,8 @@ class PageTransport:
         await self.transfers.send(peer, transfer_id, src, slots, deadline_s, inflight)
 
     def stats(self) -> dict[str, float]:
-        """Counters for metrics (bytes, messages, transfers, staging, endpoints)."""
+        """Counters for metrics (bytes, messages, transfers, staging, endpoints, and which of
+        the KV lane's UCX options were applied: ``ucx_option_applied_<NAME>``)."""
         out = dict.fromkeys(_STATS, 0.0)
         if self._links is not None:
             out.update(self._links.stats())
@@ -197,4 +201,7 @@ class PageTransport:
             out.update(self._transfers.stats())
         out["requests_orphaned"] = float(self._n["requests_orphaned"])
         out["ucx_options_skipped"] = float(len(self.skipped_options))
+        out["ucx_options_required"] = float(self._cfg.traffic_classes[self._cfg.kv_class].require)
+        for name in self._options:     # 1: applied (or set by UCX_<NAME>), 0: UCX rejected it
+            out[f"ucx_option_applied_{name}"] = float(name not in self.skipped_options)
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +18,7 @@ import structlog
 from common.errors import ConfigError
 from common.transport import handshake
 from common.transport.plan import MessagePlan
-from common.transport.ucx_env import options_overridden_by_env
+from common.transport.ucx_env import UCX_PREFIX, options_overridden_by_env
 
 log = structlog.get_logger("common.transport")
 
@@ -47,8 +48,13 @@ def claim_progress(loop: asyncio.AbstractEventLoop) -> None:
     ucxx().app.ProgressTasks.setdefault(loop, _OWN_PROGRESS)
 
 
-def create_context(options: dict[str, str], traffic_class: str) -> tuple[Any, list[str]]:
-    """The ucxx ApplicationContext for one traffic class, minus options UCX rejects."""
+def create_context(options: dict[str, str], traffic_class: str,
+                   require: bool = False) -> tuple[Any, list[str]]:
+    """The ucxx ApplicationContext for one traffic class, minus options UCX rejects.
+
+    With ``require`` a rejected option is a :class:`ConfigError` raised before any context,
+    worker or listener exists (nothing to release), naming the option and this UCX.
+    """
     u = ucxx()
     from_env = options_overridden_by_env(options)
     if from_env:
@@ -56,6 +62,11 @@ def create_context(options: dict[str, str], traffic_class: str) -> tuple[Any, li
                  options=from_env)
     opts = {k: v for k, v in options.items() if k not in from_env}
     try:
+        if require:        # probe first: a refused start must not have made a context
+            # the environment's values too: UCX ignores a UCX_<NAME> it has no use for
+            # (unused variables are not even warned about, ucx_env), so probe them here
+            env = {k: os.environ[UCX_PREFIX + k] for k in from_env}
+            _check_all_apply({**opts, **env}, traffic_class)
         return u.app.ApplicationContext(opts, progress_mode="blocking"), []
     except u.Error as e:
         accepted, skipped = _probe_options(opts)
@@ -69,6 +80,55 @@ def create_context(options: dict[str, str], traffic_class: str) -> tuple[Any, li
                reason=f"{type(e).__name__}: this UCX build cannot apply them (the PyPI UCX "
                       "has no verbs: no IB/RoCE QoS; use a system UCX >= 1.19 with verbs)")
         return u.app.ApplicationContext(accepted, progress_mode="blocking"), skipped
+
+
+def _check_all_apply(options: dict[str, str], traffic_class: str) -> None:
+    """ConfigError naming the first option this UCX rejects (``require = true``)."""
+    accepted, skipped = _probe_options(options)
+    if not skipped:
+        return
+    names = ", ".join(f"transport.traffic_classes.{traffic_class}.options.{k} = "
+                      f"{options[k]!r}" for k in skipped)
+    raise ConfigError(
+        f"UCX cannot apply {names}, and transport.traffic_classes.{traffic_class}.require is "
+        f"true: refusing to start rather than send KV without its service level. This UCX: "
+        f"{ucx_facts(accepted)}. Use a UCX built with verbs (docs/qos.md, 'A system UCX with "
+        f"verbs') or set require = false to run without the option.")
+
+
+def ucx_facts(options: dict[str, str] | None = None) -> str:
+    """What ``ucx_info -v`` / ``ucx_info -d`` would say of the UCX this process loaded:
+    version, library path, and the transports a context with ``options`` has."""
+    u = ucxx()
+    version = ".".join(str(x) for x in u.lib.get_ucx_version())
+    try:
+        resources = _resources(u.lib.UCXContext(options or {}).info)
+    except u.Error as e:
+        resources = [f"(none: {type(e).__name__})"]
+    return (f"UCX {version} from {_loaded_library('libucp.so')}, transports "
+            f"{', '.join(resources) or '(none)'}")
+
+
+def _resources(info: str) -> list[str]:
+    """``transport/device`` of every resource line of a UCP context's info text."""
+    out = []
+    for line in info.splitlines():
+        if "resource" in line and "flags --" in line:
+            out.append(line.split("flags --", 1)[1].strip())
+    return out
+
+
+def _loaded_library(name: str) -> str:
+    """Path of the loaded shared library whose file name starts with ``name`` (or "?")."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if os.path.basename(path).startswith(name):
+                    return path
+    except OSError:
+        return "? (not Linux: no /proc/self/maps)"
+    return "? (not among this process's mappings)"
 
 
 def _probe_options(options: dict[str, str]) -> tuple[dict[str, str], list[str]]:

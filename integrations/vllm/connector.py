@@ -22,6 +22,9 @@ puts the plan there); others run as plain vLLM.
 * A load that fails, times out or comes up short fails the session (dualpath re-plans it) and
   reports the request's loaded blocks through ``get_block_ids_with_load_errors``, so vLLM
   recomputes them (``kv_load_failure_policy="recompute"``): never wrong KV, never a hang.
+* Tensor parallelism 1 only: a TP > 1 vLLM would announce its collectives to the node
+  (``collective_begin`` / ``collective_end`` on the engine client) so KV egress stays below
+  them; not supported yet (docs/vllm.md, "Collectives").
 """
 
 from __future__ import annotations

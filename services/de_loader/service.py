@@ -44,7 +44,7 @@ class DELoaderService(NodeBase):
                  engines: int | None = None, hit_source: HitSource | None = None) -> None:
         super().__init__(cfg, node_id, cfg.de_loader, spec=spec, engines=engines,
                          pool_name="de_buffer")
-        self.ports = {e: DecodePort(e) for e in self.engine_ids}
+        self.ports = {e: DecodePort(e, self.collectives) for e in self.engine_ids}
         self.attempts: dict[tuple[str, int], DecodeAttempt] = {}
         # Benchmarks/tests: where DE-path hit KV comes from instead of the gateway.
         self.hit_source = hit_source

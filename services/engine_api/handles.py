@@ -12,6 +12,7 @@ every engine-side user is typed against them, never against one implementation:
 * blocking — ``blocking.Blocking`` over either of those, for engines that are not asyncio
   (vLLM's connector): the same calls, each waited for on a private event loop.
 
+Both queues also carry the engine's collective begin/end (:class:`CollectiveSignals`).
 The call sequences and their rules are in docs/engine-api.md. The protocols are
 ``runtime_checkable`` so the blocking bridge can tell a handle (made blocking in turn) from a
 plain value in what a call returns.
@@ -155,7 +156,20 @@ class DecodeHandle(Protocol):
         ...
 
 
-class PrefillQueue(Protocol):
+class CollectiveSignals(Protocol):
+    """What an engine tells its node about its own collectives (TP/EP communication): the
+    node caps KV egress between begin and end (docs/qos.md, "Collectives tell the arbiter")."""
+
+    async def collective_begin(self) -> None:
+        """The engine enters a collective (nested begins need as many ends)."""
+        ...
+
+    async def collective_end(self) -> None:
+        """The engine left the collective it began."""
+        ...
+
+
+class PrefillQueue(CollectiveSignals, Protocol):
     """One prefill engine's requests, FIFO (the in-process port or its remote stand-in)."""
 
     engine_id: str
@@ -171,7 +185,7 @@ class PrefillQueue(Protocol):
     def close(self) -> None: ...
 
 
-class DecodeQueue(Protocol):
+class DecodeQueue(CollectiveSignals, Protocol):
     """One decode engine's requests whose prompt KV is assembled, FIFO."""
 
     engine_id: str

@@ -28,7 +28,7 @@ from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, Pee
                            ProtocolError, Unavailable)
 from common.kv import KVSpec
 from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
-                             DecodeAssigned, EngineAttached, EnginePrompt, EngineReply,
+                             CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAttached, EnginePrompt, EngineReply,
                              FailRequest, FinishDecode, FinishPrefill, LayerReady, NewBlock,
                              NextRequest, PrefillAssigned, PutBlock, PutLayer, ReportCounters,
                              SecondToken, TookKV, WaitLayer)
@@ -116,6 +116,16 @@ class EngineClient:
     async def report_counters(self, counters: dict[str, float]) -> None:
         """The engine's cumulative counters; the node shows them in its stats (``engine_*``)."""
         await self.call(ReportCounters({str(k): float(v) for k, v in counters.items()}))
+
+    async def collective_begin(self) -> None:
+        """This engine enters a collective: the node caps KV egress until
+        :meth:`collective_end` (or its ``arbiter.collective_max_s``; a detach ends it too).
+        Here for blocking engines (the bridge wraps the client); the port sends it."""
+        await self.port.collective_begin()
+
+    async def collective_end(self) -> None:
+        """This engine left the collective it began."""
+        await self.port.collective_end()
 
     # ------------------------------------------------------------------ getting requests
     async def next_prefill(self, timeout_s: float) -> RemotePrefillHandle | None:
@@ -398,6 +408,12 @@ class _RemotePort:
             log.debug("engine_prefetch_failed", engine=self.engine_id, error=repr(e))
         finally:
             self._poll = None
+
+    async def collective_begin(self) -> None:
+        await self.client.call(CollectiveBegin())
+
+    async def collective_end(self) -> None:
+        await self.client.call(CollectiveEnd())
 
     def close(self) -> None:
         self.closed = True

@@ -5,6 +5,10 @@ next one (``try_next`` / ``_next``) or, behind a P/D router, the one it was sent
 (``take(request_id)``, docs/engine-api.md "Claim by request id"). A request dropped while
 queued is never handed out: the queue releases it for the engine. The roles differ only in
 what "dropped" and "release" mean (the hooks below).
+
+The port is also how an in-process engine tells its node that its collectives run
+(``collective_begin`` / ``collective_end``): the node's :class:`~.collectives.Collectives`,
+handed in by the node service, caps KV egress meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections import deque
 from typing import Generic, Protocol, TypeVar
 
 from common.errors import Cancelled
+
+from .collectives import Collectives
 
 
 class _Request(Protocol):
@@ -29,8 +35,9 @@ class RequestQueue(Generic[R]):
 
     _role = "engine"          # named in the closed-port error
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self, engine_id: str, collectives: Collectives | None = None) -> None:
         self.engine_id = engine_id
+        self.collectives = collectives if collectives is not None else Collectives(None)
         self._queue: deque[R] = deque()
         self._ready = asyncio.Event()
         self._arrived = asyncio.Event()      # replaced on every arrival: claim waiters
@@ -103,8 +110,17 @@ class RequestQueue(Generic[R]):
         except TimeoutError:
             pass
 
+    async def collective_begin(self) -> None:
+        """This engine enters a collective: the node caps KV egress until the end."""
+        self.collectives.begin(self.engine_id)
+
+    async def collective_end(self) -> None:
+        """This engine left the collective it began."""
+        self.collectives.end(self.engine_id)
+
     def close(self) -> None:
         self.closed = True
+        self.collectives.end_all(self.engine_id, f"{self._role} port closed")
         self._ready.set()
         self._note_arrival()
 

@@ -9,7 +9,8 @@ the same objects. What this module adds is the mapping between handles and wire 
 views become :class:`~common.protocol.ArenaSlot` s of the node's ``/dev/shm`` arena (the engine
 maps it once), handles are held per session, and a session that ends — engine exit, kill -9,
 a replacing attach — fails every request it held as retryable (``PeerFailed``), which frees
-their pages and lets the scheduler re-plan them.
+their pages and lets the scheduler re-plan them, and ends the collectives it had begun (the
+node's KV cap is released).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from common.errors import (AlreadyExists, Cancelled, DualpathError, InternalErro
                            VersionMismatch)
 from common.kv import KVSpec
 from common.protocol import (ENGINE_API_VERSION, ArenaSlot, Assigned, AttachEngine,
-                             BlockOpened, ClaimRequest, DecodeAssigned, EngineAttached,
+                             BlockOpened, ClaimRequest, CollectiveBegin, CollectiveEnd,
+                             DecodeAssigned, EngineAttached,
                              EngineOk, EnginePrompt, EngineRequest, FailRequest, FinishDecode,
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
                              PutBlock, PutLayer, ReportCounters, SecondToken, TookKV,
@@ -100,7 +102,8 @@ class EngineApiServer:
                 FinishPrefill: self._finish_prefill, TookKV: self._took_kv,
                 SecondToken: self._second_token, NewBlock: self._new_block,
                 PutBlock: self._put_block, FinishDecode: self._finish_decode,
-                FailRequest: self._fail, ReportCounters: self._report_counters}
+                FailRequest: self._fail, ReportCounters: self._report_counters,
+                CollectiveBegin: self._collective_begin, CollectiveEnd: self._collective_end}
 
     async def start(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -135,6 +138,14 @@ class EngineApiServer:
         if len(msg.counters) > 256:
             raise InvalidArgument(f"{len(msg.counters)} counters reported, at most 256")
         self.reported[sess.engine_id] = {k[:64]: float(v) for k, v in msg.counters.items()}
+        return EngineOk()
+
+    async def _collective_begin(self, msg: CollectiveBegin, ctx: CallContext) -> EngineOk:
+        await self._open_port(self._session(ctx)).collective_begin()
+        return EngineOk()
+
+    async def _collective_end(self, msg: CollectiveEnd, ctx: CallContext) -> EngineOk:
+        await self.ports[self._session(ctx).engine_id].collective_end()
         return EngineOk()
 
     # ------------------------------------------------------------------ attach / detach
@@ -209,6 +220,7 @@ class EngineApiServer:
         sess.prefill.clear()
         sess.decode.clear()
         sess.blocks.clear()
+        self.ports[sess.engine_id].collectives.end_all(sess.engine_id, reason)
         self.counters["detaches"] += 1
         self.counters["requests_failed_on_detach"] += held
         log.info("engine_detached", node=self.node_id, engine=sess.engine_id, reason=reason,

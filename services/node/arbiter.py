@@ -8,9 +8,11 @@ stands in:
 * an optional **link bucket** (``link_rate_bytes_per_s``) emulates the node's CNIC bandwidth:
   every KV byte the node's PE receiver / DE loader sends (and, with ``charge_h2d``, every
   H2D layer load, which the paper routes through the CNIC, §5.2) waits for it;
-* while a **higher-priority flow** is active (:meth:`EgressArbiter.high_priority`, or the
-  synthetic collective stream :func:`run_collective` in tests), KV is additionally capped at
-  ``kv_share`` of the link rate, so the high-priority flow keeps at least ``1 - kv_share``.
+* while a **higher-priority flow** is active (:meth:`EgressArbiter.high_priority`: held in
+  production while any engine of the node is inside a collective it announced,
+  ``services.engine_api.collectives``; or the synthetic collective stream
+  :func:`run_collective` in tests), KV is additionally capped at ``kv_share`` of the link
+  rate, so the high-priority flow keeps at least ``1 - kv_share``.
 
 Bytes are charged in ``chunk_bytes`` pieces before they are sent; the buckets keep debt
 (``common.rate.TokenBucket``), so long-run rates are exact.
@@ -26,7 +28,7 @@ from typing import Annotated
 
 import msgspec
 
-from common.config import NonNegFloat, NonNegInt, PositiveInt, Section
+from common.config import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Section
 from common.rate import TokenBucket
 
 MiB = 1024 * 1024
@@ -42,6 +44,8 @@ class ArbiterConfig(Section):
     kv_share: Share = 0.05                    # the paper reserves ~99% for inference traffic
     chunk_bytes: PositiveInt = 1 * MiB
     charge_h2d: bool = True                   # PE-path layer loads cross the CNIC too (§5.2)
+    # longest an engine's collective (CollectiveBegin without its end) holds the KV cap
+    collective_max_s: PositiveFloat = 2.0
 
     def __post_init__(self) -> None:
         # cross-field; the per-field bounds are declared above and checked at decode

@@ -35,6 +35,7 @@ from common.rpc import CallContext, RpcServer
 from common.service import Service
 from common.transport import PageTransport
 from services.node.arbiter import EgressArbiter
+from services.engine_api.collectives import Collectives
 from services.engine_api.kv_region import RegionPool
 from services.engine_api.server import EngineApiServer
 from services.scheduler.client.node_client import NodeSession
@@ -76,6 +77,8 @@ class NodeBase(Service):
                              shm=shm)      # same-host reads, engines in other processes
         self.regions = RegionPool(self.pool)
         self.arbiter = EgressArbiter(cfg.arbiter)
+        # engines' announced collectives hold the arbiter's KV cap (the ports get this)
+        self.collectives = Collectives(self.arbiter, cfg.arbiter.collective_max_s)
         self.transport: PageTransport | None = None
         self.rpc: RpcServer | None = None
         self.session: NodeSession | None = None
@@ -330,6 +333,7 @@ class NodeBase(Service):
         out = {k: float(v) for k, v in self.pool.counters().items()}
         out.update({f"transport_{k}": v for k, v in self.transport.stats().items()})
         out.update(self.arbiter.stats())
+        out.update(self.collectives.stats())
         out.update({k: float(v) for k, v in self.counters.items()})
         out.update(self.node_counters())
         if self.engine_api is not None:

@@ -45,7 +45,7 @@ class PEReceiverService(NodeBase):
                  engines: int | None = None) -> None:
         super().__init__(cfg, node_id, cfg.pe_receiver, spec=spec, engines=engines,
                          pool_name="pe_buffer")
-        self.ports = {e: PrefillPort(e) for e in self.engine_ids}
+        self.ports = {e: PrefillPort(e, self.collectives) for e in self.engine_ids}
         self.attempts: dict[tuple[str, int], PrefillAttempt] = {}
         self._data_paths: dict[tuple[str, int], RpcClient] = {}
         # tok_e in the scheduler core's unit (prefill-cost-weighted by default): the core

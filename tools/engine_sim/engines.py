@@ -11,6 +11,10 @@
   (``kv_pattern.token_id``); every block of prompt tail + generated tokens that has KV goes
   back through ``new_block``/``put_block``.
 * :class:`EngineHost` — runs one emulated engine per port of a PE receiver or DE loader.
+
+With ``collective_fraction`` > 0 both spend that share of every layer (prefill) / step
+(decode) inside a modelled TP/EP collective announced to the node (``collective_begin`` /
+``collective_end``), so the node's arbiter caps KV egress then (docs/qos.md).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import structlog
 from common.errors import ChecksumMismatch, DualpathError, InvalidArgument
 from common.kv import KVSpec
 from services.engine_api.decode import DecodePort
-from services.engine_api.handles import DecodeHandle, DecodeQueue, PrefillHandle, PrefillQueue
+from services.engine_api.handles import (CollectiveSignals, DecodeHandle, DecodeQueue,
+                                         PrefillHandle, PrefillQueue)
 from services.engine_api.prefill import PrefillPort
 from services.compute_model.batching import PrefillBatcher
 from services.compute_model.cost_model import ModelCost, cost_model
@@ -41,6 +46,26 @@ _KEEP = 4096
 
 def _cost(spec: KVSpec, cfg: EngineSimConfig) -> ModelCost:
     return cost_model(cfg.model or spec.name)
+
+
+async def spend(port: CollectiveSignals, seconds: float, fraction: float) -> None:
+    """Spend ``seconds`` of modelled compute, the last ``fraction`` of it in a collective the
+    node is told about (begin/end), so its arbiter caps KV meanwhile (docs/qos.md)."""
+    compute = seconds * (1 - fraction)
+    if compute > 0:
+        await asyncio.sleep(compute)
+    if fraction <= 0:
+        return
+    await port.collective_begin()
+    try:
+        if seconds > 0:
+            await asyncio.sleep(seconds * fraction)
+    finally:
+        try:
+            await port.collective_end()
+        except DualpathError as e:     # the node is gone; its detach ended the collective
+            log.info("collective_end_unacknowledged", engine=getattr(port, "engine_id", "?"),
+                     error=repr(e))
 
 
 @dataclass
@@ -106,8 +131,7 @@ class PrefillEngineSim:
             if self.cfg.mode == "layerwise":
                 items = [x for x in items if await self._load(x[0], layer)]
             t0 = time.monotonic()
-            if per_layer > 0:
-                await asyncio.sleep(per_layer)
+            await spend(self.port, per_layer, self.cfg.collective_fraction)
             for h, _ in items:
                 self._timing[h.request_id].compute_s += time.monotonic() - t0
             items = [x for x in items if not x[1].last or await self._produce(x[0], layer)]
@@ -262,9 +286,8 @@ class DecodeEngineSim:
         seqs = list(self.active.values())
         ctx = sum(s.info.prompt_tokens + len(s.out) for s in seqs)
         delay = self.cost.decode_step_s(len(seqs), ctx) * self.cfg.time_scale
-        if delay > 0:
-            await asyncio.sleep(delay)
-        else:
+        await spend(self.port, delay, self.cfg.collective_fraction)
+        if delay <= 0:
             await asyncio.sleep(0)
         for s in seqs:
             if s.req.request_id not in self.active:

@@ -88,3 +88,22 @@ def test_engine_source_refuses_a_plan_for_other_tokens():
         src._check_prompt(info, other)
     with pytest.raises(InvalidArgument, match="prompt tokens"):
         src._check_prompt(info, ids[:-1])
+
+
+def _vllm_config(tp=1, pp=1, prefix=False, **model):
+    from types import SimpleNamespace as NS
+    return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+              model_config=NS(**model), cache_config=NS(enable_prefix_caching=prefix))
+
+
+def test_unsupported_vllm_instances_are_refused_at_start_naming_the_reason():
+    from integrations.vllm.kv_spec import check_supported
+
+    check_supported(_vllm_config())                                     # TP=PP=1, plain KV
+    for cfg, why in ((_vllm_config(tp=2), "tensor_parallel_size=2"),
+                     (_vllm_config(pp=2), "pipeline_parallel_size=2"),
+                     (_vllm_config(use_mla=True), "MLA"),
+                     (_vllm_config(is_hybrid=True), "hybrid"),
+                     (_vllm_config(prefix=True), "--no-enable-prefix-caching")):
+        with pytest.raises(ValueError, match=why):
+            check_supported(cfg)

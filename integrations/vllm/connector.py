@@ -51,7 +51,7 @@ from integrations.vllm.geometry import (
     scatter_range,
     token_slots,
 )
-from integrations.vllm.kv_spec import check_same_layout, spec_from_vllm
+from integrations.vllm.kv_spec import check_same_layout, check_supported, spec_from_vllm
 from integrations.vllm.local_store import LocalKVStore
 from integrations.vllm.sessions import KVSource
 from services.engine_api.blocking import SyncPrefillHandle
@@ -136,6 +136,7 @@ class DualPathConnector(KVConnectorBase_V1):
         if ktc.kv_load_failure_policy != "recompute":
             raise ValueError("DualPathConnector needs kv_load_failure_policy='recompute' in "
                              "--kv-transfer-config: a failed load must be recomputed")
+        check_supported(vllm_config)
         extra = dict(ktc.kv_connector_extra_config)
         self._source = _make_source(extra, vllm_config)
         self._timeout_s = float(extra.get("layer_timeout_s", 10.0))

@@ -35,3 +35,31 @@ def check_same_layout(model_spec: KVSpec, cluster_spec: KVSpec, cluster: str) ->
             f"KV spec mismatch: the vLLM model has {model_spec.describe()}, dtype "
             f"{model_spec.dtype}; {cluster} has {cluster_spec.describe()}, dtype "
             f"{cluster_spec.dtype} — serve the model the cluster's [kv] preset describes")
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Refuse at start, naming the reason, what the connector would only half-serve.
+
+    * TP/PP > 1: each rank holds a slice of the heads / layers, and the dualpath KV layout
+      is the whole model's (one engine = one rank).
+    * MLA, hybrid (attention + mamba/sliding groups), attention-free models: their KV is not
+      ``[K|V][kv_head][head_size]`` per layer, the byte layout every stored block has.
+    * Prefix caching: vLLM's own local hit can exceed the hit dualpath planned, and the
+      connector does not yet merge the two (the turn would be refused and re-planned until it
+      fails) — start vLLM with ``--no-enable-prefix-caching`` (docs/vllm.md).
+    """
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    reasons = []
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        reasons.append(f"tensor_parallel_size={parallel.tensor_parallel_size}, "
+                       f"pipeline_parallel_size={parallel.pipeline_parallel_size} (one engine "
+                       f"must hold the whole model's KV: TP = PP = 1)")
+    for flag, what in (("use_mla", "MLA attention"), ("is_hybrid", "a hybrid KV layout"),
+                       ("is_attention_free", "an attention-free model")):
+        if getattr(model, flag, False):
+            reasons.append(f"{what} (the dualpath layout is [K|V][kv_head][head_size] per layer)")
+    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        reasons.append("prefix caching is on (start vLLM with --no-enable-prefix-caching: a "
+                       "local vLLM hit larger than the dualpath hit is not merged yet)")
+    if reasons:
+        raise ValueError("DualPathConnector cannot serve this vLLM instance: " + "; ".join(reasons))

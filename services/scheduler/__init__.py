@@ -13,8 +13,12 @@ never loads another:
   one RPC port: the request table, the frontend and node channels, leases, outboxes, long-poll,
   hit lookup, kept results.
 * ``client`` — the public seam other packages use: ``client.client`` (frontends) and
-  ``client.node_client`` (node services), with ``client.resubmit`` (the frontend stream that
-  reconnects and resubmits across a scheduler restart).
+  ``client.node_client`` (node services), ``client.leader`` (the etcd leader's address, for
+  both) and ``client.resubmit`` (the frontend stream that reconnects and resubmits across a
+  scheduler restart).
+* ``app`` — the composition root: a typed config in, a running scheduler out (election, the
+  leader's watch, hit lookup, metrics); what ``dualpath serve scheduler`` and the in-process
+  cluster run.
 * ``etcd`` — leader election with fencing epochs, node discovery and the leader's watch of it
   (``[etcd] endpoints``).
 * ``service_config`` — the ``[scheduler_service]`` and ``[etcd]`` sections (the placement

@@ -32,6 +32,7 @@ from common.protocol import (
     PROTOCOL_VERSION, Call, CallError, CancelCall, ErrorReply, Hello, HelloReply, Reply,
     ServerHello, StreamCredit, StreamEnd, StreamItem, union_members,
 )
+from common.tls import server_context
 
 log = structlog.get_logger(__name__)
 
@@ -137,6 +138,7 @@ class RpcServer:
         self._node_id = node_id
         self._kv_fingerprint = kv_fingerprint
         self._secret = auth_secret
+        self._tls = server_context(cfg)     # None: plaintext; bad files fail here, at start
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._entries = _build_entries(handlers, request_type)
@@ -178,11 +180,15 @@ class RpcServer:
             if self._server is not None:
                 return
             self._draining = False
+            # TLS in the listener (not start_tls in the callback: the ClientHello can reach a
+            # plaintext reader first). A failed handshake closes only that connection.
+            tls = {} if self._tls is None else {
+                "ssl": self._tls, "ssl_handshake_timeout": self._cfg.handshake_timeout_s}
             self._server = await asyncio.start_server(self._on_accept, host or self._cfg.host,
-                                                      port)
+                                                      port, **tls)
             self._port = self._server.sockets[0].getsockname()[1]
             log.info("rpc_server_started", service=self._service, node_id=self._node_id,
-                     host=host or self._cfg.host, port=self._port)
+                     host=host or self._cfg.host, port=self._port, tls=bool(self._tls))
 
     async def start_unix(self, path: str) -> None:
         """Listen on the Unix socket ``path`` (a local channel: engines of a node).

@@ -65,6 +65,12 @@ class RpcConfig(Section, frozen=True):
     use_uvloop: bool = True
     auth_secret_file: str | None = None    # shared secret for challenge/response in the hello
     auth_secret_env: str | None = None
+    # TLS (common/tls.py): on when a certificate or CA is set; empty = plaintext.
+    tls_cert_file: str | None = None       # this process's certificate (PEM), served/presented
+    tls_key_file: str | None = None        # its private key (PEM)
+    tls_ca_file: str | None = None         # CA that signs peers' certificates; unset: system
+    tls_require_client_cert: bool = False  # servers refuse clients without a CA-signed cert
+    tls_server_name: str | None = None     # name checked in servers' certs; unset: the host
 
 
 class TrafficClassConfig(Section, frozen=True):

@@ -22,7 +22,7 @@ import structlog
 from common.auth import compute_response, load_secret
 from common.config import RpcConfig
 from common.errors import (
-    Cancelled, DeadlineExceeded, DualpathError, PeerFailed, ProtocolError,
+    Cancelled, DeadlineExceeded, DualpathError, PeerFailed, ProtocolError, Unauthenticated,
     Unavailable, error_from_code,
 )
 from common.framing import FrameCodec, FrameSender, close_writer, read_frame
@@ -30,6 +30,7 @@ from common.protocol import (
     PROTOCOL_VERSION, Call, CallError, CancelCall, ErrorReply, Hello, HelloReply, Message,
     Reply, ServerHello, StreamCredit, StreamEnd, StreamItem,
 )
+from common.tls import client_context, is_refusal
 
 log = structlog.get_logger(__name__)
 
@@ -242,6 +243,7 @@ class RpcClient:
         # No explicit secret: the one ``cfg`` names (rpc.auth_secret_file / _env), so every
         # client built from a cluster's config authenticates without each caller remembering.
         self._secret = auth_secret if auth_secret is not None else load_secret(cfg)
+        self._tls = client_context(cfg)     # None: plaintext; bad files fail here, at start
         self._codec = FrameCodec(reply_type, cfg.max_frame_bytes, event_type)
         self._ids = itertools.count(1)
         self._conn: _Connection | None = None
@@ -392,18 +394,31 @@ class RpcClient:
                 if self._unix_path is not None:
                     reader, writer = await asyncio.open_unix_connection(self._unix_path)
                 else:
-                    reader, writer = await asyncio.open_connection(self._host, self._port)
+                    reader, writer = await asyncio.open_connection(
+                        self._host, self._port, **self._tls_kwargs())
         except (OSError, TimeoutError) as e:
+            if is_refusal(e):
+                raise Unauthenticated(f"TLS handshake with {self.address} refused: {e}; check "
+                                      f"rpc.tls_* on both sides") from None
             raise Unavailable(f"cannot reach {self.address}: {e!r}") from None
         try:
             async with asyncio.timeout(cfg.handshake_timeout_s):
                 peer = await self._handshake(reader, writer)
         except BaseException as e:
             writer.transport.abort()
+            if is_refusal(e):     # TLS 1.3: the server checks our certificate after connect
+                raise Unauthenticated(f"{self.address} refused our TLS certificate: {e}; "
+                                      f"check rpc.tls_cert_file / rpc.tls_ca_file") from None
             if isinstance(e, TimeoutError | ConnectionError | OSError):
                 raise Unavailable(f"hello with {self.address} failed: {e!r}") from None
             raise
         return _Connection(self, reader, writer, peer)
+
+    def _tls_kwargs(self) -> dict[str, Any]:
+        if self._tls is None or self._unix_path is not None:
+            return {}
+        return {"ssl": self._tls, "server_hostname": self._cfg.tls_server_name or self._host,
+                "ssl_handshake_timeout": self._cfg.handshake_timeout_s}
 
     async def _handshake(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> HelloReply:

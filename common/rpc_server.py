@@ -32,6 +32,8 @@ from common.protocol import (
     PROTOCOL_VERSION, Call, CallError, CancelCall, ErrorReply, Hello, HelloReply, Reply,
     ServerHello, StreamCredit, StreamEnd, StreamItem, union_members,
 )
+from common.tls import server_context
+from common.unix_socket import bind_private
 
 log = structlog.get_logger(__name__)
 
@@ -137,6 +139,7 @@ class RpcServer:
         self._node_id = node_id
         self._kv_fingerprint = kv_fingerprint
         self._secret = auth_secret
+        self._tls = server_context(cfg)     # None: plaintext; bad files fail here, at start
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._entries = _build_entries(handlers, request_type)
@@ -149,6 +152,7 @@ class RpcServer:
         self._server: asyncio.Server | None = None
         self._port = 0
         self._unix_path: str | None = None
+        self._admit_peer: Callable[[Any], bool] | None = None
         self._draining = False
         self._conn_ids = itertools.count(1)
         self._conns: dict[int, ServerConnection] = {}
@@ -178,14 +182,21 @@ class RpcServer:
             if self._server is not None:
                 return
             self._draining = False
+            # TLS in the listener (not start_tls in the callback: the ClientHello can reach a
+            # plaintext reader first). A failed handshake closes only that connection.
+            tls: dict[str, Any] = {} if self._tls is None else {
+                "ssl": self._tls, "ssl_handshake_timeout": self._cfg.handshake_timeout_s}
             self._server = await asyncio.start_server(self._on_accept, host or self._cfg.host,
-                                                      port)
+                                                      port, **tls)
             self._port = self._server.sockets[0].getsockname()[1]
             log.info("rpc_server_started", service=self._service, node_id=self._node_id,
-                     host=host or self._cfg.host, port=self._port)
+                     host=host or self._cfg.host, port=self._port, tls=bool(self._tls))
 
-    async def start_unix(self, path: str) -> None:
-        """Listen on the Unix socket ``path`` (a local channel: engines of a node).
+    async def start_unix(self, path: str,
+                         admit: Callable[[Any], bool] | None = None) -> None:
+        """Listen on the Unix socket ``path`` (a local channel: engines of a node), created
+        0600 (common.unix_socket). ``admit(socket)`` (e.g. a peer-uid check) runs on each
+        accepted connection before the hello; False closes it.
 
         A socket file left there by a dead server (nobody accepts on it) is replaced; one a
         live server listens on is refused, so two nodes never share a path.
@@ -193,9 +204,9 @@ class RpcServer:
         async with self._lock:
             if self._server is not None:
                 return
-            _replace_stale_socket(path)
-            self._draining = False
-            self._server = await asyncio.start_unix_server(self._on_accept, path)
+            sock = bind_private(path)
+            self._draining, self._admit_peer = False, admit
+            self._server = await asyncio.start_unix_server(self._on_accept, sock=sock)
             self._port, self._unix_path = 0, path
             log.info("rpc_server_started", service=self._service, node_id=self._node_id,
                      unix=path)
@@ -235,8 +246,9 @@ class RpcServer:
 
     async def _on_accept(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
-        if self._draining:          # accepted just before stop() closed the listener
-            await close_writer(writer)
+        admit = self._admit_peer
+        if self._draining or (admit is not None and not admit(writer.get_extra_info("socket"))):
+            await close_writer(writer)     # draining: accepted just before stop() closed it
             return
         task = asyncio.current_task()
         assert task is not None     # start_server runs every client callback in a task
@@ -552,29 +564,3 @@ def _hello_fields(hello: Hello | ErrorReply) -> dict[str, Any]:
         return {"role": hello.role, "node_id": hello.node_id, "version": hello.version}
     return {}
 
-
-def _replace_stale_socket(path: str) -> None:
-    """Unlink a Unix socket file nobody listens on; InvalidArgument when one is live or the
-    path is not a socket."""
-    import socket
-    import stat as stat_mod
-
-    from common.errors import InvalidArgument
-
-    if len(os.fsencode(path)) >= 104:        # sun_path is 108 bytes on Linux, 104 elsewhere
-        raise InvalidArgument(f"Unix socket path too long ({len(path)} chars): {path}")
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat_mod.S_ISSOCK(st.st_mode):
-        raise InvalidArgument(f"{path} exists and is not a socket; choose another path")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise InvalidArgument(f"a live server already listens on {path}")

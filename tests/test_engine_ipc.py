@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -562,3 +563,31 @@ async def test_a_pipelined_put_that_fails_is_raised_by_the_next_call(tmp_path):
         finally:
             await asyncio.to_thread(sync.close)
         await no_leaks(c)
+
+
+async def test_engine_socket_is_private_and_refuses_other_uids(tmp_path, reliability):
+    """The socket is created 0600 even under a permissive umask (no chmod window), and a peer
+    whose uid (SO_PEERCRED) is not allowed is closed and counted while the node keeps serving.
+    A second uid is simulated by allowing only one that is not ours on the PE node."""
+    stranger_only = sockets(tmp_path)
+    stranger_only["pe_receiver"]["engine_socket_uids"] = [os.getuid() + 4242]
+    old = os.umask(0)
+    try:
+        async with local_datapath(tmp_path, scheduler=False, engines=False,
+                                  overrides=stranger_only) as c:
+            for sock in ("p0.sock", "d0.sock"):
+                assert stat.S_IMODE(os.stat(tmp_path / sock).st_mode) == 0o600, sock
+            with pytest.raises((Unavailable, PeerFailed)):
+                await EngineClient.connect(str(tmp_path / "p0.sock"), engine_id="p0.e0",
+                                           role="prefill", kv_spec=c.spec, timeout_s=2.0)
+            api = c.pe["p0"].engine_api
+            await until(lambda: api.counters["peers_refused"] >= 1)
+            assert not api.sessions
+            ok = await client(tmp_path, engine_id="d0.e0", role="decode", spec=c.spec)
+            await ok.close()
+            assert c.de["d0"].engine_api.counters["peers_refused"] == 0
+    finally:
+        os.umask(old)
+    reliability.record("security", "engine socket: 0600 under umask 0; a peer uid outside "
+                       "engine_socket_uids", "refused and counted (peers_refused); the "
+                       "node's other engines keep attaching")

@@ -173,6 +173,49 @@ def test_remote_engines_get_their_own_container_sharing_the_pod(cluster):
     assert {"name": "shm", "mountPath": "/dev/shm"} in eng["volumeMounts"]
 
 
+TLS_RPC = {"tls_cert_file": "/etc/dualpath/tls/tls.crt", "tls_key_file": "/etc/dualpath/tls/tls.key",
+           "tls_ca_file": "/etc/dualpath/tls/ca.crt", "tls_require_client_cert": True,
+           "auth_secret_file": "/etc/dualpath/auth/secret"}
+
+
+def test_tls_and_secret_files_are_mounted_from_a_secret_in_every_container(cluster):
+    """[rpc] TLS and shared-secret files: mounted read-only (0400) from the operator's Secret
+    where the file names them, the same settings in the environment for the Ping probe, one
+    cluster-wide TLS server name (pods are dialled by IP); nothing secret rendered."""
+    secured = load_data({**cluster.data, "rpc": TLS_RPC}, "x", environ={})
+    objs = render(secured, KubeOptions(rpc_secret="my-rpc"))
+    validate_all(objs)
+    assert "Secret" not in {o["kind"] for o in objs}
+    sets = by_kind(objs, "StatefulSet")
+    pods = [sets[n]["spec"]["template"]["spec"] for n in ("dualpath-scheduler", "dualpath-p0",
+                                                          "dualpath-d0")]
+    for pod in pods:
+        vols = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+        assert {v["secretName"] for v in vols.values()} == {"my-rpc"}
+        assert all(v["defaultMode"] == 0o400 for v in vols.values())
+        keys = sorted(i["key"] for v in vols.values() for i in v["items"])
+        assert keys == ["ca.crt", "secret", "tls.crt", "tls.key"]
+        for ctr in pod["containers"]:
+            mounted = {m["mountPath"]: m for m in ctr["volumeMounts"] if m["name"] in vols}
+            assert set(mounted) == {"/etc/dualpath/tls", "/etc/dualpath/auth"}, ctr["name"]
+            assert all(m["readOnly"] for m in mounted.values())
+            env = {e["name"]: e.get("value") for e in ctr["env"]}
+            for field in ("tls_cert_file", "tls_key_file", "tls_ca_file", "auth_secret_file"):
+                assert env[f"DUALPATH__RPC__{field.upper()}"] == TLS_RPC[field]
+            assert env["DUALPATH__RPC__TLS_SERVER_NAME"] == "dualpath.dualpath.svc"
+    # the services read the same settings from the ConfigMap's cluster file
+    text = by_kind(objs, "ConfigMap")["dualpath-config"]["data"]["cluster.toml"]
+    rpc = service_config(load_data(tomllib.loads(text), "cm", environ={}), "de_loader",
+                         "d0").rpc
+    assert rpc.tls_cert_file == TLS_RPC["tls_cert_file"] and rpc.tls_require_client_cert
+    # without [rpc] files nothing is mounted (the committed manifests)
+    plain = by_kind(render(cluster), "StatefulSet")["dualpath-p0"]["spec"]["template"]["spec"]
+    assert not [v for v in plain["volumes"] if "secret" in v]
+    relative = load_data({**cluster.data, "rpc": {"tls_ca_file": "ca.crt"}}, "x", environ={})
+    with pytest.raises(ConfigError, match="rpc.tls_ca_file 'ca.crt' must be an absolute"):
+        render(relative)
+
+
 def test_prometheus_and_grafana_are_provisioned_with_the_dashboard(cluster):
     objs = render(cluster)
     cms = by_kind(objs, "ConfigMap")

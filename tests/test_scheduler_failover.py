@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from common.config import RpcConfig
 from common.errors import Unavailable
 from common.protocol import EngineInfo, RequestFinished, RequestQueued
 from services.config import ServicesConfig
@@ -29,6 +30,7 @@ from services.scheduler.client.node_client import NodeSession
 from services.scheduler.shell.service import SchedulerService
 from services.scheduler.service_config import EtcdConfig
 from tests.helpers import reap, require_etcd, until
+from tests.test_rpc_tls import Pki
 from tests.test_scheduler_restart import plans_for, run_to_first_token, take_until_final
 from tests.test_scheduler_service import RPC, make_cfg, nxt
 from tools.cluster.config import free_port
@@ -37,10 +39,15 @@ from tools.cluster.etcd_members import EtcdMembers
 REPO = Path(__file__).resolve().parents[1]
 
 
-def replica(tmp: Path, name: str, endpoints: list[str]) -> tuple[subprocess.Popen, Path]:
-    """One scheduler replica; its ready file appears once it is elected."""
+def replica(tmp: Path, name: str, endpoints: list[str], rpc: RpcConfig = RPC
+            ) -> tuple[subprocess.Popen, Path]:
+    """One scheduler replica; its ready file appears once it is elected. ``rpc``'s TLS files
+    reach it as ``DUALPATH__RPC__TLS_*``."""
     ready = tmp / f"ready-{name}"
-    env = {**os.environ, "DUALPATH__ETCD__ENDPOINTS": json.dumps(endpoints),
+    tls = {f"DUALPATH__RPC__{f.upper()}": json.dumps(getattr(rpc, f)) for f in
+           ("tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert")
+           if getattr(rpc, f)}
+    env = {**os.environ, **tls, "DUALPATH__ETCD__ENDPOINTS": json.dumps(endpoints),
            "DUALPATH__SCHEDULER_SERVICE__LEASE_S": "1.0",
            "DUALPATH__SCHEDULER_SERVICE__HEARTBEAT_S": "0.2",
            "DUALPATH__LOGGING__LEVEL": "warning"}
@@ -59,9 +66,10 @@ async def elected(proc: subprocess.Popen, ready: Path, tmp: Path) -> dict[str, A
     return json.loads(ready.read_text())
 
 
-def node(etcd: EtcdConfig, node_id: str, role: str, changed: list[int]) -> NodeSession:
+def node(etcd: EtcdConfig, node_id: str, role: str, changed: list[int],
+         rpc: RpcConfig = RPC) -> NodeSession:
     kv = spec_from_config(ServicesConfig().kv).fingerprint()
-    return NodeSession(RPC, "", 0, node_id=node_id,
+    return NodeSession(rpc, "", 0, node_id=node_id,
                        service="pe_receiver" if role == "prefill" else "de_loader", role=role,
                        control=("127.0.0.1", 9001), ucx=("127.0.0.1", 9501),
                        engines=[EngineInfo(f"{node_id}.e0", role, 1 << 40)], kv_fingerprint=kv,
@@ -76,17 +84,23 @@ def etcd(tmp_path):
 
 
 @pytest.mark.reliability
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mutual-tls"])
 async def test_leader_killed_the_standby_takes_over_and_no_request_is_lost(etcd, tmp_path,
-                                                                           reliability):
+                                                                           reliability, tls):
+    """Also with mutual TLS on every hop (rpc.tls_*): the failover is unchanged by it."""
+    rpc = RPC
+    if tls:
+        pki = Pki(tmp_path / "pki")
+        rpc = pki.cfg(base=RPC, tls_require_client_cert=True)
     cfg = EtcdConfig(endpoints=etcd.endpoints)
-    a, a_ready = replica(tmp_path, "a", etcd.endpoints)
+    a, a_ready = replica(tmp_path, "a", etcd.endpoints, rpc)
     b = None
     changed: list[int] = []
-    p0, d0 = node(cfg, "p0", "prefill", changed), node(cfg, "d0", "decode", changed)
-    fe = SchedulerClient("", 0, rpc=RPC, resolve=LeaderResolver(cfg))
+    p0, d0 = node(cfg, "p0", "prefill", changed, rpc), node(cfg, "d0", "decode", changed, rpc)
+    fe = SchedulerClient("", 0, rpc=rpc, resolve=LeaderResolver(cfg))
     try:
         first = await elected(a, a_ready, tmp_path)
-        b, b_ready = replica(tmp_path, "b", etcd.endpoints)     # the standby
+        b, b_ready = replica(tmp_path, "b", etcd.endpoints, rpc)    # the standby
         await p0.start()
         await d0.start()
         assert p0.scheduler_epoch == first["epoch"] == p0.highest_epoch
@@ -109,7 +123,8 @@ async def test_leader_killed_the_standby_takes_over_and_no_request_is_lost(etcd,
         assert isinstance(await final, RequestFinished)
         assert sum(isinstance(e, RequestFinished) for e in seen) == 1
         assert fe.resubmits >= 1
-        reliability.record("fault", "kill -9 scheduler leader, etcd standby takes over",
+        reliability.record("fault", "kill -9 scheduler leader, etcd standby takes over"
+                           + (" (mutual TLS on every hop)" if tls else ""),
                            f"request finished once after resubmission; epoch "
                            f"{first['epoch']} → {second['epoch']}; nodes re-registered",
                            target="scheduler (etcd leader)", action="kill")

@@ -9,7 +9,9 @@ instance. A re-plan (another ``RequestPlaced``, e.g. after a node died) restarts
 the new pair; tokens already streamed are not sent twice (greedy output is the same).
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both with ``stream``),
-``/v1/models``, ``/health``, ``/metrics``. The extension field ``kv_loading: false`` runs a
+``/v1/models``, ``/health``, ``/metrics``. With ``--api-key`` / ``--api-key-file`` every
+``/v1/*`` call needs ``Authorization: Bearer KEY`` (401 ``invalid_api_key`` otherwise);
+``/health`` and ``/metrics`` stay open for probes and scrapers. The extension field ``kv_loading: false`` runs a
 request without dualpath on one engine (vLLM recomputes the prompt): the A/B baseline of
 ``dualpath demo --engine vllm``. Errors use OpenAI's shape
 ``{"error": {"message", "type", "code"}}``: a malformed body, an unknown model or an over-long
@@ -68,6 +70,11 @@ class FrontConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     auth_secret_file: str = ""                # the scheduler's rpc.auth_secret_file, if set
     etcd_endpoints: list[str] = []            # find the scheduler leader there (etcd mode)
     etcd_prefix: str = "/dualpath"
+    api_key: str = ""                         # clients send it as a Bearer token
+    api_key_file: str = ""                    # ... or read from here (preferred: not in `ps`)
+    rpc_tls_ca_file: str = ""                 # the scheduler's RPC over TLS (rpc.tls_*)
+    rpc_tls_cert_file: str = ""               # our certificate, when it requires one
+    rpc_tls_key_file: str = ""
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:
@@ -96,10 +103,11 @@ class Front:
         self.sched = scheduler_client(cfg)
         self.http: aiohttp.ClientSession | None = None
         self.slots = asyncio.Semaphore(cfg.max_inflight)
+        self.api_key = api.load_api_key(cfg.api_key, cfg.api_key_file)   # None: open
         self._models: dict[str, str] = {}     # vLLM base URL -> the model name it serves
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=4 << 20)
+        app = web.Application(client_max_size=4 << 20, middlewares=[self._authorize])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -117,6 +125,16 @@ class Front:
         if self.http is not None:
             await self.http.close()
         await self.sched.close()
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The API key on every ``/v1/*`` call, before its body is read or anything runs."""
+        if request.path.startswith("/v1/"):
+            try:
+                api.check_api_key(request.headers.get("Authorization"), self.api_key)
+            except api.HttpError as e:
+                return error_response(e.status, str(e), e.code)
+        return await handler(request)
 
     # ------------------------------------------------------------------ plain endpoints
     async def models(self, request: web.Request) -> web.Response:
@@ -410,8 +428,11 @@ def scheduler_client(cfg: FrontConfig) -> SchedulerClient:
               if cfg.auth_secret_file else None)
     resolve = (LeaderResolver(EtcdConfig(endpoints=cfg.etcd_endpoints, prefix=cfg.etcd_prefix))
                if cfg.etcd_endpoints else None)
+    rpc = RpcConfig(tls_ca_file=cfg.rpc_tls_ca_file or None,
+                    tls_cert_file=cfg.rpc_tls_cert_file or None,
+                    tls_key_file=cfg.rpc_tls_key_file or None)
     return SchedulerClient(cfg.scheduler_host, cfg.scheduler_port, client_id="front",
-                           auth_secret=secret, resolve=resolve)
+                           rpc=rpc, auth_secret=secret, resolve=resolve)
 
 
 def parse_args(argv: list[str] | None = None) -> FrontConfig:
@@ -434,7 +455,17 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
                     help="etcd endpoints: connect to the elected scheduler leader, following "
                          "leader changes (--scheduler is then only the first guess)")
     ap.add_argument("--etcd-prefix", default="/dualpath", help="the cluster's [etcd] prefix")
+    ap.add_argument("--api-key", default="",
+                    help="clients must send 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument("--api-key-file", default="", help="the same key, read from a file")
+    for what in ("ca", "cert", "key"):
+        ap.add_argument(f"--rpc-tls-{what}-file", default="",
+                        help=f"the cluster's rpc.tls_{what}_file (scheduler RPC over TLS)")
     a = ap.parse_args(argv)
+    try:                      # a bad key file stops the front here, before the model loads
+        api.load_api_key(a.api_key, a.api_key_file)
+    except ValueError as e:
+        ap.error(str(e))
     host, _, port = a.scheduler.rpartition(":")
     engines = dict(e.split("=", 1) for e in a.engine)
     if a.recompute_engine and a.recompute_engine not in engines:
@@ -448,7 +479,11 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
                             "recompute_engine": a.recompute_engine,
                             "auth_secret_file": a.auth_secret_file,
                             "etcd_endpoints": [e for e in a.etcd.split(",") if e],
-                            "etcd_prefix": a.etcd_prefix}, FrontConfig)
+                            "etcd_prefix": a.etcd_prefix, "api_key": a.api_key,
+                            "api_key_file": a.api_key_file,
+                            "rpc_tls_ca_file": a.rpc_tls_ca_file,
+                            "rpc_tls_cert_file": a.rpc_tls_cert_file,
+                            "rpc_tls_key_file": a.rpc_tls_key_file}, FrontConfig)
 
 
 class FrontStartError(Exception):

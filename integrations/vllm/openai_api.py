@@ -9,7 +9,9 @@ on the final body. Pure functions: the HTTP app lives in ``front.py``.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -21,6 +23,40 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status, self.code = status, code
+
+
+def load_api_key(key: str, key_file: str) -> bytes | None:
+    """The front's API key from ``--api-key`` or ``--api-key-file`` (None: no key, open).
+
+    Both set, an unreadable or an empty file is a ValueError naming the flag: a key the
+    operator meant to set never silently turns into an open front.
+    """
+    if key and key_file:
+        raise ValueError("set only one of --api-key and --api-key-file")
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {key_file!r} cannot be read: {e.strerror}") from e
+        if not key:
+            raise ValueError(f"--api-key-file {key_file!r} is empty")
+    return key.encode() if key else None
+
+
+def check_api_key(authorization: str | None, key: bytes | None) -> None:
+    """Raise a 401 (OpenAI's ``invalid_api_key``) unless ``Authorization: Bearer <key>``.
+
+    Compared in constant time (``hmac.compare_digest``) so response timing tells a guesser
+    nothing about how much of the key matched; the message never echoes what was sent.
+    """
+    if key is None:
+        return
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+        return
+    what = "no API key" if not authorization else "an incorrect API key"
+    raise HttpError(401, f"{what} provided; send 'Authorization: Bearer <key>' with the "
+                         "front's --api-key", "invalid_api_key")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):

@@ -19,7 +19,7 @@ import asyncio
 import collections
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from common.protocol import (ENGINE_API_VERSION, ArenaSlot, Assigned, AttachEngi
                              PutBlock, PutLayer, ReportCounters, SecondToken, TookKV,
                              WaitLayer)
 from common.rpc import CallContext, RpcServer, ServerConnection
+from common.unix_socket import peer_uid
 
 from .decode import DecodeRequest
 from .handles import GeneratedBlock
@@ -79,7 +80,8 @@ class EngineApiServer:
     def __init__(self, rpc_cfg: RpcConfig, *, node_id: str, role: str, spec: KVSpec,
                  ports: dict[str, Any], arena: Any, arena_name: str | None,
                  owner_of: Callable[[str], str | None],
-                 failure_of: Callable[[str], str | None] = lambda rid: None) -> None:
+                 failure_of: Callable[[str], str | None] = lambda rid: None,
+                 allowed_uids: Sequence[int] = ()) -> None:
         self.node_id, self.role, self.spec = node_id, role, spec
         self.ports = ports
         self.arena = arena
@@ -95,6 +97,8 @@ class EngineApiServer:
                              handlers=self.handlers(), request_type=EngineRequest,
                              on_disconnect=self._on_disconnect)
         self.path: str | None = None
+        # who may attach: uids the kernel reports for the peer (SO_PEERCRED); default: us
+        self.allowed_uids = frozenset(allowed_uids or (os.getuid(),))
 
     def handlers(self) -> dict[type, Any]:
         return {AttachEngine: self._attach, NextRequest: self._next, ClaimRequest: self._claim,
@@ -107,8 +111,9 @@ class EngineApiServer:
 
     async def start(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        await self.rpc.start_unix(path)
-        os.chmod(path, 0o600)        # the trust boundary is the uid, as for the arena (common.shm)
+        # created 0600 and each peer's uid checked: the trust boundary is the uid, as for the
+        # arena (common.shm); any process of an allowed uid may attach (docs/security.md)
+        await self.rpc.start_unix(path, admit=self._admit)
         self.path = path
         log.info("engine_api_listening", node=self.node_id, path=path, engines=len(self.ports))
 
@@ -116,6 +121,15 @@ class EngineApiServer:
         await self.rpc.stop(grace_s=0.5)
         for sess in list(self.sessions.values()):
             await self._detach(sess, "node service stopping")
+
+    def _admit(self, sock: Any) -> bool:
+        uid = peer_uid(sock)
+        if uid in self.allowed_uids:
+            return True
+        self.counters["peers_refused"] += 1
+        log.warning("engine_peer_refused", node=self.node_id, peer_uid=uid,
+                    allowed=sorted(self.allowed_uids))
+        return False
 
     def attached(self) -> list[str]:
         return sorted(self.sessions)

@@ -149,7 +149,8 @@ class NodeBase(Service):
         self.engine_api = EngineApiServer(
             self.cfg.rpc, node_id=self.node_id, role=self.role, spec=self.spec,
             ports=self.ports, arena=self.pool.arena, arena_name=shm.name if shm else None,
-            owner_of=self._engine_of, failure_of=self._failure_of)
+            owner_of=self._engine_of, failure_of=self._failure_of,
+            allowed_uids=self.settings.engine_socket_uids)
         await self.engine_api.start(path)
 
     def _forget(self, key: tuple[str, int], attempt: object) -> None:

@@ -34,6 +34,9 @@ class NodeServiceConfig(Section):
     control_timeout_s: PositiveFloat = 10.0         # one data-path / report RPC
     engine_socket: str = ""                         # Unix socket engines in other processes
                                                     # attach to (docs/engine-api.md); "": none
+    engine_socket_uids: tuple[int, ...] = ()
+                                                    # uids allowed to attach (SO_PEERCRED);
+                                                    # (): this service's own uid only
     finished_keep_s: PositiveFloat = 120.0          # results kept for a restarted scheduler
 
     @property

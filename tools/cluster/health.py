@@ -4,7 +4,8 @@ Every dualpath service (scheduler, gateway, PE receiver, DE loader) serves ``Pin
 control port; container healthchecks and scripts use this probe (no UCX, no KV spec). Its
 ``[rpc]`` settings come from the environment overlay like every service's, so where control
 connections are authenticated it finds the secret the same way
-(``DUALPATH__RPC__AUTH_SECRET_FILE`` / ``DUALPATH__RPC__AUTH_SECRET_ENV``).
+(``DUALPATH__RPC__AUTH_SECRET_FILE`` / ``DUALPATH__RPC__AUTH_SECRET_ENV``), and where they
+run over TLS its certificates (``DUALPATH__RPC__TLS_*``; the Kubernetes render sets both).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class KubeOptions(Section, frozen=True):
     shm_size: str = "2Gi"                        # the pod's /dev/shm (buffers + engine IPC)
     prometheus_image: str = "prom/prometheus:v2.53.2"
     grafana_image: str = "grafana/grafana:11.2.0"
+    rpc_secret: str = "dualpath-rpc"             # Secret with the [rpc] TLS / auth files
 
 
 def meta(name: str, opts: KubeOptions, component: str, **extra: Any) -> dict[str, Any]:

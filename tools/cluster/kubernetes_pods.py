@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import kubernetes_secrets as secrets
 from .config import ROLE_SERVICE, Cluster
 from .kubernetes import (APP, CONF_DIR, ETCD_PORT, STATE_MOUNT, STORAGE_MOUNT, KubeOptions, meta,
                          node_pod, selector)
@@ -121,9 +122,10 @@ def scheduler(cluster: Cluster, opts: KubeOptions) -> list[dict[str, Any]]:
         ports["metrics"] = c.scheduler_metrics_port
     ctr = container("scheduler", opts,
                     ["serve", "scheduler", "-c", CONFIG, "--node", "$(POD_NAME)"], ports,
-                    c.scheduler_port, [CONFIG_MOUNT],
-                    env=[{"name": SCHEDULER_HOST_ENV, "value": "$(POD_IP)"}])
-    pod = {"containers": [ctr], "volumes": [CONFIG_VOLUME],
+                    c.scheduler_port, [CONFIG_MOUNT, *secrets.mounts(cluster)],
+                    env=[{"name": SCHEDULER_HOST_ENV, "value": "$(POD_IP)"},
+                         *secrets.env(cluster, opts)])
+    pod = {"containers": [ctr], "volumes": [CONFIG_VOLUME, *secrets.volumes(cluster, opts)],
            "terminationGracePeriodSeconds": 20}
     sel = selector("scheduler")
     return [headless(name, opts, "scheduler", ports),
@@ -151,7 +153,8 @@ def node_statefulset(cluster: Cluster, n: NodeSpec, opts: KubeOptions) -> dict[s
     c = cluster.spec
     mounts: list[dict[str, Any]] = [CONFIG_MOUNT, {"name": "shm", "mountPath": "/dev/shm"},
               # the state dir itself (it holds the engine socket; nothing creates it)
-              {"name": "state", "mountPath": f"{STATE_MOUNT}/{c.name}"}]
+              {"name": "state", "mountPath": f"{STATE_MOUNT}/{c.name}"},
+              *secrets.mounts(cluster)]           # [rpc] TLS / auth files, when set
     gw_ports = {"gateway": n.gateway_port, **({"gw-metrics": n.gateway_metrics_port}
                                                if n.gateway_metrics_port else {})}
     node_ports = {"rpc": n.rpc_port, **({"metrics": n.metrics_port} if n.metrics_port else {})}
@@ -169,12 +172,14 @@ def node_statefulset(cluster: Cluster, n: NodeSpec, opts: KubeOptions) -> dict[s
         del eng["readinessProbe"], eng["livenessProbe"], eng["ports"]
         containers.append(eng)
     for ctr in containers:
+        ctr["env"] += secrets.env(cluster, opts)
         _hardware(ctr, opts)
     volumes: list[dict[str, Any]] = [
         CONFIG_VOLUME,
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}},
         {"name": "state", "emptyDir": {}},
-        {"name": "kvstore", "persistentVolumeClaim": {"claimName": opts.storage_claim}}]
+        {"name": "kvstore", "persistentVolumeClaim": {"claimName": opts.storage_claim}},
+        *secrets.volumes(cluster, opts)]
     if opts.hugepages_2mi:
         volumes.append({"name": "hugepages", "emptyDir": {"medium": "HugePages-2Mi"}})
     pod: dict[str, Any] = {"containers": containers, "volumes": volumes,

@@ -10,11 +10,14 @@ follows the previous at once, the load the cluster must be sized for).
 
 * full: all 71 conversations × 8 copies (568 sessions, 31K requests) at 1 session/s, the
   ``--quick`` planner shapes (P:D 1:2 and 1:1); goal: planner wall time < 10 min on one core.
-* ``--quick``: × 2 copies at 0.25 sessions/s, the same P:D 1:2 and 1:1 (< 60 s).
+* ``--quick``: × 4 copies at 0.5 sessions/s, the same P:D 1:2 and 1:1 (< 60 s): enough load that
+  dualpath needs more than the smallest shape (at 2 copies and 0.25/s every mode but basic fits
+  1P1D, where the next candidate is +50 % GPUs and the ratio says nothing).
 
-Every integer k of each ratio is a candidate (``sim.plan.K_GRID``): with 1:2 and 1:1 at 8 GPUs
-per node the GPU counts step by 16 and 24, and the JSON's ``plan.grid.step_at_dualpath`` says
-how far the next shape above dualpath's is (the ratio's resolution).
+The search (``sim.plan``): every integer k of each ratio, then one node at a time between the
+largest shape that missed and the first that met, so the answer's step is one node (8 GPUs), not
+one copy of a ratio; the JSON's ``grid.step_at_dualpath`` says how far the next shape above
+dualpath's is (the ratio's resolution).
 
 Headline: ``plan_gpu_saving`` = ``pe-only`` GPUs ÷ dualpath GPUs (``baseline_mode``): ``pe-only``
 is dualpath with the DE read path switched off — the same layer-wise prefill, quota batching and
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0, c0 = time.perf_counter(), time.process_time()
     trace = load_workload(path)
-    repeat, aps, ratios = (2, 0.25, QUICK_RATIOS) if args.quick else (8, 1.0, QUICK_RATIOS)
+    repeat, aps, ratios = (4, 0.5, QUICK_RATIOS) if args.quick else (8, 1.0, QUICK_RATIOS)
     wl = PlanWorkload(trace=trace, repeat=repeat, aps=aps, think_scale=0.0)
     slo = SLO(online=True, percentile=90.0, ttft_s=4.0, tpot_s=0.050)
     cfg = load("configs/sim-2p4d-ds660b.toml")

@@ -1,18 +1,24 @@
 """Capacity planner: the cheapest P/D cluster that meets an SLO, per mode (basic, pe-only, dualpath).
 
-The search (docs/workloads.md "Planner"): candidate shapes are ``k × (p : d)`` for each P:D
-ratio and every integer ``k`` from 1 to 48 (the step: one more copy of a ratio's nodes, so with
-1:2 and 1:1 the candidate GPU counts are every multiple of 2g and of 3g), ordered by GPU count
-``(P + D) × g``; for each mode they are
-simulated in that order and the first that meets the SLO is the answer. The grid and the order
-do not depend on the SLO and every simulation is deterministic, so the shapes that meet a looser
-SLO are a superset of those that meet a tighter one: a looser SLO never needs more GPUs.
+The search (docs/workloads.md "Planner"), per mode, in two passes:
+
+1. **coarse**: the shapes ``k × (p : d)`` for each P:D ratio and every integer ``k`` from 1 to
+   48, ordered by GPU count ``(P + D) × g``, simulated in that order until one meets the SLO;
+2. **refine**: every shape between the largest that missed and the one that met, one node at a
+   time (:func:`band`: any P, D whose P/D lies between the smallest and the largest ratio), in
+   the same order; the first that meets is the answer.
+
+The step is therefore one node (``g`` GPUs) at the answer, not one copy of a ratio: a coarse
+grid alone quantises the GPU saving (1P2D vs 2P4D is 2.00 whatever lies between). The grids and
+the order do not depend on the SLO and every simulation is deterministic, so a looser SLO never
+needs more GPUs: its coarse answer is no larger, and the tighter SLO's answer (met under the
+looser one too) lies above the looser's largest coarse miss.
 
 The GPU saving (:func:`gpu_saving`) is a baseline mode's GPUs ÷ dualpath's. The headline
 baseline is ``pe-only`` — dualpath with the DE read path switched off, so the ratio measures the
 dual read path alone; ``basic`` (which also lacks layer-wise prefill and quota batching) is
-reported beside it. Its resolution is the grid's: the next candidate above dualpath's shape
-(``grid.step_at_dualpath``) bounds how far the true ratio can sit from the reported one.
+reported beside it. Its resolution is the step from dualpath's shape to the next one the refine
+pass could choose (``grid.step_at_dualpath``, one node where a P/D between the ratios fits).
 
 SLO: online, the ``percentile`` of TTFT and of TPOT over every request of the run must be at
 most ``ttft_s`` / ``tpot_s``; offline, the JCT (last session done) at most ``jct_s``. When no
@@ -111,6 +117,21 @@ def shapes(ratios: tuple[tuple[int, int], ...], gpus_per_node: int, max_gpus: in
     return sorted(out, key=lambda s: (s[0] + s[1], s[0]))
 
 
+def band(ratios: tuple[tuple[int, int], ...], gpus_per_node: int, above: int,
+         below: int) -> list[tuple[int, int]]:
+    """Every (P, D) with ``above < (P + D) × g < below`` GPUs whose P/D lies between the smallest
+    and the largest of ``ratios``, in the candidates' order (the refine pass's shapes)."""
+    lo_p, lo_d = min(ratios, key=lambda r: r[0] / r[1])
+    hi_p, hi_d = max(ratios, key=lambda r: r[0] / r[1])
+    out = []
+    for n in range(above // gpus_per_node + 1, -(-below // gpus_per_node)):
+        for P in range(1, n):
+            D = n - P
+            if P * lo_d >= lo_p * D and P * hi_d <= hi_p * D:
+                out.append((P, D))
+    return out
+
+
 def evaluate(base: SimConfig, P: int, D: int, mode: str, wl: PlanWorkload, slo: SLO) -> dict:
     """Simulate one candidate; the row the planner keeps."""
     cfg = replace(base, hardware={"prefill_nodes": P, "decode_nodes": D})
@@ -165,15 +186,12 @@ def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] 
     out: dict[str, Any] = {"workload": wl.describe(), "slo": msgspec.to_builtins(slo) | {"text": slo.describe()},
                            "candidates": [f"{p}P{d}D" for p, d in cands], "modes": {}}
     for mode in modes:
-        rows, chosen = [], None
-        for i, (P, D) in enumerate(cands):
-            row = evaluate(base, P, D, mode, wl, slo)
-            rows.append(row)
-            if on_step:
-                on_step(mode, i + 1, len(cands))
-            if row["met"]:
-                chosen = row
-                break
+        rows: list[dict] = []
+        chosen = _first_met(cands, rows, base, mode, wl, slo, on_step)
+        if chosen is not None:
+            missed = max((r["gpus"] for r in rows if not r["met"]), default=0)
+            finer = band(ratios, h.gpus_per_node, missed, chosen["gpus"])
+            chosen = _first_met(finer, rows, base, mode, wl, slo, on_step) or chosen
         closest = chosen or min(rows, key=lambda x: x["worst_ratio"])
         eq9 = check(closest["P"], closest["D"], h.gpus_per_node, h.snic_bytes_per_s, h.cnic_bytes_per_s,
                     h.dram_bytes_per_s)
@@ -188,17 +206,32 @@ def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] 
     return out
 
 
+def _first_met(shapes_: list[tuple[int, int]], rows: list[dict], base: SimConfig, mode: str,
+               wl: PlanWorkload, slo: SLO, on_step: Callable[[str, int, int], None] | None) -> dict | None:
+    """Simulate ``shapes_`` in order, appending to ``rows``, until one meets the SLO (returned)."""
+    n0 = len(rows)
+    for i, (P, D) in enumerate(shapes_):
+        row = evaluate(base, P, D, mode, wl, slo)
+        rows.append(row)
+        if on_step:
+            on_step(mode, n0 + i + 1, n0 + len(shapes_))
+        if row["met"]:
+            return row
+    return None
+
+
 def grid(p: dict, cands: list[tuple[int, int]], ratios: tuple[tuple[int, int], ...],
          gpus_per_node: int) -> dict[str, Any]:
-    """The search grid and its resolution: the step from dualpath's shape to the next candidate."""
+    """The search grid and its resolution: the step from dualpath's shape to the next shape the
+    refine pass could have chosen (one node, unless no P/D between the ratios fits there)."""
     out: dict[str, Any] = {"k": f"every integer {K_GRID[0]}..{K_GRID[-1]}",
                            "ratios": [f"{a}:{b}" for a, b in ratios],
-                           "step_gpus": sorted({(a + b) * gpus_per_node for a, b in ratios}),
-                           "step_at_dualpath": None}
+                           "refine_step_gpus": gpus_per_node, "step_at_dualpath": None}
     d = p["modes"].get("dualpath")
     if d is not None and d["met"]:
         g = d["chosen"]["gpus"]
-        above = [(P + D) * gpus_per_node for P, D in cands if (P + D) * gpus_per_node > g]
+        top = max((P + D) * gpus_per_node for P, D in cands)
+        above = [(P + D) * gpus_per_node for P, D in band(ratios, gpus_per_node, g, top + 1)]
         if above:
             out["step_at_dualpath"] = {"gpus": min(above) - g, "relative": min(above) / g - 1}
     return out

@@ -2,7 +2,8 @@
 
 The same agentic workload (paper Table 2 shape, scaled to the emulation) replayed offline under
 ``basic`` (PE-side reads, whole-prompt prefill, round-robin), ``+layer`` (layer-wise prefill),
-``+dpl`` (both read paths, alternating), ``dualpath`` (full scheduler) and ``oracle`` (the
+``+dpl`` (both read paths, alternating), ``pe-only`` (``dualpath`` without the DE read path),
+``dualpath`` (full scheduler) and ``oracle`` (the
 paper's bound: the hit is resident on both engines — no KV read, loaded or sent for it, no
 compute for it, nothing of it written back; docs/datapath.md "Oracle"). Each mode gets a
 fresh cluster of subprocesses on empty storage (so every mode reads exactly what its own

@@ -3,7 +3,7 @@
     dualpath simulate -c configs/sim-2p4d-ds660b.toml --dataset 64k --agents 2048 [--mode dualpath]
                       [--online --aps 0.4] [--out results/sim.json] [--png FILE | --no-png]
 
-``--mode`` takes one mode, a comma-separated list, or ``all`` (basic, +layer, +dpl, dualpath,
+``--mode`` takes one mode, a comma-separated list, or ``all`` (basic, +layer, +dpl, pe-only, dualpath,
 oracle); with several modes the same workload runs under each and a comparison table (JCT,
 speedup over the first mode, SNIC max/avg, share of reads on the DE path) is printed.
 ``--trace PATH`` (a file or a directory; format detected or ``--format``) simulates a recorded

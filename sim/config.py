@@ -102,7 +102,8 @@ def scheduler_config(cfg: SimConfig, mode: str) -> SchedulerConfig:
     spec = mode_spec(mode)
     sc = cfg.scheduler
     changes: dict = {"model": cfg.model.preset, "snic_bytes_per_s": cfg.hardware.snic_bytes_per_s,
-                     "policy": spec.policy, "placement": spec.placement, "oracle": spec.oracle}
+                     "policy": spec.policy, "placement": spec.placement, "oracle": spec.oracle,
+                     "read_side": spec.read_side}
     if sc.pe_tokens_per_s is None and sc.beta_tokens is None and cfg.sim.time_scale != 1.0:
         rate = cfg.cost.prompt_tokens_per_s(sc.ref_context_tokens, sc.ref_append_tokens)
         changes["pe_tokens_per_s"] = rate / cfg.sim.time_scale

@@ -1,10 +1,24 @@
-"""Capacity planner: the cheapest P/D cluster that meets an SLO, in basic and in dualpath mode.
+"""Capacity planner: the cheapest P/D cluster that meets an SLO, per mode (basic, pe-only, dualpath).
 
-The search (docs/workloads.md "Planner"): candidate shapes are ``k × (p : d)`` for each P:D
-ratio and ``k`` on a fixed grid, ordered by GPU count ``(P + D) × g``; for each mode they are
-simulated in that order and the first that meets the SLO is the answer. The grid and the order
-do not depend on the SLO and every simulation is deterministic, so the shapes that meet a looser
-SLO are a superset of those that meet a tighter one: a looser SLO never needs more GPUs.
+The search (docs/workloads.md "Planner"), per mode, in two passes:
+
+1. **coarse**: the shapes ``k × (p : d)`` for each P:D ratio and every integer ``k`` from 1 to
+   48, ordered by GPU count ``(P + D) × g``, simulated in that order until one meets the SLO;
+2. **refine**: every shape between the largest that missed and the one that met, one node at a
+   time (:func:`band`: any P, D whose P/D lies between the smallest and the largest ratio), in
+   the same order; the first that meets is the answer.
+
+The step is therefore one node (``g`` GPUs) at the answer, not one copy of a ratio: a coarse
+grid alone quantises the GPU saving (1P2D vs 2P4D is 2.00 whatever lies between). The grids and
+the order do not depend on the SLO and every simulation is deterministic, so a looser SLO never
+needs more GPUs: its coarse answer is no larger, and the tighter SLO's answer (met under the
+looser one too) lies above the looser's largest coarse miss.
+
+The GPU saving (:func:`gpu_saving`) is a baseline mode's GPUs ÷ dualpath's. The headline
+baseline is ``pe-only`` — dualpath with the DE read path switched off, so the ratio measures the
+dual read path alone; ``basic`` (which also lacks layer-wise prefill and quota batching) is
+reported beside it. Its resolution is the step from dualpath's shape to the next one the refine
+pass could choose (``grid.step_at_dualpath``, one node where a P/D between the ratios fits).
 
 SLO: online, the ``percentile`` of TTFT and of TPOT over every request of the run must be at
 most ``ttft_s`` / ``tpot_s``; offline, the JCT (last session done) at most ``jct_s``. When no
@@ -23,10 +37,12 @@ import msgspec
 from common.errors import InvalidArgument
 
 from .bandwidth import check
-from .config import SimConfig, replace
+from .config import SimConfig, mode_spec, replace
 from .run import simulate, simulate_trace
 
-K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
+K_GRID = tuple(range(1, 49))          # every k: a coarser grid quantises the saving (1 vs 2 → 2.00)
+MODES = ("basic", "pe-only", "dualpath")
+BASELINE = "pe-only"                  # the headline saving's baseline: dualpath minus the DE read path
 QUICK_RATIOS = ((1, 2), (1, 1))
 RATIOS = ((1, 2), (1, 1), (1, 3), (2, 1))
 
@@ -101,6 +117,21 @@ def shapes(ratios: tuple[tuple[int, int], ...], gpus_per_node: int, max_gpus: in
     return sorted(out, key=lambda s: (s[0] + s[1], s[0]))
 
 
+def band(ratios: tuple[tuple[int, int], ...], gpus_per_node: int, above: int,
+         below: int) -> list[tuple[int, int]]:
+    """Every (P, D) with ``above < (P + D) × g < below`` GPUs whose P/D lies between the smallest
+    and the largest of ``ratios``, in the candidates' order (the refine pass's shapes)."""
+    lo_p, lo_d = min(ratios, key=lambda r: r[0] / r[1])
+    hi_p, hi_d = max(ratios, key=lambda r: r[0] / r[1])
+    out = []
+    for n in range(above // gpus_per_node + 1, -(-below // gpus_per_node)):
+        for P in range(1, n):
+            D = n - P
+            if P * lo_d >= lo_p * D and P * hi_d <= hi_p * D:
+                out.append((P, D))
+    return out
+
+
 def evaluate(base: SimConfig, P: int, D: int, mode: str, wl: PlanWorkload, slo: SLO) -> dict:
     """Simulate one candidate; the row the planner keeps."""
     cfg = replace(base, hardware={"prefill_nodes": P, "decode_nodes": D})
@@ -121,7 +152,8 @@ def evaluate(base: SimConfig, P: int, D: int, mode: str, wl: PlanWorkload, slo: 
     return {"mode": mode, "P": P, "D": D, "shape": f"{P}P{D}D", "gpus": (P + D) * g, "met": ratio <= 1.0,
             "worst_ratio": ratio, "attained": att, "jct_s": r["jct_s"], "requests": r["requests"],
             "ttft_mean_s": r["latency"]["ttft"]["mean"], "tpot_mean_s": r["latency"]["tpot"]["mean"],
-            "binding": binding(r, cl, P if mode == "basic" else P + D), "sim_wall_s": r["sim"]["wall_s"],
+            "binding": binding(r, cl, P + D if mode_spec(mode).de_reads else P),
+            "sim_wall_s": r["sim"]["wall_s"],
             "trace": r.get("trace")}
 
 
@@ -132,8 +164,8 @@ _WAITS = {"de_wait": "DE admission (HBM, decode batch)", "pe_wait": "PE admissio
 
 def binding(r: dict, cl: Any, read_nodes: int) -> dict[str, Any]:
     """What binds a shape: the largest part of its mean TTFT, with the storage links' load
-    (p95 over time windows of the mean utilisation of the nodes the mode reads on — basic: the
-    PE nodes only) and the PE compute share (Σ step time ÷ units × run time) beside it."""
+    (p95 over time windows of the mean utilisation of the nodes the mode reads on — basic, +layer
+    and pe-only: the PE nodes only) and the PE compute share (Σ step time ÷ units × run time) beside it."""
     parts = r["ttft_breakdown_mean_s"]
     worst = max(parts, key=lambda k: parts[k])
     per_window = sorted(sum(w[:read_nodes]) / read_nodes for w in cl.windows.utilisation())
@@ -142,7 +174,7 @@ def binding(r: dict, cl: Any, read_nodes: int) -> dict[str, Any]:
             "snic_read_p95_util": snic_p95, "pe_compute_util": r.get("pe_compute_util", 0.0)}
 
 
-def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] = ("basic", "dualpath"),
+def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] = MODES,
          ratios: tuple[tuple[int, int], ...] = RATIOS, max_gpus: int = 1152,
          on_step: Callable[[str, int, int], None] | None = None) -> dict:
     """Search every mode (see the module docstring); returns the JSON-able plan."""
@@ -154,15 +186,12 @@ def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] 
     out: dict[str, Any] = {"workload": wl.describe(), "slo": msgspec.to_builtins(slo) | {"text": slo.describe()},
                            "candidates": [f"{p}P{d}D" for p, d in cands], "modes": {}}
     for mode in modes:
-        rows, chosen = [], None
-        for i, (P, D) in enumerate(cands):
-            row = evaluate(base, P, D, mode, wl, slo)
-            rows.append(row)
-            if on_step:
-                on_step(mode, i + 1, len(cands))
-            if row["met"]:
-                chosen = row
-                break
+        rows: list[dict] = []
+        chosen = _first_met(cands, rows, base, mode, wl, slo, on_step)
+        if chosen is not None:
+            missed = max((r["gpus"] for r in rows if not r["met"]), default=0)
+            finer = band(ratios, h.gpus_per_node, missed, chosen["gpus"])
+            chosen = _first_met(finer, rows, base, mode, wl, slo, on_step) or chosen
         closest = chosen or min(rows, key=lambda x: x["worst_ratio"])
         eq9 = check(closest["P"], closest["D"], h.gpus_per_node, h.snic_bytes_per_s, h.cnic_bytes_per_s,
                     h.dram_bytes_per_s)
@@ -170,15 +199,51 @@ def plan(base: SimConfig, wl: PlanWorkload, slo: SLO, *, modes: tuple[str, ...] 
                               "eq9": {"inside": eq9.inside, "summary": eq9.summary(),
                                       "binding": eq9.binding, "violated": eq9.violated}}
     out["wall_s"] = time.perf_counter() - t0
-    out["saving"] = gpu_saving(out)
+    out["grid"] = grid(out, cands, ratios, h.gpus_per_node)
+    baseline = BASELINE if BASELINE in modes else "basic"
+    out["saving"] = gpu_saving(out, baseline)
+    out["saving_vs_basic"] = gpu_saving(out, "basic")
     return out
 
 
-def gpu_saving(p: dict) -> dict[str, Any]:
-    """basic GPUs ÷ dualpath GPUs (``lower_bound``: basic met nothing, its largest shape counts)."""
+def _first_met(shapes_: list[tuple[int, int]], rows: list[dict], base: SimConfig, mode: str,
+               wl: PlanWorkload, slo: SLO, on_step: Callable[[str, int, int], None] | None) -> dict | None:
+    """Simulate ``shapes_`` in order, appending to ``rows``, until one meets the SLO (returned)."""
+    n0 = len(rows)
+    for i, (P, D) in enumerate(shapes_):
+        row = evaluate(base, P, D, mode, wl, slo)
+        rows.append(row)
+        if on_step:
+            on_step(mode, n0 + i + 1, n0 + len(shapes_))
+        if row["met"]:
+            return row
+    return None
+
+
+def grid(p: dict, cands: list[tuple[int, int]], ratios: tuple[tuple[int, int], ...],
+         gpus_per_node: int) -> dict[str, Any]:
+    """The search grid and its resolution: the step from dualpath's shape to the next shape the
+    refine pass could have chosen (one node, unless no P/D between the ratios fits there)."""
+    out: dict[str, Any] = {"k": f"every integer {K_GRID[0]}..{K_GRID[-1]}",
+                           "ratios": [f"{a}:{b}" for a, b in ratios],
+                           "refine_step_gpus": gpus_per_node, "step_at_dualpath": None}
+    d = p["modes"].get("dualpath")
+    if d is not None and d["met"]:
+        g = d["chosen"]["gpus"]
+        top = max((P + D) * gpus_per_node for P, D in cands)
+        above = [(P + D) * gpus_per_node for P, D in band(ratios, gpus_per_node, g, top + 1)]
+        if above:
+            out["step_at_dualpath"] = {"gpus": min(above) - g, "relative": min(above) / g - 1}
+    return out
+
+
+def gpu_saving(p: dict, baseline: str = BASELINE) -> dict[str, Any]:
+    """``baseline`` GPUs ÷ dualpath GPUs (``lower_bound``: the baseline met nothing, its largest
+    shape counts); ``None`` when either mode was not planned or dualpath met nothing."""
     m = p["modes"]
-    if "basic" not in m or "dualpath" not in m or not m["dualpath"]["met"]:
-        return {"ratio": None, "lower_bound": False}
-    b = m["basic"]
+    if baseline not in m or "dualpath" not in m or not m["dualpath"]["met"]:
+        return {"ratio": None, "lower_bound": False, "baseline_mode": baseline}
+    b = m[baseline]
     gb = b["chosen"]["gpus"] if b["met"] else max(x["gpus"] for x in b["evaluated"])
-    return {"ratio": gb / m["dualpath"]["chosen"]["gpus"], "lower_bound": not b["met"]}
+    return {"ratio": gb / m["dualpath"]["chosen"]["gpus"], "lower_bound": not b["met"],
+            "baseline_mode": baseline}

@@ -1,4 +1,4 @@
-"""``dualpath plan``: the cheapest cluster that meets an SLO, basic vs dualpath, side by side.
+"""``dualpath plan``: the cheapest cluster that meets an SLO, basic vs pe-only vs dualpath, side by side.
 
     dualpath plan --online --aps 0.2 --ttft 4 --tpot 0.05          # the shared agentic traces
     dualpath plan --trace DIR -c configs/sim-2p4d-ds660b.toml --jct 4000 --repeat 8   # offline
@@ -8,9 +8,10 @@
 The hardware profile is the ``[hardware]`` section of ``-c`` (link rates, GPUs per node; P and D
 are what the search varies), the model its ``[model]`` (``--preset`` overrides). Prints per mode
 the chosen shape, GPUs, attained SLO, the binding resource and the eq. (9) check of that shape,
-then the GPU saving; ``--out`` JSON and a frontier plot (GPUs vs attained SLO per mode).
-Exit 0 when dualpath meets the SLO, 1 when no shape does (the closest shape is shown), 2 on bad
-input.
+then the GPU saving against ``pe-only`` (dualpath without the DE read path: what the dual path
+itself saves) and against ``basic``, with the grid's step at dualpath's shape; ``--out`` JSON
+and a frontier plot (GPUs vs attained SLO per mode). Exit 0 when dualpath meets the SLO, 1 when
+no shape does (the closest shape is shown), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from common.errors import ConfigError, InvalidArgument
 
 from .cli import add_trace_args, input_error, load_trace
 from .config import load, replace
-from .plan import QUICK_RATIOS, RATIOS, SLO, PlanWorkload, plan
+from .plan import MODES, QUICK_RATIOS, RATIOS, SLO, PlanWorkload, plan
 
 DEFAULT_CONFIG = "configs/sim-2p4d-ds660b.toml"
 
@@ -47,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ratios", default=None, help="P:D ratios, e.g. 1:2,1:1 (default: "
                     + ",".join(f"{p}:{d}" for p, d in RATIOS) + ")")
     ap.add_argument("--max-gpus", type=int, default=1152, help="largest cluster considered")
-    ap.add_argument("--modes", default="basic,dualpath")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", type=Path, default=None, help="plan JSON (default results/plan/...)")
     ap.add_argument("--png", type=Path, default=None, help="frontier plot (default beside the JSON)")
     ap.add_argument("--no-png", action="store_true")
@@ -172,10 +173,13 @@ def render(p: dict, file=None) -> None:
                   f"closest is {c['shape']} (worst metric at {c['worst_ratio']:.2f}x its target)", file=f)
         print(f"  storage read links p95 {b['snic_read_p95_util']:.0%} busy, PE compute "
               f"{b['pe_compute_util']:.0%}; eq. (9) at {c['shape']}: {m['eq9']['summary']}", file=f)
-    s = p["saving"]
-    if s["ratio"] is not None:
-        print(f"GPU saving (basic ÷ dualpath): {'≥ ' if s['lower_bound'] else ''}{s['ratio']:.2f}x   "
-              f"planner wall time {p['wall_s']:.1f} s", file=f)
+    step = p["grid"]["step_at_dualpath"]
+    res = f" (grid: next shape +{step['relative']:.0%} GPUs)" if step else ""
+    for s in (p["saving"], p["saving_vs_basic"]):
+        if s["ratio"] is not None:
+            print(f"GPU saving ({s['baseline_mode']} ÷ dualpath): {'≥ ' if s['lower_bound'] else ''}"
+                  f"{s['ratio']:.2f}x{res}", file=f)
+    print(f"planner wall time {p['wall_s']:.1f} s", file=f)
 
 
 def plot_frontier(p: dict, path: Path) -> str:

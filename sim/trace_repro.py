@@ -30,6 +30,9 @@ SHAPES = {"2p4d": ("2P4D", "configs/sim-2p4d-ds660b.toml", 1),
           "8p16d": ("8P16D", "configs/sim-8p16d-ds660b.toml", 4),
           "48p96d": ("48P96D", "configs/sim-48p96d-ds660b.toml", 24)}
 BEGIN, END = "<!-- agentic-traces:begin -->", "<!-- agentic-traces:end -->"
+# blocks of docs/reproduction.md no generator writes (the pe-only ablation, from the
+# `dualpath simulate` commands it quotes): kept, with this module's section, by keep_section
+KEPT = ((BEGIN, END), ("<!-- ablation-traces:begin -->", "<!-- ablation-traces:end -->"))
 LIFETIME_S = 600.0            # a session back to back: mean 521 s measured at 2P4D, light load
 LIFETIMES = 2.5
 
@@ -127,12 +130,14 @@ def write_section(doc: Path, text: str) -> None:
 
 def keep_section(doc: Path, regenerated: str) -> str:
     """``regenerated`` (a new docs/reproduction.md from ``sim.reproduce``) with this section of
-    the old file kept, so one generator never erases the other's numbers."""
+    the old file and the other :data:`KEPT` blocks kept, so one generator never erases another's
+    (or a hand-run's) numbers."""
     old = doc.read_text() if doc.exists() else ""
-    if BEGIN not in old or END not in old:
-        return regenerated
-    block = BEGIN + old.split(BEGIN, 1)[1].split(END, 1)[0] + END
-    return regenerated.rstrip("\n") + "\n\n" + block + "\n"
+    out = regenerated.rstrip("\n")
+    for begin, end in KEPT:
+        if begin in old and end in old:
+            out += "\n\n" + begin + old.split(begin, 1)[1].split(end, 1)[0] + end
+    return out + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

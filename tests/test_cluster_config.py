@@ -100,8 +100,11 @@ def test_modes_switch_only_policy_and_engine_mode():
     c = load_cluster(None, environ={})
     for mode, m in MODES.items():
         cfg = service_config(c.with_mode(mode), "pe_receiver", "p0")
-        assert (cfg.scheduler.policy, cfg.scheduler.oracle, cfg.engine_sim.mode) == \
-            (m.policy, m.oracle, m.engine_mode)
+        assert (cfg.scheduler.policy, cfg.scheduler.oracle, cfg.scheduler.read_side,
+                cfg.scheduler.placement, cfg.engine_sim.mode) == \
+            (m.policy, m.oracle, m.read_side, m.placement, m.engine_mode)
+    pe_only = service_config(c.with_mode("pe-only"), "pe_receiver", "p0").scheduler
+    assert pe_only.read_side_mode() == "pe" and pe_only.placement_mode() == "balanced"
     with pytest.raises(ConfigError, match="unknown mode"):
         c.with_mode("fast")
     with pytest.raises(ConfigError, match="runs de_loader, not pe_receiver"):

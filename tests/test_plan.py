@@ -9,7 +9,7 @@ import pytest
 
 from sim.recorded import load_workload
 from sim.config import load
-from sim.plan import SLO, PlanWorkload, plan, shapes
+from sim.plan import SLO, PlanWorkload, band, plan, shapes
 from sim.plan_cli import main as plan_main
 from tests.trace_files import write_agentic
 
@@ -31,7 +31,7 @@ def test_candidates_are_ordered_by_gpus():
 
 def test_a_looser_slo_never_needs_more_gpus(workload):
     cfg = load(None)
-    needed = {"basic": [], "dualpath": []}
+    needed = {"basic": [], "pe-only": [], "dualpath": []}
     for ttft in (2.0, 3.0, 5.0, 8.0, 60.0):
         p = plan(cfg, workload, SLO(online=True, ttft_s=ttft, tpot_s=0.2), ratios=RATIOS, max_gpus=192)
         for mode, m in p["modes"].items():
@@ -60,7 +60,33 @@ def test_offline_plan_meets_a_jct_target(workload):
     p = plan(load(None), off, SLO(online=False, jct_s=1e9), ratios=((1, 2),), max_gpus=48)
     for m in p["modes"].values():
         assert m["met"] and m["chosen"]["shape"] == "1P2D" and m["eq9"]["inside"]
-    assert p["saving"] == {"ratio": 1.0, "lower_bound": False}
+    assert p["saving"] == {"ratio": 1.0, "lower_bound": False, "baseline_mode": "pe-only"}
+    assert p["saving_vs_basic"] == {"ratio": 1.0, "lower_bound": False, "baseline_mode": "basic"}
+    assert p["grid"]["step_at_dualpath"] == {"gpus": 24, "relative": 1.0}      # 1P2D -> 2P4D
+
+
+def test_the_headline_saving_is_against_pe_only_on_a_grid_of_every_k(workload):
+    """The saving names its baseline (pe-only: dualpath without the DE read path; basic beside
+    it); every k is a coarse candidate and the refine pass steps one node between the last miss
+    and the first meet, so a saving between 1 and 2 is not rounded to 2."""
+    assert [p + d for p, d in shapes(((1, 1),), 8, 96)] == [2, 4, 6, 8, 10, 12]
+    assert band(RATIOS, 8, 48, 80) == [(3, 4), (3, 5), (4, 4), (3, 6), (4, 5)]    # 56, 64, 72 GPUs
+    assert band(RATIOS, 8, 24, 48) == [(2, 2), (2, 3)] and band(((1, 2),), 8, 24, 72) == [(2, 4)]
+    p = plan(load(None), workload, SLO(online=True, ttft_s=3.0, tpot_s=0.2), ratios=RATIOS, max_gpus=192)
+    assert list(p["modes"]) == ["basic", "pe-only", "dualpath"]
+    gpus = {m: v["chosen"]["gpus"] for m, v in p["modes"].items() if v["met"]}
+    assert "dualpath" in gpus
+    for base, s in (("pe-only", p["saving"]), ("basic", p["saving_vs_basic"])):
+        assert s["baseline_mode"] == base
+        if base in gpus:
+            assert s["ratio"] == gpus[base] / gpus["dualpath"] and not s["lower_bound"]
+    for row in p["modes"]["pe-only"]["evaluated"]:
+        assert row["binding"]["snic_read_p95_util"] >= 0.0
+    for m in p["modes"].values():            # shapes simulated: coarse, then refined below the met one
+        met = [r for r in m["evaluated"] if r["met"]]
+        assert met == [m["chosen"]] and m["evaluated"][-1] is m["chosen"]
+    step = p["grid"]["step_at_dualpath"]
+    assert step["gpus"] == 8 and p["grid"]["k"] == "every integer 1..48"
 
 
 def test_bad_input_exits_2_naming_the_file(tmp_path, capsys):

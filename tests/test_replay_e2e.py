@@ -75,7 +75,7 @@ async def test_every_mode_hits_what_the_previous_turn_wrote(tmp_path, mode):
         (s["bytes"]["pe_to_de"], checks["pe_to_de_bytes_expected"])
     sides = s["read_sides"]
     b = s["bytes"]
-    if mode in ("basic", "+layer"):
+    if mode in ("basic", "+layer", "pe-only"):     # pe-only: dualpath without the DE read path
         assert "de" not in sides and b["storage_read_de_path"] == 0
         assert b["storage_read_pe_path"] > 0
     elif mode == "oracle":

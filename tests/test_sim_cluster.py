@@ -136,6 +136,30 @@ def test_dualpath_beats_basic_on_a_storage_bound_cluster():
     assert speed["dualpath"]["read_bytes"]["de_path"] > 0.0
 
 
+def test_pe_only_is_dualpath_without_the_de_read_path():
+    """pe-only: dualpath's every knob but the read side; its core never plans a DE read, so on a
+    storage-bound cluster it reads through the PE node's link alone and loses what dualpath
+    gains from the DE nodes' links."""
+    import msgspec
+
+    from sim.config import mode_spec, scheduler_config
+    cfg = load("configs/sim-local-1p2d.toml")
+    pe, dp = scheduler_config(cfg, "pe-only"), scheduler_config(cfg, "dualpath")
+    assert pe.read_side == "pe" and pe.read_side_mode() == "pe"
+    assert msgspec.structs.replace(pe, read_side="auto") == dp
+    assert msgspec.structs.replace(mode_spec("pe-only"), read_side="auto") == mode_spec("dualpath")
+    assert not mode_spec("pe-only").de_reads and mode_spec("dualpath").de_reads
+    runs, clusters = {}, []
+    for mode in ("pe-only", "dualpath"):
+        runs[mode] = simulate(cfg, mode, "64k", 12, turns_scale=0.15, cluster_out=clusters)
+    pe_core, dp_core = (c.sched for c in clusters)
+    assert pe_core.read_side_tokens["de"] == 0 and pe_core.read_side_tokens["pe"] > 0
+    assert dp_core.read_side_tokens["de"] > 0
+    assert runs["pe-only"]["read_bytes"]["de_path"] == 0.0
+    assert runs["pe-only"]["read_bytes"]["pe_path"] > 0.0
+    assert runs["dualpath"]["jct_s"] * 1.5 < runs["pe-only"]["jct_s"]     # 3 SNICs instead of 1
+
+
 def test_link_accounting_matches_section3_closed_form():
     """Steady storage-bound load (tiny compute, all hit): per-class link loads = §3's formulas."""
     P, D, g, snic = 1, 2, 4, 1e8

@@ -138,3 +138,15 @@ def test_mooncake_requests_hit_what_earlier_requests_sent(tmp_path):
     assert sw.n_roots == 6 and sw.make_agent(4).session == "req1#1"
     r = simulate_trace(_cfg(), "dualpath", w, online=True, aps=2.0)
     assert r["requests"] == 3 and r["read_bytes"]["pe_path"] + r["read_bytes"]["de_path"] > 0
+
+
+def test_regenerating_the_reproduction_doc_keeps_every_marked_block(tmp_path):
+    """``sim.reproduce`` rewrites docs/reproduction.md; the agentic-traces section and the
+    hand-run pe-only ablation (``sim.trace_repro.KEPT``) survive it."""
+    from sim.trace_repro import KEPT, keep_section
+    doc = tmp_path / "reproduction.md"
+    blocks = [f"{b}\nblock {i}\n{e}" for i, (b, e) in enumerate(KEPT)]
+    doc.write_text("# old\n\nold text\n\n" + "\n\n".join(blocks) + "\n")
+    new = keep_section(doc, "# regenerated\n")
+    assert new.startswith("# regenerated\n") and "old text" not in new
+    assert all(b in new for b in blocks)

@@ -141,7 +141,7 @@ def apply_mode(data: dict[str, Any], mode: str) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return _merge(data, {"scheduler": {"policy": m.policy, "placement": m.placement,
-                                       "oracle": m.oracle},
+                                       "oracle": m.oracle, "read_side": m.read_side},
                          "engine_sim": {"mode": m.engine_mode}})
 
 

@@ -67,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", default=None,
                    help="cluster TOML or plain host TOML (default: embedded 1P2D cluster)")
     p.add_argument("--node", default=None, help="node id (every service but the scheduler)")
-    p.add_argument("--mode", default=None, help="ablation mode (basic, +layer, +dpl, dualpath, "
-                                               "oracle): scheduler policy + engine mode")
+    p.add_argument("--mode", default=None, help="ablation mode (basic, +layer, +dpl, pe-only, "
+                                               "dualpath, oracle): scheduler policy + engine mode")
     p.add_argument("--port", type=int, default=None, help="override this service's port")
     p.add_argument("--scheduler", default=None, help="HOST:PORT of the scheduler")
     p.add_argument("--gateway-port", type=int, default=None, help="this node's gateway port")

@@ -25,8 +25,10 @@ policy            read side                    engine placement
 ================  ===========================  ==========================================
 
 ``placement`` overrides the engine placement (``round_robin`` with the ``dualpath`` read side is
-the load-balance comparison's round-robin scheduler); ``oracle`` skips all KV I/O (read side
-``none``) while keeping the ``policy``'s placement.
+the load-balance comparison's round-robin scheduler); ``read_side = "pe"`` overrides the read
+side (every hit read on the PE node: the ``pe-only`` ablation, ``dualpath`` without the DE read
+path, so what the second path itself adds is measured apart from the rest of the policy);
+``oracle`` skips all KV I/O (read side ``none``) while keeping the ``policy``'s placement.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from services.compute_model.cost_model import PrefillLoad, cost_model
 
 Policy = Literal["basic", "dpl", "dualpath"]
 Placement = Literal["auto", "balanced", "round_robin"]
+ReadSideMode = Literal["auto", "pe"]     # "auto": the policy's read side; "pe": PE node always
 
 
 class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's dataclass_transform
@@ -49,6 +52,7 @@ class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's datac
     policy: Policy = "dualpath"
     oracle: bool = False
     placement: Placement = "auto"
+    read_side: ReadSideMode = "auto"
     model: str = "deepseek-v3.2"            # KV + cost-model preset α and β are derived from
     snic_bytes_per_s: PositiveFloat = 50e9  # one 400 Gbps storage NIC per node (paper §6.1)
     alpha_s: PositiveFloat = 3.0
@@ -118,6 +122,8 @@ class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's datac
     def read_side_mode(self) -> Literal["none", "pe", "alternate", "shorter_queue"]:
         if self.oracle:
             return "none"
+        if self.read_side == "pe":
+            return "pe"
         sides: dict[Policy, Literal["pe", "alternate", "shorter_queue"]] = {
             "basic": "pe", "dpl": "alternate", "dualpath": "shorter_queue"}
         return sides[self.policy]

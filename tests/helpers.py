@@ -167,3 +167,14 @@ def require_namespaces() -> None:
     ok, reason = namespaces_available()
     if not ok:
         skip_or_fail(f"namespace hosts unavailable: {reason}")
+
+
+async def two_turns_second_hits(sched: Any) -> None:
+    """Two turns of one session through a scheduler client: the first (200 tokens) misses,
+    the second hits the 3 full blocks (192 tokens) the first wrote back."""
+    toks = [(i * 31) % 50_000 for i in range(200)]
+    first = await sched.run("t1", "s", 200, 2, token_ids=toks, deadline_s=30, check=True)
+    assert first.hit_tokens == 0
+    second = await sched.run("t2", "s", 260, 2, token_ids=toks + [7] * 60, deadline_s=30,
+                             check=True)
+    assert second.hit_tokens == 192, second

@@ -23,6 +23,7 @@ from common.protocol import Ping, Pong
 from common.rpc import RpcClient, RpcServer
 from services.scheduler.client.client import SchedulerClient
 from tests import test_rpc
+from tests.helpers import two_turns_second_hits
 from tests.test_rpc import CFG, Probe, TestReply, TestRequest
 from tools.cluster.inprocess import local_datapath
 
@@ -175,13 +176,7 @@ async def test_cluster_end_to_end_with_mutual_tls(tmp_path, pki):
                          "tls_ca_file": pki.ca_file, "tls_require_client_cert": True}}
     async with local_datapath(tmp_path, overrides=overrides) as c:
         async with SchedulerClient("127.0.0.1", c.scheduler.port, rpc=c.cfg.rpc) as sched:
-            toks = [(i * 31) % 50_000 for i in range(200)]
-            first = await sched.run("t1", "s", 200, 2, token_ids=toks, deadline_s=30,
-                                    check=True)
-            assert first.hit_tokens == 0
-            second = await sched.run("t2", "s", 260, 2, token_ids=toks + [7] * 60,
-                                     deadline_s=30, check=True)
-            assert second.hit_tokens == 192, second
+            await two_turns_second_hits(sched)
         servers = [c.scheduler._server, *(s.rpc for s in (*c.gateways.values(),
                                                           *c.pe.values(), *c.de.values()))]
         assert all(s._tls is not None for s in servers)

@@ -35,6 +35,7 @@ from common.protocol import (DataPathReply, GatewayReply, GatewayRequest,
 from common.rpc import RpcClient
 from tools.cluster import health
 from tools.cluster.inprocess import local_datapath
+from tests.helpers import two_turns_second_hits
 from services.node.config import DELoaderConfig, PEReceiverConfig
 from services.scheduler.client.client import SchedulerClient
 from services.scheduler.service_config import SchedulerServiceConfig
@@ -121,13 +122,7 @@ async def test_shared_secret_on_every_hop_and_never_leaked(tmp_path, monkeypatch
             # 1. the cluster itself works: nodes registered, two turns of one session, the
             #    second hits what the first wrote (the scheduler's lookup client authenticated)
             async with SchedulerClient(LOOPBACK, c.scheduler.port, rpc=cfg.rpc) as sched:
-                toks = [(i * 31) % 50_000 for i in range(200)]
-                first = await sched.run("t1", "s", 200, 2, token_ids=toks, deadline_s=30,
-                                        check=True)
-                assert first.hit_tokens == 0
-                second = await sched.run("t2", "s", 260, 2, token_ids=toks + [7] * 60,
-                                         deadline_s=30, check=True)
-                assert second.hit_tokens == 192, second
+                await two_turns_second_hits(sched)
             # 2. strangers are refused with a typed error on every endpoint
             errors = []
             for _label, client, msg in _strangers(c, ports):

@@ -313,7 +313,7 @@ async def test_bad_calls_get_typed_errors_and_leave_the_node_serving(tmp_path, r
         with pytest.raises(InvalidArgument):                       # bad timeout
             await eng.call(NextRequest(float("nan"), 1))
         claim = asyncio.ensure_future(eng.claim_prefill("b1", 10.0))   # before the plan
-        await asyncio.sleep(0.05)
+        await until(lambda: "b1" in pe.engine_api.claims_waiting, what="b1's claim waiting")
         pe.submit_plan(plan(c, "b1", tokens(BT + 9, 4), 0, "none"))
         h = await claim
         with pytest.raises(InvalidArgument):                       # output before layer

@@ -93,6 +93,7 @@ class EngineApiServer:
         self._by_conn: dict[int, EngineSession] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.reported: dict[str, dict[str, float]] = {}    # engine id → its latest counters
+        self.claims_waiting: collections.Counter[str] = collections.Counter()  # id → claims
         self.rpc = RpcServer(rpc_cfg, service=f"engine_api:{node_id}", node_id=node_id,
                              handlers=self.handlers(), request_type=EngineRequest,
                              on_disconnect=self._on_disconnect)
@@ -286,6 +287,18 @@ class EngineApiServer:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         unknown_at = loop.time() + UNKNOWN_GRACE_S
+        self.claims_waiting[rid] += 1
+        try:
+            return await self._claim_loop(sess, port, rid, timeout, end, unknown_at)
+        finally:
+            self.claims_waiting[rid] -= 1
+            if not self.claims_waiting[rid]:
+                del self.claims_waiting[rid]
+
+    async def _claim_loop(self, sess: EngineSession, port: Any, rid: str, timeout: float,
+                          end: float, unknown_at: float) -> Assigned:
+        """Wait for ``rid`` on ``sess``'s port: handed, refused, or not found by ``end``."""
+        loop = asyncio.get_running_loop()
         while not sess.closed:
             if (item := port.take(rid)) is not None:
                 return self._assign(sess, [item])

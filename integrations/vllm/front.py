@@ -334,10 +334,11 @@ class Front:
             got.text += choice.get("text") or ""
             got.finish_reason = choice.get("finish_reason") or got.finish_reason
             if out is not None and len(got.token_ids) > len(sent.token_ids):
-                text = (choice.get("text") or "" if before >= len(sent.token_ids) else
-                        self.tok.decode(got.token_ids[len(sent.token_ids):],
-                                        skip_special_tokens=True))
                 fresh = got.token_ids[len(sent.token_ids):]
+                # a chunk wholly new: vLLM's text; one straddling what a re-planned attempt
+                # already streamed: only its unsent tokens, decoded here
+                text = ((choice.get("text") or "") if before >= len(sent.token_ids) else
+                        self.tok.decode(fresh, skip_special_tokens=True))
                 sent.token_ids.extend(fresh)
                 await out.write(sse(api.chunk(rid, self.cfg.model_name, call.chat,
                                               call.created, text=text, token_ids=fresh)))

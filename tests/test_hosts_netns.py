@@ -13,7 +13,7 @@ import shlex
 import sys
 import pytest
 
-from tests.helpers import require_etcd, require_namespaces
+from tests.helpers import require_etcd, require_namespaces, wait_until
 from tools.hosts import cluster as hc
 from tools.hosts import ucx_lanes
 from tools.hosts.netns import HostNet, root_has_harness_route
@@ -306,7 +306,6 @@ def test_prometheus_on_a_host_scrapes_every_service_and_the_dashboard_has_data(n
     import yaml
 
     from tests.test_prometheus_ops import MUST_BE_POSITIVE, require_prometheus
-    from tests.helpers import wait_until
     from tools.cluster.config import ROLE_SERVICE, load_cluster
     from tools.cluster.observability import (dashboard_queries, load_dashboard, metrics_targets,
                                              prometheus_config)
@@ -348,8 +347,47 @@ def test_prometheus_on_a_host_scrapes_every_service_and_the_dashboard_has_data(n
 
 # ---------------------------------------------------------------------------- chaos across hosts
 
+# Run on ``cli``: ask ``node``'s service (GetStats over its RPC port, every 20 ms) until it
+# holds an attempt; exit 0 then, 1 when ``deadline`` passes first.
+_HOLDING = """
+import asyncio, sys, time
+from typing import Union
+from common.config import RpcConfig
+from common.protocol import ErrorReply, GetStats, GetStatsReply
+from common.rpc_client import RpcClient
+
+async def main(host, port, deadline):
+    c = RpcClient(RpcConfig(), host, int(port), role="monitor", node_id="test",
+                  reply_type=Union[GetStatsReply, ErrorReply])
+    end = time.monotonic() + float(deadline)
+    try:
+        while time.monotonic() < end:
+            try:
+                r = await c.call(GetStats(), timeout=2.0)
+                if r.counters.get("attempts_live", 0) >= 1:
+                    return 0
+            except Exception:
+                pass
+            await asyncio.sleep(0.02)
+        return 1
+    finally:
+        await c.close()
+
+sys.exit(asyncio.run(main(*sys.argv[1:])))
+"""
+
+
+def _until_holding(net: HostNet, node: str, replay) -> None:
+    """Until ``node`` holds attempts of the running replay: the fault lands on work in flight,
+    not on a moment that happens to be idle (no fixed head start)."""
+    r = net.run("cli", [sys.executable, "-c", _HOLDING, net.hosts[node].address,
+                        str(hc.RPC_PORT), "120"], env=hc.unit_env(net, "cli"), timeout=150)
+    assert r.returncode == 0, f"{node} never held work of the replay: {r.stderr[-2000:]}"
+    assert replay.poll() is None, f"the replay ended before the fault on {node}"
+
+
 def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4) -> tuple[int, str, dict]:
-    """Start a replay on ``cli``, run ``fault()`` while it runs, return (rc, output, results)."""
+    """Start a replay on ``cli``, run ``fault(replay)`` while it runs, return (rc, output, results)."""
     seed = next(_SEEDS)
     out = net.hosts["cli"].root / "var" / f"out{seed}"
     argv = [*hc.replay_argv(net, "cli"), "--agents", str(agents), "--max-turns", str(turns),
@@ -358,35 +396,40 @@ def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4) -> t
     env.pop("UCX_LOG_LEVEL", None)
     proc = net.spawn("cli", argv, env=env, log_name=f"replay{seed}",
                      cwd=str(net.hosts["cli"].root / "var"))
-    fault()
+    fault(proc)
     rc = proc.wait(timeout=400)
     res = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     return rc, net.log_text("cli", f"replay{seed}"), res
 
 
-def test_a_partitioned_decode_host_is_replanned_and_no_request_is_lost(net):
-    import time
+def _d1_removals(net: HostNet) -> int:
+    """How often the scheduler has removed d1 (its lease ran out) so far."""
+    return sum(1 for line in net.log_text("ctl", "dualpath-scheduler").splitlines()
+               if "node_removed" in line and '"d1"' in line)
 
-    def partition() -> None:
-        time.sleep(4.0)                      # transfers under way
+
+def test_a_partitioned_decode_host_is_replanned_and_no_request_is_lost(net):
+    def partition(replay) -> None:
+        _until_holding(net, "d1", replay)    # transfers under way on d1
+        removals = _d1_removals(net)
         net.link("d1", up=False)             # d1's cable pulled at the switch
-        time.sleep(8.0)                      # > the 5 s lease: the scheduler re-plans
-        net.link("d1", up=True)
+        try:                                 # until the scheduler gave d1's lease up (5 s)
+            wait_until(lambda: _d1_removals(net) > removals, timeout=60, interval=0.2,
+                       what="the scheduler removing partitioned d1")
+        finally:
+            net.link("d1", up=True)
 
     rc, text, res = _replay_during(net, partition)
     checks = res["summary"]["checks"]
-    assert rc == 0, text[-3000:]           # --check: finished, hits, bytes, verified
+    if rc != 0:                            # --check: finished, hits, bytes, verified
+        pytest.fail(f"{text[-3000:]}\n{json.dumps(checks, indent=1)}")
     assert checks["all_finished"] and checks["every_prompt_verified"], text[-3000:]
-    sched = net.log_text("ctl", "dualpath-scheduler")
-    assert "d1" in sched and ("lease" in sched or "node_removed" in sched), sched[-3000:]
 
 
 def test_a_decode_host_killed_its_requests_finish_on_the_others(net):
     """Last in the module: d1's services stay dead."""
-    import time
-
-    def kill() -> None:
-        time.sleep(4.0)
+    def kill(replay) -> None:
+        _until_holding(net, "d1", replay)
         net.kill_host("d1")                  # the machine's services die (SIGKILL)
 
     rc, text, res = _replay_during(net, kill)

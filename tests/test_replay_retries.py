@@ -59,3 +59,36 @@ async def test_a_failed_send_is_retried_and_the_storage_check_counts_its_read(tm
     assert s["retried_attempts"] == {"de_loader/UNAVAILABLE": 1}
     assert "failed attempts 1" in summary_rows("t", s)[-1]
     assert "de_loader/UNAVAILABLE 1" in summary_rows("t", s)[-1]
+
+
+def _byte_check(read: float, history: list) -> dict:
+    from common.protocol.frontend import AttemptRecord
+    from tools.replay.driver import RequestRecord
+    from tools.replay.results import _byte_checks
+    from tools.replay.telemetry import Sampler
+    rec = RequestRecord(request_id="r", session_id="s", turn=1, prompt_tokens=256,
+                        gen_tokens=1, hit_tokens=128, read_side="de", outcome="finished",
+                        attempt_history=[AttemptRecord(**a) for a in history])
+    b = {"storage_read_pe_path": 0.0, "storage_read_de_path": read, "pe_to_de": 0.0}
+    return _byte_checks([rec], [rec], b, bytes_per_token=10, block_tokens=64,
+                        sampler=Sampler(targets=[]))
+
+
+def test_a_cut_off_attempt_bounds_the_storage_check_instead_of_failing_it():
+    # 128 hit tokens × 10 B: 1280 B expected; a cut-off node (lease lost, the scheduler
+    # failed its attempt: PEER_FAILED) may have read up to its hit again, unreported
+    cut = dict(attempt=1, pe_node="p0", de_node="d1", read_side="de", stage="loading",
+               outcome="failed", hop="scheduler", code="PEER_FAILED")
+    final = dict(attempt=2, pe_node="p0", de_node="d0", read_side="de", stage="decoding",
+                 outcome="finished")
+    exact = _byte_check(1280, [final])
+    assert exact["storage_read_matches_hits"] and exact["storage_read_bytes_unreported_bound"] == 0
+    assert not _byte_check(1280 + 640, [final])["storage_read_matches_hits"]
+    within = _byte_check(1280 + 640, [cut, final])
+    assert within["storage_read_matches_hits"] and within["storage_read_bytes_unreported_bound"] \
+        == 1280
+    assert not _byte_check(2 * 1280 + 1, [cut, final])["storage_read_matches_hits"]
+    assert not _byte_check(1279, [cut, final])["storage_read_matches_hits"]
+    # a node that reported its own failure (read_bytes known) is counted exactly, not bounded
+    told = dict(cut, hop="de_loader", code="UNAVAILABLE", read_bytes=640)
+    assert _byte_check(1280 + 640, [told, final])["storage_read_bytes_unreported_bound"] == 0

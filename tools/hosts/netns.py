@@ -172,7 +172,8 @@ class HostNet:
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self._made.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not os.environ.get("DUALPATH_KEEP_HOSTS_DIR"):     # set: logs kept for a post-mortem
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ use
     def spawn(self, host: str, argv: list[str], *, env: dict[str, str] | None = None,

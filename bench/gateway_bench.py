@@ -384,7 +384,7 @@ async def run(quick: bool) -> tuple[dict, dict]:
                "settings": {"request_bytes": REQUEST_BYTES, "batch_bytes": BATCH_BYTES,
                             "requests_in_flight": INFLIGHT, "io_threads": 2, "cpus": os.cpu_count(),
                             "single_copy_env": os.environ.get("DUALPATH_UCX_SINGLE_COPY", "")}}
-    return headline("gateway_vs_pread", ratio, 0.80), results
+    return headline("gateway_vs_pread", ratio, 0.85), results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,7 @@ sim-accel: $(STAMP)
 	$(VENV)/bin/dualpath sim-accel build
 
 BENCHES := transport gateway datapath scheduler sim e2e chaos overload
-BENCHES += engine_ipc failover plan
+BENCHES += engine_ipc failover plan kvpath
 
 bench: $(STAMP)
 	mkdir -p results

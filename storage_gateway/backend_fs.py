@@ -31,6 +31,7 @@ from storage_gateway.block_format import (HEADER_SIZE, HEADER_USED, QUARANTINE_D
                                           BlockHeader, block_relpath, decode_header, encode_header,
                                           host_tag, is_shard_name, key_of_block_name, parse_temp_name,
                                           payload_checksum, temp_name)
+from storage_gateway.destinations import Destination, as_views
 
 log = structlog.get_logger(__name__)
 
@@ -281,13 +282,14 @@ class FsBackend:
 
     # ------------------------------------------------------------------ reads
     async def read(self, keys: Sequence[str],
-                   dests: Sequence[Sequence[memoryview]]) -> list[ReadStatus]:
+                   dests: Sequence[Destination]) -> list[ReadStatus]:
         return await run_io(self._executor, self._read_batch, keys, dests)
 
     def _read_batch(self, keys, dests) -> list[ReadStatus]:
         return [self._read_one(k, d) for k, d in zip(keys, dests)]
 
-    def _read_one(self, key: str, views: Sequence[memoryview]) -> ReadStatus:
+    def _read_one(self, key: str, dest: Destination) -> ReadStatus:
+        views = as_views(dest)
         path = self._path(key)
         direct = self.o_direct
         try:

@@ -9,6 +9,7 @@ from concurrent.futures import Executor
 from common.kv import KVSpec
 from storage_gateway.backends import ReadStatus, ScanResult, run_io
 from storage_gateway.block_format import payload_checksum
+from storage_gateway.destinations import Destination, as_views
 
 
 class MemoryBackend:
@@ -36,13 +37,14 @@ class MemoryBackend:
         self._blocks[key] = (data, payload_checksum([data]))
 
     async def read(self, keys: Sequence[str],
-                   dests: Sequence[Sequence[memoryview]]) -> list[ReadStatus]:
+                   dests: Sequence[Destination]) -> list[ReadStatus]:
         return await run_io(self._executor, self._read_sync, keys, dests)
 
     def _read_sync(self, keys, dests) -> list[ReadStatus]:
         return [self._read_one(k, d) for k, d in zip(keys, dests)]
 
-    def _read_one(self, key: str, views: Sequence[memoryview]) -> ReadStatus:
+    def _read_one(self, key: str, dest: Destination) -> ReadStatus:
+        views = as_views(dest)
         entry = self._blocks.get(key)
         if entry is None:
             return ReadStatus.MISSING

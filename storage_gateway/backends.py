@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from common.kv import KVSpec
+from storage_gateway.destinations import Destination
 
 T = TypeVar("T")
 
@@ -57,8 +58,8 @@ class BlockBackend(Protocol):
         """Store one block durably; returns only once it is complete and durable."""
 
     async def read(self, keys: Sequence[str],
-                   dests: Sequence[Sequence[memoryview]]) -> list[ReadStatus]:
-        """Read and verify blocks into their destination views (one status per key)."""
+                   dests: Sequence[Destination]) -> list[ReadStatus]:
+        """Read and verify blocks into their destinations (one status per key)."""
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Delete blocks; returns how many existed."""

@@ -39,7 +39,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import structlog
 from structlog.contextvars import bound_contextvars
 
@@ -58,7 +57,7 @@ from common.shm import ShmMappings, valid_name
 from common.shm import ShmUnavailable as SegmentUnavailable
 from common.transport import PageTransport
 from common.transport.plan import check_transfer_id, plan_messages
-from storage_gateway.destinations import stream_block_pieces
+from storage_gateway.destinations import ArenaRuns, block_runs
 from storage_gateway.config import GatewayNodeConfig, GatewayServiceConfig
 from storage_gateway.store import GatewayStore
 
@@ -141,17 +140,13 @@ def _check_peer(host: str, port: int) -> None:
         raise InvalidArgument(f"requester UCX address {host!r}:{port} is not valid")
 
 
-def staging_dests(alloc: Allocation, spec: KVSpec, n: int, layer_major: bool) -> list[list[np.ndarray]]:
+def staging_dests(alloc: Allocation, spec: KVSpec, n: int, layer_major: bool) -> list[ArenaRuns]:
     """Where each of ``n`` blocks goes in a batch's staging, in the stream order of the batch.
 
     Block-major: block i is stream bytes ``[i*bb, (i+1)*bb)``. Layer-major: layer l of block i
     is at ``(l*n + i) * layer_block_bytes`` (all blocks' layer 0, then layer 1, ...).
     """
-    bb, lb = spec.full_block_bytes, spec.layer_block_bytes
-    if not layer_major:
-        return [alloc.views(i * bb, bb) for i in range(n)]
-    return [[v for layer in range(spec.num_layers) for v in alloc.views((layer * n + i) * lb, lb)]
-            for i in range(n)]
+    return block_runs(memoryview(alloc.pool.arena), alloc.slots(), n, spec, layer_major)
 
 
 # --------------------------------------------------------------------------- the service
@@ -358,19 +353,18 @@ class GatewayService(Service):
                           gw.max_bytes_per_request, tc.max_message_bytes, tc.pack_below_bytes)
 
     # ------------------------------------------------------------------ same-host shm reads
-    def _shm_dests(self, msg: ReadBlocks, plans: list[BatchPlan]) -> list[list[np.ndarray]]:
-        """Per key, views of the requester's segment where its block goes (nothing written)."""
+    def _shm_dests(self, msg: ReadBlocks, plans: list[BatchPlan]) -> list[ArenaRuns]:
+        """Per key, where in the requester's segment its block goes (nothing written)."""
         if not self.cfg.gateway.shm:
             raise SegmentUnavailable("shared-memory reads are disabled on this gateway (gateway.shm)")
-        arena = self.shm_maps.get(msg.shm_segment, msg.shm_bytes)
+        arena = self.shm_maps.get(msg.shm_segment, msg.shm_bytes).data
         dests = []
         for plan in plans:
             b = plan.batch
-            for pieces in stream_block_pieces(b.slots, b.n_keys, self.spec, b.layer_major):
-                dests.append([arena[off:off + n] for off, n in pieces])
+            dests.extend(block_runs(arena, b.slots, b.n_keys, self.spec, b.layer_major))
         return dests
 
-    async def _read_shm(self, msg: ReadBlocks, dests: list[list[np.ndarray]], out: _ReadOutcome,
+    async def _read_shm(self, msg: ReadBlocks, dests: list[ArenaRuns], out: _ReadOutcome,
                         deadline_at: float) -> None:
         """Read every block straight into the requester's segment; zero-fill what is missing.
 
@@ -388,8 +382,7 @@ class GatewayService(Service):
             for i, found in enumerate(res.found):
                 out.found[i] = found
                 if not found:                 # never leave stale bytes in the caller's slots
-                    for view in dests[i]:
-                        view.fill(0)
+                    dests[i].fill_zero()
                     self._n["blocks_zero_filled"] += 1
             self._n["shm_reads"] += 1
             self._n["shm_batches"] += len(msg.batches)
@@ -472,8 +465,7 @@ class GatewayService(Service):
         for i, found in enumerate(res.found):
             out.found[plan.first + i] = found
             if not found:                     # never serve stale staging bytes
-                for view in dests[i]:
-                    view.fill(0)
+                dests[i].fill_zero()
                 self._n["blocks_zero_filled"] += 1
         return alloc
 

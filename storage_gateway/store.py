@@ -31,7 +31,7 @@ from common.kv import KVSpec, validate_key, validate_keys
 from storage_gateway.backends import BlockBackend, ReadStatus, finish_uncancelled, make_backend
 from storage_gateway.block_index import BlockIndex
 from storage_gateway.config import GatewayConfig
-from storage_gateway.destinations import normalize_destinations, normalize_payload
+from storage_gateway.destinations import Destination, normalize_destinations, normalize_payload
 from storage_gateway.link_shaper import LinkShaper
 from storage_gateway.read_queue import ReadQueue
 
@@ -251,7 +251,7 @@ class GatewayStore:
                 raise DeadlineExceeded(f"read {rid}: {len(keys)} blocks not read within {timeout_s:.3g} s "
                                        f"(node read_q {self.read_q} tokens)") from None
 
-    async def _read(self, rid: str, keys: list[str], dests: list[list[memoryview]],
+    async def _read(self, rid: str, keys: list[str], dests: list[Destination],
                     spread: bool = False) -> ReadResult:
         t0 = time.monotonic()
         ticket = await self._admit(len(keys))

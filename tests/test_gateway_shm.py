@@ -29,7 +29,7 @@ from common.service import Status
 from common.transport import PageTransport
 from storage_gateway.block_format import HEADER_SIZE
 from storage_gateway.client import GatewayClient, block_slots, layout_slots, plan_batches
-from storage_gateway.destinations import stream_block_pieces
+from storage_gateway.destinations import block_runs
 from tests.helpers import until
 from tests.test_gateway_service import (BB, SPEC, TCFG, blocks, chain, cluster, gateway_process,
                                         tree)
@@ -56,8 +56,8 @@ def _dead_pid() -> int:
 # ---------------------------------------------------------------- pure parts
 
 @pytest.mark.parametrize("layer_major", [False, True])
-def test_stream_block_pieces_match_the_wire_order(layer_major):
-    """Per-block pieces put each byte where the UCX stream would have put it."""
+def test_block_runs_match_the_wire_order(layer_major):
+    """Per-block runs (closed form) put each byte where the UCX stream would have put it."""
     tokens = 9 * SPEC.block_tokens
     dest = layout_slots(SPEC, 777, tokens, 7, first_block=1)
     for n, slots in plan_batches(SPEC, dest[:5], 3 * BB, layer_major) + \
@@ -68,7 +68,9 @@ def test_stream_block_pieces_match_the_wire_order(layer_major):
             arena_stream[off:off + k] = np.arange(pos, pos + k)
             pos += k
         lb, bb = SPEC.layer_block_bytes, BB
-        for i, pieces in enumerate(stream_block_pieces(slots, n, SPEC, layer_major)):
+        arena = memoryview(bytearray(len(arena_stream)))
+        for i, runs in enumerate(block_runs(arena, slots, n, SPEC, layer_major)):
+            pieces = list(zip(runs.offsets, runs.lengths))
             got = np.concatenate([arena_stream[o:o + k] for o, k in pieces])
             if layer_major:
                 want = np.concatenate([np.arange((layer * n + i) * lb, (layer * n + i + 1) * lb)

@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "bench.plan_bench",
     "engine": "bench.engine_bench",
     "multihost": "bench.multihost_bench",
+    "kvpath": "bench.kvpath_bench",
 }
 
 COMMANDS: dict[str, str] = {

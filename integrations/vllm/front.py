@@ -169,10 +169,7 @@ class Front:
             return await self._generate(request, Call(body, ids, chat, arrival))
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[api.CompletionBody, list[int]]:
-        try:
-            body = msgspec.json.decode(raw, type=api.CompletionBody)
-        except msgspec.DecodeError as e:
-            raise api.HttpError(400, f"malformed request body: {e}", "invalid_body") from None
+        body = api.parse_body(raw)
         if body.model != self.cfg.model_name:
             raise api.HttpError(404, f"model {body.model!r} not served here (serving "
                                      f"{self.cfg.model_name!r}, see /v1/models)",

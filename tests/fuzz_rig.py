@@ -58,8 +58,10 @@ class RawPeer:
         self._ids = 1000
 
     @classmethod
-    async def open(cls, port: int, *, hello: bool = True) -> RawPeer:
-        peer = cls(*await asyncio.open_connection("127.0.0.1", port))
+    async def open(cls, port: int, *, hello: bool = True, path: str | None = None) -> RawPeer:
+        """Connect to 127.0.0.1:``port``, or to the Unix socket ``path`` (an engine socket)."""
+        peer = cls(*await (asyncio.open_unix_connection(path) if path is not None
+                           else asyncio.open_connection("127.0.0.1", port)))
         if hello:
             first = peer.codec.handshake(await peer.frame())
             assert type(first) is ServerHello, first
@@ -157,10 +159,11 @@ class Endpoint:
 class LiveCluster:
     """``local_datapath`` running on a background loop; :meth:`run` executes a coroutine there."""
 
-    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, overrides: dict[str, Any] | None = None, **datapath: Any) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="dualpath-fuzz-")
         self.root = Path(self._tmp.name)
         self._overrides = overrides
+        self._datapath = datapath          # more local_datapath arguments (engines=False, ...)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="fuzz-cluster",
                                         daemon=True)
@@ -175,7 +178,7 @@ class LiveCluster:
     def start(self) -> LiveCluster:
         from tools.cluster.inprocess import local_datapath
         self._thread.start()
-        self._cm = local_datapath(self.root, overrides=self._overrides)
+        self._cm = local_datapath(self.root, overrides=self._overrides, **self._datapath)
         self.c = self.run(self._cm.__aenter__())
         self.run(self._connect_clients())
         return self
@@ -213,6 +216,8 @@ class LiveCluster:
     async def _connect_clients(self) -> None:
         """One client per endpoint, connected for the whole module (they share the servers
         with the fuzzers: 'another client connected at the same time keeps working')."""
+        if self.c.scheduler is None:
+            return                  # a cluster without a scheduler: the test brings its own
         from services.scheduler.client.client import SchedulerClient
         eps = self.endpoints
         sched = SchedulerClient("127.0.0.1", eps["scheduler"].port, rpc=CLIENT_CFG,

@@ -221,7 +221,7 @@ def test_after_the_fuzzing_a_request_runs_and_nothing_leaked(rig, reliability):
         "input", "engine socket: bytes instead of / after the hello, any msgpack bodies, "
         "schema-built engine calls, mutated call frames, bodies nested past the recursion "
         "limit", f"typed errors {dict(sorted(rig.answers.items()))}; node running; the "
-        f"attached engine's calls and then a whole request succeeded; RSS +{grown:.0f} MB "
+        f"attached engine's calls and then a whole request succeeded; RSS {grown:+.0f} MB "
         f"(bound {RSS_GROWTH_BOUND_MB})", leaked_pages=0,
         examples=sum(rig.examples.values()))
 

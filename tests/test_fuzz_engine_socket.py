@@ -19,6 +19,7 @@ process's RSS (the node runs in it) grew by less than a generous bound.
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,7 @@ RSS_GROWTH_BOUND_MB = 256      # generous: hypothesis and the test rig allocate 
 def rss_mb() -> float:
     """Resident memory of this process now (the node runs in it), in MB."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE / 2**20
-
-
-PAGE = __import__("os").sysconf("SC_PAGE_SIZE")
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class EngineRig:

@@ -15,6 +15,7 @@ at most a clean close — and the service must still be RUNNING afterwards.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import tempfile
 import threading
@@ -40,6 +41,15 @@ KNOWN_CODES = frozenset(c.value for c in ErrorCode)
 ANSWER_TIMEOUT_S = 15.0        # generous: 2 shared cores; only guards against hangs
 CLIENT_CFG = RpcConfig(reconnect_attempts=3, reconnect_initial_s=0.01, default_deadline_s=20.0)
 _ANY = msgspec.msgpack.Decoder()
+
+
+RSS_GROWTH_BOUND_MB = 256      # generous: hypothesis and the test rig allocate in the process too
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now, in MB (an in-process cluster's services run here)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def closed_port() -> int:
@@ -171,6 +181,7 @@ class LiveCluster:
         self.c = None
         self.clients: dict[str, Any] = {}
         self.real_calls = 0
+        self.rss_at_start = 0.0        # MB, once the cluster is up: the fuzzing's bound is on growth
 
     def run(self, coro: Coroutine, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -181,7 +192,11 @@ class LiveCluster:
         self._cm = local_datapath(self.root, overrides=self._overrides, **self._datapath)
         self.c = self.run(self._cm.__aenter__())
         self.run(self._connect_clients())
+        self.rss_at_start = rss_mb()
         return self
+
+    def rss_growth_mb(self) -> float:
+        return rss_mb() - self.rss_at_start
 
     def close(self) -> None:
         try:

@@ -19,7 +19,6 @@ process's RSS (the node runs in it) grew by less than a generous bound.
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from common.errors import ErrorCode, NotFound
 from common.framing import HEADER
 from common.protocol import Call, CallError, EngineOk, EngineRequest, ReportCounters, WaitLayer
 from services.engine_api.remote import EngineClient
-from tests.fuzz_rig import LiveCluster, RawPeer, error_code, frame_of
+from tests.fuzz_rig import RSS_GROWTH_BOUND_MB, LiveCluster, RawPeer, error_code, frame_of
 from tests.helpers import until
 from tests.test_datapath import BT, no_leaks, plan, report, tokens
 from tests.test_fuzz_decoders import MSGPACK, deep, message_values, mutated
@@ -45,13 +44,6 @@ pytestmark = [pytest.mark.reliability]
 FUZZ = settings(derandomize=True, max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 GOOD = "p0.e0"                 # the well-behaved engine's id; fuzzed attaches never take it
-RSS_GROWTH_BOUND_MB = 256      # generous: hypothesis and the test rig allocate too
-
-
-def rss_mb() -> float:
-    """Resident memory of this process now (the node runs in it), in MB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class EngineRig:
@@ -67,14 +59,12 @@ class EngineRig:
         self.good: EngineClient | None = None
         self.answers: dict[str, int] = {}
         self.examples: dict[str, int] = {}
-        self.rss_at_start = 0.0
 
     def start(self) -> EngineRig:
         self.live.start()
         self.good = self.live.run(EngineClient.connect(
             self.pe_sock, engine_id=GOOD, role="prefill", kv_spec=self.live.c.spec,
             timeout_s=10.0))
-        self.rss_at_start = rss_mb()
         return self
 
     def close(self) -> None:
@@ -212,7 +202,7 @@ def test_after_the_fuzzing_a_request_runs_and_nothing_leaked(rig, reliability):
     without bound."""
     rig.live.run(_one_request(rig), timeout=120)
     rig.live.run(no_leaks(rig.live.c))
-    grown = rss_mb() - rig.rss_at_start
+    grown = rig.live.rss_growth_mb()
     assert grown < RSS_GROWTH_BOUND_MB, f"RSS grew {grown:.0f} MB over the fuzzing"
     assert rig.answers.get(ErrorCode.INTERNAL, 0) == 0
     reliability.record(

@@ -25,7 +25,8 @@ from common.errors import ErrorCode
 from common.framing import HEADER
 from common.protocol import (Call, CallError, CancelCall, Envelope, GetStats, Ping, Reply,
                              StreamCredit, union_members)
-from tests.fuzz_rig import LiveCluster, RawPeer, error_code, frame_of, fuzz_examples
+from tests.fuzz_rig import (RSS_GROWTH_BOUND_MB, LiveCluster, RawPeer, error_code, frame_of,
+                            fuzz_examples)
 from tests.test_fuzz_decoders import deep, mutated
 
 pytestmark = [pytest.mark.reliability]
@@ -223,3 +224,14 @@ def test_bad_frames_never_hurt_the_service(live, reliability, name, case):
     reliability.record("input", f"{name}: {case}", "typed error or that connection closed; "
                        "service running; concurrent client's real calls succeeded",
                        examples=n)
+
+
+def test_the_cluster_served_on_and_its_memory_stayed_bounded(live, reliability):
+    """Last in the module: after every case above, a whole request still runs, nothing is
+    held, and the process the services run in grew less than a generous bound."""
+    live.run(live.real_calls_work(submit=True))
+    live.run(live.quiet())
+    grown = live.rss_growth_mb()
+    assert grown < RSS_GROWTH_BOUND_MB, f"RSS grew {grown:.0f} MB over the frame fuzzing"
+    reliability.record("input", "all four services after every frame case", "a whole request "
+                       f"ran; nothing held; RSS {grown:+.0f} MB (bound {RSS_GROWTH_BOUND_MB})")

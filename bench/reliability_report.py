@@ -25,6 +25,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
+# The fuzzing overview: what each door gets, how many examples a CI run tries, what is
+# asserted, the bugs found (static: the per-case rows come from the tests, under "input").
+FUZZING = (Path(__file__).with_name("reliability_fuzzing.md"))
 SECTIONS = (
     ("fault", "Faults injected (processes killed or paused mid-request)"),
     ("durability", "Storage durability"),
@@ -124,6 +127,8 @@ def render(rows: list[dict[str, Any]], chaos: dict[str, Any] | None,
         f"**Totals over {len(rows)} test cases: requests lost = {lost}, leaked pages = {leaked}.**",
         "",
     ]
+    if FUZZING.exists():
+        lines += [FUZZING.read_text().rstrip("\n"), ""]
     if chaos is not None:
         head = chaos.get("headline", {})
         res = chaos.get("results", {})

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from common.errors import FrameTooLarge, PeerFailed
+from common.errors import DualpathError, FrameTooLarge, PeerFailed
 from common.protocol import Envelope, HandshakeMsg, Message, union_members
 
 log = structlog.get_logger(__name__)
@@ -62,25 +62,45 @@ class FrameCodec:
         """Encode a channel message as an envelope body."""
         return msgspec.Raw(self._enc.encode(msg))
 
+    # Every decode raises msgspec.DecodeError and nothing else on bad input, whatever the
+    # peer sent (tests/test_fuzz_decoders.py): callers map that one error to a typed wire code.
     def envelope(self, data: bytes) -> Any:
-        return self._env.decode(data)
+        return typed_decode(self._env, data)
 
     def handshake(self, data: bytes) -> Any:
-        return self._hello.decode(data)
+        return typed_decode(self._hello, data)
 
     def body(self, raw: msgspec.Raw) -> Any:
-        return self._body.decode(raw)
+        return typed_decode(self._body, raw)
 
     def event(self, raw: msgspec.Raw) -> Any:
-        return self._event.decode(raw)
+        return typed_decode(self._event, raw)
 
     def body_is_unknown(self, raw: msgspec.Raw) -> bool:
         """After a body failed to decode: True when its tag is missing or not in the union."""
         try:
-            tag = self._peek.decode(raw).t
+            tag = typed_decode(self._peek, raw).t
         except msgspec.DecodeError:
             return False          # not even a map with a string tag: malformed, not unknown
         return tag is None or tag not in self._tags
+
+
+def typed_decode(decoder: msgspec.msgpack.Decoder, data: Any) -> Any:
+    """``decoder.decode(data)``, raising only ``msgspec.DecodeError`` on bad input.
+
+    msgspec lets two other errors through, both reachable from a peer's bytes: RecursionError
+    for values nested deeper than the interpreter's recursion limit — a field it skips or keeps
+    raw (an unknown field, an envelope body) included — and whatever a struct's
+    ``__post_init__`` raises other than TypeError / ValueError (``KVSpec`` raises
+    InvalidArgument). Either would escape the handlers that catch DecodeError and end the
+    connection with no typed answer.
+    """
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("message nested too deeply") from None
+    except DualpathError as e:
+        raise msgspec.ValidationError(e.message) from None
 
 
 def tag_of(cls: type[msgspec.Struct]) -> Any:

@@ -32,7 +32,7 @@ from common.protocol import (
     PROTOCOL_VERSION, Call, CallError, CancelCall, ErrorReply, Hello, HelloReply, Reply,
     ServerHello, StreamCredit, StreamEnd, StreamItem, union_members,
 )
-from common.tls import server_context
+from common.tls import HandshakeFailures, server_context
 from common.unix_socket import bind_private
 
 log = structlog.get_logger(__name__)
@@ -140,6 +140,8 @@ class RpcServer:
         self._kv_fingerprint = kv_fingerprint
         self._secret = auth_secret
         self._tls = server_context(cfg)     # None: plaintext; bad files fail here, at start
+        self._tls_failures = None if self._tls is None else HandshakeFailures(
+            self._tls, cfg.handshake_timeout_s)
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._entries = _build_entries(handlers, request_type)
@@ -174,7 +176,9 @@ class RpcServer:
     def stats(self) -> dict[str, float]:
         """RPC counters, for a service's GetStats reply."""
         inflight = sum(len(c.calls) for c in self._conns.values())
-        return {**self._counters, "connections_open": len(self._conns), "calls_inflight": inflight}
+        failures = self._tls_failures
+        return {**self._counters, "connections_open": len(self._conns), "calls_inflight": inflight,
+                "tls_handshakes_failed": 0 if failures is None else failures.count()}
 
     async def start(self, host: str | None = None, port: int = 0) -> None:
         """Listen on ``host`` (default ``rpc.host``) and ``port`` (0: any free port)."""

@@ -8,11 +8,19 @@ against ``tls_ca_file`` (the system store when unset). Every file is loaded when
 client object is built, so a missing or bad file fails at start with a ConfigError naming the
 setting, never at the first connection. See docs/security.md for what TLS does and does not
 stop.
+
+A failed handshake on a TLS listener happens inside asyncio (or uvloop), which drops the
+connection unseen; :class:`HandshakeFailures` makes each one count (``tls_handshakes_failed``
+in the server's stats) so an operator can tell a plaintext or wrong-certificate peer — a
+misconfigured node, a scanner — from silence. It sees the handshake through the context's
+``sslobject_class``, the documented hook both event loops create their TLS objects with.
 """
 
 from __future__ import annotations
 
 import ssl
+import time
+import weakref
 
 from common.config import RpcConfig
 from common.errors import ConfigError
@@ -92,3 +100,53 @@ def is_refusal(exc: BaseException) -> bool:
     which a restarting peer causes and a reconnect cures."""
     return isinstance(exc, ssl.SSLError) and not isinstance(
         exc, ssl.SSLEOFError | ssl.SSLZeroReturnError)
+
+
+class HandshakeFailures:
+    """Counts the server-side TLS handshakes of one context that did not complete.
+
+    A handshake fails three ways: the TLS layer refuses the peer (a plaintext peer, an
+    untrusted or missing certificate: ``do_handshake`` raises), the peer stalls past the
+    handshake timeout, or it closes half-way (the event loop drops the connection and with it
+    the TLS object, unfinished). The first is seen as it happens; the other two when the
+    unfinished TLS object is freed, or, at the latest, when :meth:`count` finds it older than
+    ``timeout_s``.
+    """
+
+    def __init__(self, ctx: ssl.SSLContext, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._failed = 0
+        self._pending: dict[int, float] = {}     # id(TLS object) -> when its handshake began
+        ctx.sslobject_class = self._object_class()
+
+    def count(self) -> int:
+        cutoff = time.monotonic() - self._timeout_s - 1.0
+        for key in [k for k, began in self._pending.items() if began < cutoff]:
+            self._gone(key)
+        return self._failed
+
+    def _object_class(self) -> type[ssl.SSLObject]:
+        failures = self
+
+        class CountedSSLObject(ssl.SSLObject):
+            def do_handshake(self) -> None:
+                try:
+                    super().do_handshake()
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    failures._began(self)      # in progress: the loop calls again with data
+                    raise
+                except ssl.SSLError:
+                    failures._gone(id(self))
+                    raise
+                failures._pending.pop(id(self), None)
+        return CountedSSLObject
+
+    def _began(self, obj: ssl.SSLObject) -> None:
+        key = id(obj)
+        if key not in self._pending:
+            self._pending[key] = time.monotonic()
+            weakref.finalize(obj, self._gone, key)
+
+    def _gone(self, key: int) -> None:
+        if self._pending.pop(key, None) is not None:
+            self._failed += 1

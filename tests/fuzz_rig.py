@@ -15,6 +15,7 @@ at most a clean close — and the service must still be RUNNING afterwards.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import tempfile
 import threading
@@ -42,6 +43,15 @@ CLIENT_CFG = RpcConfig(reconnect_attempts=3, reconnect_initial_s=0.01, default_d
 _ANY = msgspec.msgpack.Decoder()
 
 
+RSS_GROWTH_BOUND_MB = 256      # generous: hypothesis and the test rig allocate in the process too
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now, in MB (an in-process cluster's services run here)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def closed_port() -> int:
     """A loopback port nobody listens on (fuzzed UCX addresses point here, never off-host)."""
     with socket.socket() as s:
@@ -58,8 +68,10 @@ class RawPeer:
         self._ids = 1000
 
     @classmethod
-    async def open(cls, port: int, *, hello: bool = True) -> RawPeer:
-        peer = cls(*await asyncio.open_connection("127.0.0.1", port))
+    async def open(cls, port: int, *, hello: bool = True, path: str | None = None) -> RawPeer:
+        """Connect to 127.0.0.1:``port``, or to the Unix socket ``path`` (an engine socket)."""
+        peer = cls(*await (asyncio.open_unix_connection(path) if path is not None
+                           else asyncio.open_connection("127.0.0.1", port)))
         if hello:
             first = peer.codec.handshake(await peer.frame())
             assert type(first) is ServerHello, first
@@ -157,10 +169,11 @@ class Endpoint:
 class LiveCluster:
     """``local_datapath`` running on a background loop; :meth:`run` executes a coroutine there."""
 
-    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, overrides: dict[str, Any] | None = None, **datapath: Any) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="dualpath-fuzz-")
         self.root = Path(self._tmp.name)
         self._overrides = overrides
+        self._datapath = datapath          # more local_datapath arguments (engines=False, ...)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="fuzz-cluster",
                                         daemon=True)
@@ -168,6 +181,7 @@ class LiveCluster:
         self.c = None
         self.clients: dict[str, Any] = {}
         self.real_calls = 0
+        self.rss_at_start = 0.0        # MB, once the cluster is up: the fuzzing's bound is on growth
 
     def run(self, coro: Coroutine, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -175,10 +189,14 @@ class LiveCluster:
     def start(self) -> LiveCluster:
         from tools.cluster.inprocess import local_datapath
         self._thread.start()
-        self._cm = local_datapath(self.root, overrides=self._overrides)
+        self._cm = local_datapath(self.root, overrides=self._overrides, **self._datapath)
         self.c = self.run(self._cm.__aenter__())
         self.run(self._connect_clients())
+        self.rss_at_start = rss_mb()
         return self
+
+    def rss_growth_mb(self) -> float:
+        return rss_mb() - self.rss_at_start
 
     def close(self) -> None:
         try:
@@ -213,6 +231,8 @@ class LiveCluster:
     async def _connect_clients(self) -> None:
         """One client per endpoint, connected for the whole module (they share the servers
         with the fuzzers: 'another client connected at the same time keeps working')."""
+        if self.c.scheduler is None:
+            return                  # a cluster without a scheduler: the test brings its own
         from services.scheduler.client.client import SchedulerClient
         eps = self.endpoints
         sched = SchedulerClient("127.0.0.1", eps["scheduler"].port, rpc=CLIENT_CFG,

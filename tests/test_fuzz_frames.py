@@ -5,8 +5,9 @@ receiver (its admin channel) and the DE loader (the data-path channel). Each hyp
 example opens a raw connection and sends one kind of bad input: random bytes (before and after
 the hello), truncated frames, huge declared lengths, envelopes of the wrong shape, bodies of
 the wrong msgpack types, unknown tags, calls with absurd ids/deadlines, stray flow-control
-frames. Outcome required: the server answers with a typed error (never INTERNAL) or closes
-that one connection; after every example the well-behaved clients — connected since the start,
+frames, bodies nested past the recursion limit and valid call frames mutated (issue 26).
+Outcome required: the server answers with a typed error (never INTERNAL) or closes that one
+connection; after every example the well-behaved clients — connected since the start,
 on the same servers — make real calls; after every test a whole request runs through the data
 path, and every buffer is empty again.
 """
@@ -22,9 +23,11 @@ from hypothesis import strategies as st
 
 from common.errors import ErrorCode
 from common.framing import HEADER
-from common.protocol import (CallError, CancelCall, Envelope, GetStats, Ping, Reply,
+from common.protocol import (Call, CallError, CancelCall, Envelope, GetStats, Ping, Reply,
                              StreamCredit, union_members)
-from tests.fuzz_rig import LiveCluster, RawPeer, error_code, frame_of, fuzz_examples
+from tests.fuzz_rig import (RSS_GROWTH_BOUND_MB, LiveCluster, RawPeer, error_code, frame_of,
+                            fuzz_examples)
+from tests.test_fuzz_decoders import deep, mutated
 
 pytestmark = [pytest.mark.reliability]
 
@@ -149,8 +152,29 @@ async def stray_flow_control(port: int, value: list[tuple[bool, int, int]]) -> N
     await _survives(peer)
 
 
+async def nested_past_the_limit(port: int, depth: int) -> None:
+    """A call body nested past the recursion limit (issue 26: it closed the connection with
+    no answer): PROTOCOL_ERROR on the connection, or INVALID_ARGUMENT where it still fits."""
+    peer = await RawPeer.open(port)
+    peer.send(Call(7, 5.0, msgspec.Raw(deep(depth))))
+    peer.eof()
+    envs = await peer.drain()
+    assert [(type(e), e.id, e.error.code) for e in envs] in (
+        [(CallError, 0, ErrorCode.PROTOCOL_ERROR)],
+        [(CallError, 7, ErrorCode.INVALID_ARGUMENT)]), envs
+    await peer.close()
+
+
+async def mutated_call(port: int, payload: bytes) -> None:
+    """A valid call frame's bytes flipped, cut or spliced: typed answers, then the close."""
+    peer = await RawPeer.open(port)
+    peer.send_bytes(frame_of(payload))
+    peer.eof()
+    await peer.drain()
+    await peer.close()
+
+
 def _ping_call():
-    from common.protocol import Call
     return Call(1, 5.0, msgspec.Raw(msgspec.msgpack.encode(Ping(b"x" * 40))))
 
 
@@ -172,11 +196,13 @@ CASES = {
         [0.0, -1.0, 1e-9, 1e300, math.inf, -math.inf, math.nan])), odd_calls),
     "stray-cancel-and-credit": (st.lists(st.tuples(st.booleans(), INT64, INT64), max_size=8),
                                 stray_flow_control),
+    "nested-past-the-limit": (st.integers(1_100, 50_000), nested_past_the_limit),
+    "mutated-valid-call": (mutated(st.just(msgspec.msgpack.encode(_ping_call()))), mutated_call),
 }
 
 
 REJECTED = {"random-bytes-after-hello", "truncated-frame", "huge-declared-length",
-            "wrong-msgpack-types", "unknown-tag", "bad-envelope"}
+            "wrong-msgpack-types", "unknown-tag", "bad-envelope", "nested-past-the-limit"}
 
 
 def _rpc_stats(svc) -> dict[str, float]:
@@ -198,3 +224,14 @@ def test_bad_frames_never_hurt_the_service(live, reliability, name, case):
     reliability.record("input", f"{name}: {case}", "typed error or that connection closed; "
                        "service running; concurrent client's real calls succeeded",
                        examples=n)
+
+
+def test_the_cluster_served_on_and_its_memory_stayed_bounded(live, reliability):
+    """Last in the module: after every case above, a whole request still runs, nothing is
+    held, and the process the services run in grew less than a generous bound."""
+    live.run(live.real_calls_work(submit=True))
+    live.run(live.quiet())
+    grown = live.rss_growth_mb()
+    assert grown < RSS_GROWTH_BOUND_MB, f"RSS grew {grown:.0f} MB over the frame fuzzing"
+    reliability.record("input", "all four services after every frame case", "a whole request "
+                       f"ran; nothing held; RSS {grown:+.0f} MB (bound {RSS_GROWTH_BOUND_MB})")

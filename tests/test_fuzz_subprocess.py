@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,10 +26,11 @@ from common.config import KVConfig, RpcConfig
 from common.errors import ErrorCode
 from common.framing import HEADER
 from common.kv import spec_from_config
-from common.protocol import CallError, SubmitRequest
+from common.protocol import Call, CallError, CancelRequest, SubmitRequest
 from services.scheduler.client.client import SchedulerClient
 from tools.cluster.stub_nodes import StubCluster
-from tests.fuzz_rig import RawPeer, error_code
+from tests.fuzz_rig import RawPeer, error_code, frame_of
+from tests.test_fuzz_decoders import deep, mutated
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,8 +44,20 @@ BATCH = st.lists(st.one_of(
     .map(lambda d: ("body", {**d, "t": "sched.submit"})),
     st.builds(SubmitRequest, request_id=st.text(max_size=8), session_id=st.text(max_size=8),
               prompt_tokens=st.integers(-10, 10**9), gen_tokens=st.integers(-1, 5),
-              deadline_s=st.none() | st.floats()).map(lambda m: ("body", m))),
+              deadline_s=st.none() | st.floats()).map(lambda m: ("body", m)),
+    # issue 26: bodies nested past the recursion limit (they closed the connection untyped)
+    # and valid call frames mutated byte-wise (a CancelRequest: harmless should one survive)
+    st.integers(1_100, 50_000).map(lambda d: ("deep", d)),
+    mutated(st.just(msgspec.msgpack.encode(Call(1, 5.0, msgspec.Raw(msgspec.msgpack.encode(
+        CancelRequest("fz-nobody"))))))).map(lambda b: ("frame", b))),
     min_size=1, max_size=6)
+RSS_GROWTH_BOUND_MB = 128      # generous: the process is ~100 MB; the fuzzing must not add to it
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` now, in MB."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 async def _attack(port: int, kind: str, value) -> None:
@@ -51,6 +65,17 @@ async def _attack(port: int, kind: str, value) -> None:
     try:
         if kind == "bytes":
             peer.send_bytes(value)
+            peer.eof()
+            await peer.drain()                 # typed answers only, then the close
+        elif kind == "deep":
+            peer.send(Call(7, 5.0, msgspec.Raw(deep(value))))
+            peer.eof()
+            envs = await peer.drain()
+            assert [(type(e), e.id, e.error.code) for e in envs] in (
+                [(CallError, 0, ErrorCode.PROTOCOL_ERROR)],
+                [(CallError, 7, ErrorCode.INVALID_ARGUMENT)]), envs
+        elif kind == "frame":
+            peer.send_bytes(frame_of(value))
             peer.eof()
             await peer.drain()                 # typed answers only, then the close
         elif kind == "huge":
@@ -107,7 +132,10 @@ def test_scheduler_process_survives_fuzz_batches(tmp_path, reliability):
                 f"good-{batches}", "good", 130, 2, deadline_s=20, check=True), 30))
             assert final.tokens >= 1
 
+        rss_before = rss_mb(proc.pid)
         example()
+        rss_growth = rss_mb(proc.pid) - rss_before
+        assert rss_growth < RSS_GROWTH_BOUND_MB, f"scheduler RSS grew {rss_growth:.0f} MB"
         status = loop.run_until_complete(front.cluster_status())
         assert status.counters["finished"] == batches
         assert status.counters["rejected_invalid"] >= 1
@@ -126,6 +154,7 @@ def test_scheduler_process_survives_fuzz_batches(tmp_path, reliability):
     assert rc == 0, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     reliability.record("input", "scheduler process (uvloop): random bytes, huge lengths, wrong "
-                       "schema, hostile submits", "typed errors; process alive; frontend's "
-                       "request finished after every batch; clean SIGTERM exit",
-                       examples=batches)
+                       "schema, hostile submits, bodies nested past the recursion limit, "
+                       "mutated call frames", "typed errors; process alive; frontend's "
+                       "request finished after every batch; clean SIGTERM exit; RSS "
+                       f"{rss_growth:+.0f} MB (bound {RSS_GROWTH_BOUND_MB})", examples=batches)

@@ -23,7 +23,7 @@ from common.protocol import Ping, Pong
 from common.rpc import RpcClient, RpcServer
 from services.scheduler.client.client import SchedulerClient
 from tests import test_rpc
-from tests.helpers import two_turns_second_hits
+from tests.helpers import two_turns_second_hits, until
 from tests.test_rpc import CFG, Probe, TestReply, TestRequest
 from tools.cluster.inprocess import local_datapath
 
@@ -138,6 +138,42 @@ async def test_mutual_auth_refuses_a_client_without_a_certificate(rig, pki, tmp_
     assert await good.call(Ping(b"mtls")) == Pong(b"mtls")
 
 
+async def test_failed_handshakes_are_counted_and_the_server_keeps_serving(rig, pki, tmp_path):
+    """``tls_handshakes_failed`` (the server's stats): a peer that sends plaintext, a client
+    trusting another CA and a plaintext dualpath client (it waits for our hello: the server's
+    handshake times out) each count one; a good client is served throughout."""
+    server = await rig.server(cfg=pki.cfg(handshake_timeout_s=1.0))
+    assert server.stats()["tls_handshakes_failed"] == 0
+    good = await rig.client(server.port, cfg=pki.cfg("client"), node_id="good")
+    assert server.stats()["tls_handshakes_failed"] == 0          # a good handshake is not one
+
+    def failed() -> float:
+        return server.stats()["tls_handshakes_failed"]
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"\x00\x00\x00\x05hello")                     # a plaintext frame
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 10) == b""       # closed, nothing said
+    writer.close()
+    await until(lambda: failed() == 1, 10, what=lambda: f"1 failure counted, got {failed()}")
+    assert await good.call(Ping(b"after plaintext")) == Pong(b"after plaintext")
+
+    other = Pki(tmp_path / "other")
+    stranger = await rig.client(server.port, connect=False, cfg=_once(other.cfg("client")),
+                                node_id="stranger")
+    with pytest.raises(Unauthenticated):
+        await stranger.call(Ping(b"x"), timeout=10)
+    await until(lambda: failed() == 2, 10, what=lambda: f"2 failures counted, got {failed()}")
+
+    plain = await rig.client(server.port, connect=False, cfg=_once(CFG), node_id="plain")
+    with pytest.raises(Unavailable):
+        await plain.call(Ping(b"x"), timeout=10)
+    await until(lambda: failed() == 3, 10, what=lambda: f"3 failures counted, got {failed()}")
+    assert await good.call(Ping(b"still")) == Pong(b"still")
+    assert failed() == 3
+    assert "tls_handshakes_failed" in (await rig.server()).stats()   # plaintext servers: 0
+    assert (await rig.server()).stats()["tls_handshakes_failed"] == 0
+
+
 def test_bad_or_missing_files_are_config_errors_naming_the_setting(pki, tmp_path):
     def server(**kw: object) -> None:
         RpcServer(msgspec.structs.replace(CFG, **kw), service="t", node_id="n",
@@ -185,4 +221,12 @@ async def test_cluster_end_to_end_with_mutual_tls(tmp_path, pki):
         with pytest.raises(Unavailable):
             await plain.call(Ping(b"x"), timeout=10)
         await plain.close()
+        # every service publishes its listener's failed handshakes (common.metrics exports
+        # stats()): the plaintext client counts on the scheduler, nowhere else
+        await until(lambda: c.scheduler.stats()["rpc_tls_handshakes_failed"] == 1,
+                    what=lambda: f"scheduler stats {c.scheduler.stats()}")
+        for svc in (*c.gateways.values(), *c.pe.values(), *c.de.values()):
+            assert svc.stats()["rpc_tls_handshakes_failed"] == 0, svc.name
+        async with SchedulerClient("127.0.0.1", c.scheduler.port, rpc=c.cfg.rpc) as sched:
+            assert (await sched.cluster_status()).nodes          # still serving
         await asyncio.sleep(0)

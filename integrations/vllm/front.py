@@ -81,6 +81,16 @@ def error_response(status: int, message: str, code: str) -> web.Response:
     return web.json_response(api.error_body(status, message, code), status=status)
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request body; one over the app's size limit is a 413 in OpenAI's error shape
+    (aiohttp's own 413 is plain text a client cannot parse; tests/test_fuzz_front.py)."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise api.HttpError(413, f"request body over the front's limit: {e.text}",
+                            "body_too_large") from None
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -158,7 +168,7 @@ class Front:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()                # TTFT counts from here, not from placement
         try:
-            body, ids = self._parse(await request.read(), chat)
+            body, ids = self._parse(await read_body(request), chat)
         except api.HttpError as e:
             self.metrics.requests.labels("rejected" if e.status < 500 else "error").inc()
             return error_response(e.status, str(e), e.code)
@@ -169,10 +179,7 @@ class Front:
             return await self._generate(request, Call(body, ids, chat, arrival))
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[api.CompletionBody, list[int]]:
-        try:
-            body = msgspec.json.decode(raw, type=api.CompletionBody)
-        except msgspec.DecodeError as e:
-            raise api.HttpError(400, f"malformed request body: {e}", "invalid_body") from None
+        body = api.parse_body(raw)
         if body.model != self.cfg.model_name:
             raise api.HttpError(404, f"model {body.model!r} not served here (serving "
                                      f"{self.cfg.model_name!r}, see /v1/models)",

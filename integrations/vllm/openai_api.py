@@ -103,6 +103,22 @@ class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
     user: str | None = None
 
 
+def parse_body(raw: bytes) -> CompletionBody:
+    """Decode a request body; anything that is not one is a 400 ``invalid_body``.
+
+    RecursionError too: a JSON value nested deeper than the recursion limit inside a field
+    typed ``Any`` (``messages``, ``tools``) gets past msgspec's typed checks, and without
+    this it was a 500 (tests/test_fuzz_decoders.py).
+    """
+    try:
+        return msgspec.json.decode(raw, type=CompletionBody)
+    except msgspec.DecodeError as e:
+        raise HttpError(400, f"malformed request body: {e}", "invalid_body") from None
+    except RecursionError:
+        raise HttpError(400, "malformed request body: nested too deeply",
+                        "invalid_body") from None
+
+
 DEFAULT_MAX_TOKENS = 16
 # forwarded to vLLM's sampling parameters unchanged when set
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",

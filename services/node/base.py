@@ -342,6 +342,7 @@ class NodeBase(Service):
             out.update({f"engine_{k}": v for k, v in self.engine_api.engine_counters().items()})
         if self.extra_stats is not None:
             out.update({f"engine_{k}": float(v) for k, v in self.extra_stats().items()})
+        out.update({f"rpc_{k}": float(v) for k, v in self.rpc.stats().items()})
         out.update(rpc_port=float(self.rpc.port), ucx_port=float(self.transport.address[1]),
                    regions_live=float(self.regions.live))
         return out

@@ -193,6 +193,7 @@ class SchedulerService(Service):
             out[f"{STATE_PREFIX}{status.value}"] = float(n)
         out["requests_live"] = float(len(self.table))
         out["nodes"] = float(len(self.leases))
+        out.update({f"rpc_{k}": float(v) for k, v in self._server.stats().items()})
         out.update({f"{PLANNED_PREFIX}{node}": float(v)
                     for node, v in self.core.read_planned().items()})
         out.update({f"{SIDE_PREFIX}{side}": float(v)

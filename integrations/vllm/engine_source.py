@@ -23,11 +23,13 @@ from typing import Any
 
 import structlog
 
-from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InvalidArgument,
-                           NotFound, PeerFailed, Unavailable)
+from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, NotFound,
+                           PeerFailed, Unavailable)
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
 from services.engine_api.blocking import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
+
+from integrations.vllm.sessions import ClaimStopped
 
 log = structlog.get_logger(__name__)
 
@@ -114,11 +116,11 @@ class EngineSource:
     @staticmethod
     def _claim(claim: Any, request_id: str, timeout_s: float, stop: Stop) -> Any:
         """Claim, asking again in rounds until ``timeout_s`` (a decode claim legitimately
-        waits for a whole prefill); Cancelled once ``stop()`` says vLLM gave it up."""
+        waits for a whole prefill); ClaimStopped once ``stop()`` says vLLM gave it up."""
         deadline = time.monotonic() + timeout_s
         while True:
             if stop():
-                raise Cancelled(f"request {request_id!r} ended in vLLM before its claim")
+                raise ClaimStopped(f"request {request_id!r} ended in vLLM before its claim")
             try:
                 return claim(request_id,
                              max(0.1, min(deadline - time.monotonic(), CLAIM_ROUND_S)))

@@ -24,7 +24,7 @@ import torch
 
 from common.errors import Cancelled, NotFound
 from integrations.vllm.metadata import AsyncLoad, OpenRequest
-from integrations.vllm.sessions import KVSource
+from integrations.vllm.sessions import ClaimStopped, KVSource
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +121,10 @@ class OffStep:
             session = self._claim(op)
         except Exception as e:  # noqa: BLE001 -- an unusable hit is recomputed, never fatal
             log.warning("dualpath_open_failed", request_id=op.req_id, error=str(e))
-            if isinstance(e, (LayoutRefused, NotFound, Cancelled)) and not self._node_failed(e):
+            # refused here, or the node never handed it within the claim's time: the node's
+            # attempt still waits for this engine — tell it (a node that failed it already
+            # answered Cancelled: nothing to tell)
+            if isinstance(e, (LayoutRefused, NotFound, ClaimStopped)):
                 self._source.abandon(op.dualpath_id, f"not opened by vLLM: {e}")
         else:
             hit = self._usable_hit(op, session)
@@ -135,11 +138,6 @@ class OffStep:
                 return
             self._opened[op.req_id] = hit
             self._cond.notify_all()
-
-    @staticmethod
-    def _node_failed(e: Exception) -> bool:
-        """The node failed the request already (a claim answered Cancelled by the node)."""
-        return isinstance(e, Cancelled) and "ended in vLLM" not in str(e)
 
     def _claim(self, op: OpenRequest) -> Any:
         self._check_layout()

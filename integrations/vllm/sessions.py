@@ -16,6 +16,10 @@ from common.kv import KVSpec
 from services.engine_api.blocking import SyncPrefillHandle
 
 
+class ClaimStopped(Exception):
+    """vLLM gave the request up while its claim waited: the claim stopped asking."""
+
+
 class KVSource(Protocol):
     """One per process. vLLM's scheduler (engine-core process) asks ``planned_hit``; its worker
     (another process on the CPU backend: vLLM forces the multiprocessing executor there) opens

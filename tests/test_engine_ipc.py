@@ -26,7 +26,7 @@ import pytest
 from common.errors import (AlreadyExists, Cancelled, DualpathError, InvalidArgument, KVSpecMismatch,
                            NotFound, PeerFailed, Unavailable, VersionMismatch)
 from common.kv import KVSpec, block_keys_from_tokens
-from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
+from common.protocol import (AbandonRequest, ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
                              CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAttached, EngineOk, EnginePrompt,
                              EngineReply, EngineRequest, FailRequest, FinishDecode,
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
@@ -94,7 +94,7 @@ SAMPLES = [
     NextRequest(1.0, 4), ClaimRequest("r1", 2.0), WaitLayer("r1", 0, 3, 1.0),
     PutLayer("r1", 0, 3), FinishPrefill("r1", 0, 7), TookKV("r1", 0), SecondToken("r1", 0),
     NewBlock("r1", 0, list(range(64))), PutBlock("r1", 0, 2), FinishDecode("r1", 0, [1, 2]),
-    FailRequest("r1", 0, "gave up"), ReportCounters({"verified_requests": 3.0}),
+    FailRequest("r1", 0, "gave up"), AbandonRequest("r1", "refused", 2.0), ReportCounters({"verified_requests": 3.0}),
     CollectiveBegin(), CollectiveEnd(),
     EngineAttached("p0", "p0.e0", KVSpec("x", 4, 256), "dualpath-" + "0" * 32, 1 << 20, 60.0),
     Assigned([PrefillAssigned(SAMPLE_PROMPT, 64)],

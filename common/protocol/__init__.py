@@ -54,7 +54,7 @@ from common.protocol.engine import (
     ENGINE_API_VERSION, ArenaSlot, EnginePrompt, AttachEngine, EngineAttached, NextRequest,
     ClaimRequest, PrefillAssigned, DecodeAssigned, Assigned, WaitLayer, LayerReady, PutLayer,
     FinishPrefill, TookKV, SecondToken, NewBlock, BlockOpened, PutBlock, FinishDecode,
-    FailRequest, EngineOk, EngineRequest, EngineReply, ReportCounters, CollectiveBegin,
+    FailRequest, AbandonRequest, EngineOk, EngineRequest, EngineReply, ReportCounters, CollectiveBegin,
     CollectiveEnd,
 )
 
@@ -78,6 +78,6 @@ __all__ = [
     "ENGINE_API_VERSION", "ArenaSlot", "EnginePrompt", "AttachEngine", "EngineAttached",
     "NextRequest", "ClaimRequest", "PrefillAssigned", "DecodeAssigned", "Assigned", "WaitLayer",
     "LayerReady", "PutLayer", "FinishPrefill", "TookKV", "SecondToken", "NewBlock",
-    "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "EngineOk", "EngineRequest",
+    "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "AbandonRequest", "EngineOk", "EngineRequest",
     "EngineReply", "ReportCounters", "CollectiveBegin", "CollectiveEnd", "ReadSide",
 ]

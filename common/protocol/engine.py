@@ -16,6 +16,9 @@ the full prompt KV); ``TookKV``; ``SecondToken``; per generated Full Block ``New
 :class:`BlockOpened` (its ``[L, block_tokens, B]`` page) and ``PutBlock``; then
 ``FinishDecode`` or ``FailRequest``.
 
+Either role, before a claim: ``AbandonRequest`` — the engine could not open the request and
+computes it alone; the node fails the attempt at once instead of at its deadline.
+
 Either role: ``CollectiveBegin`` / ``CollectiveEnd`` around the engine's own collectives, so
 the node's egress arbiter keeps KV below them (docs/qos.md, "Collectives tell the arbiter").
 
@@ -210,6 +213,18 @@ class FailRequest(Message, tag="engine.fail", frozen=True):
     reason: str = ""
 
 
+class AbandonRequest(Message, tag="engine.abandon", frozen=True):
+    """The engine will not claim ``request_id``: it could not open it (a refused layout, a
+    prompt check, a failed claim) and computes it without dualpath. The node fails the
+    attempt assigned to this engine now (retryable: the scheduler re-plans it) instead of
+    holding it to its deadline; a plan that has not reached the node yet is waited for up to
+    ``timeout_s`` (bounded by the node's unknown-id grace)."""
+
+    request_id: str
+    reason: str = ""
+    timeout_s: float = 30.0
+
+
 class ReportCounters(Message, tag="engine.counters", frozen=True):
     """The engine's own counters (e.g. the emulator's byte checks), cumulative: the node
     exposes the latest per engine in its stats as ``engine_<name>``."""
@@ -237,5 +252,6 @@ class EngineOk(Message, tag="engine.ok", frozen=True):
 
 EngineRequest = Union[AttachEngine, NextRequest, ClaimRequest, WaitLayer, PutLayer,
                       FinishPrefill, TookKV, SecondToken, NewBlock, PutBlock, FinishDecode,
-                      FailRequest, ReportCounters, CollectiveBegin, CollectiveEnd]
+                      FailRequest, AbandonRequest, ReportCounters, CollectiveBegin,
+                      CollectiveEnd]
 EngineReply = Union[EngineAttached, Assigned, LayerReady, BlockOpened, EngineOk, ErrorReply]

@@ -6,6 +6,10 @@ sample; vLLM's own P/D connectors do the same), so the decode instance's first t
 greedy continuation of exactly the KV dualpath delivered. Only blocks whose KV exists are
 written back — after ``n`` generated tokens that is prompt tail + ``output[:-1]`` — the rule
 the scheduler and the DE loader assume (docs/engine-api.md).
+
+The prompt KV is loaded off vLLM's step (an asynchronous load, docs/vllm.md): ``loaded`` hands
+the node's pages back as soon as it is in the paged cache; the request's first forward then
+produces the first token, its second forward the second (``second_token``, TTST).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class DecodeSession:
     def __init__(self, req: SyncDecodeRequest, token_ids: list[int]) -> None:
         self._req, self._ids = req, token_ids
         self._took = self._second = False
+        self._forwards = 0
 
     @property
     def hit_tokens(self) -> int:
@@ -39,13 +44,16 @@ class DecodeSession:
     def layer(self, layer: int, timeout_s: float) -> Any:
         return self._req.layer(layer)
 
-    def after_step(self) -> None:
-        """End of a forward: the first one loaded the KV (hand the pages back), the next one
-        produced the second token (TTST)."""
+    def loaded(self) -> None:
+        """The prompt KV is in vLLM's paged cache: the node may take its pages back."""
         if not self._took:
             self._req.took_kv()
             self._took = True
-        elif not self._second:
+
+    def after_step(self) -> None:
+        """End of a forward of this request: the second one produced the second token."""
+        self._forwards += 1
+        if self._forwards == 2 and not self._second:
             self._req.second_token()
             self._second = True
 

@@ -6,19 +6,39 @@ by slot (docs/engine-api.md "Cross-process"). The plan comes from the dualpath s
 front puts ``{"request_id", "hit_tokens"}`` in ``kv_transfer_params["dualpath"]``; the claimed
 request's keys must be the chained keys of the very token ids vLLM was given, else the session
 is refused and vLLM recomputes — a plan for other tokens can never put wrong KV in the cache.
+
+The connector claims off vLLM's step, from several threads at once (one per request waiting
+for its claim), so the attachment is created and dropped under a lock, and a claim asks the
+node in short rounds: between two rounds it sees whether vLLM gave the request up meanwhile.
+A request the connector cannot open is abandoned on the node (``abandon``): the node fails
+the attempt now instead of at its deadline.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from common.errors import (DeadlineExceeded, InvalidArgument, NotFound, PeerFailed,
-                           Unavailable)
+import structlog
+
+from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, NotFound,
+                           PeerFailed, Unavailable)
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
 from services.engine_api.blocking import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
+
+from integrations.vllm.sessions import ClaimStopped
+
+log = structlog.get_logger(__name__)
+
+# one claim round: how soon a waiting claim sees that vLLM gave the request up; longer than
+# the node's unknown-id grace (services.engine_api.server.UNKNOWN_GRACE_S, 30 s), so an id the
+# node never planned is still refused after that grace rather than after claim_timeout_s
+CLAIM_ROUND_S = 35.0
+ABANDON_WAIT_S = 10.0    # how long the node waits for a plan the engine abandons
+Stop = Callable[[], bool]
 
 
 class EngineSource:
@@ -29,17 +49,19 @@ class EngineSource:
         self._socket, self._engine_id, self._role = socket_path, engine_id, role
         self._spec, self._timeout_s = spec, timeout_s
         self._client: SyncEngineClient | None = None
+        self._lock = threading.Lock()
 
     @property
     def spec(self) -> KVSpec:
         return self._spec
 
     def client(self) -> SyncEngineClient:
-        if self._client is None:
-            self._client = SyncEngineClient.connect(
-                self._socket, engine_id=self._engine_id, role=self._role, kv_spec=self._spec,
-                timeout_s=self._timeout_s)
-        return self._client
+        with self._lock:
+            if self._client is None:
+                self._client = SyncEngineClient.connect(
+                    self._socket, engine_id=self._engine_id, role=self._role,
+                    kv_spec=self._spec, timeout_s=self._timeout_s)
+            return self._client
 
     def planned_hit(self, params: dict[str, Any], token_ids: Sequence[int]) -> int:
         """The plan's hit (whole blocks, below the prompt), or 0 when the params are unusable.
@@ -54,17 +76,26 @@ class EngineSource:
         return hit
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float) -> SyncPrefillHandle:
+                     timeout_s: float, stop: Stop = lambda: False) -> SyncPrefillHandle:
         """The claimed request's handle, used by the connector as it is."""
-        return self._checked(self._claim_or_detach("claim_prefill", request_id, timeout_s),
-                             token_ids)
+        return self._checked(self._claim_or_detach("claim_prefill", request_id, timeout_s,
+                                                   stop), token_ids)
 
-    def open_decode(self, request_id: str, token_ids: Sequence[int],
-                    timeout_s: float) -> SyncDecodeRequest:
-        return self._checked(self._claim_or_detach("claim_decode", request_id, timeout_s),
-                             token_ids)
+    def open_decode(self, request_id: str, token_ids: Sequence[int], timeout_s: float,
+                    stop: Stop = lambda: False) -> SyncDecodeRequest:
+        return self._checked(self._claim_or_detach("claim_decode", request_id, timeout_s,
+                                                   stop), token_ids)
 
-    def _claim_or_detach(self, method: str, request_id: str, timeout_s: float) -> Any:
+    def abandon(self, request_id: str, reason: str) -> None:
+        """Tell the node this engine will not claim ``request_id`` (best effort: a node that
+        is gone or never had the plan has nothing to fail)."""
+        try:
+            self.client().abandon(request_id, reason, ABANDON_WAIT_S)
+        except (DualpathError, OSError) as e:
+            log.info("dualpath_abandon_unacknowledged", request_id=request_id, error=str(e))
+
+    def _claim_or_detach(self, method: str, request_id: str, timeout_s: float,
+                         stop: Stop) -> Any:
         """Claim through the attachment. When the node is gone — its service died, stopped or
         restarted (PeerFailed, Unavailable, no answer, a socket error) — drop the attachment:
         a restarted node service is re-attached without restarting vLLM. An attachment that
@@ -73,22 +104,26 @@ class EngineSource:
         otherwise this request fails and vLLM recomputes it."""
         for retry in (False, True):
             stale = self._client is not None
+            client = self.client()
             try:
-                return self._claim(getattr(self.client(), method), request_id, timeout_s)
+                return self._claim(getattr(client, method), request_id, timeout_s, stop)
             except (PeerFailed, Unavailable, DeadlineExceeded, OSError) as e:
-                self.close()
+                self._drop(client)
                 if retry or not stale or isinstance(e, DeadlineExceeded):
                     raise
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _claim(claim: Any, request_id: str, timeout_s: float) -> Any:
-        """Claim, asking again until ``timeout_s``: the node bounds one claim's wait (60 s
-        measured), while a decode claim legitimately waits for a whole prefill."""
+    def _claim(claim: Any, request_id: str, timeout_s: float, stop: Stop) -> Any:
+        """Claim, asking again in rounds until ``timeout_s`` (a decode claim legitimately
+        waits for a whole prefill); ClaimStopped once ``stop()`` says vLLM gave it up."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if stop():
+                raise ClaimStopped(f"request {request_id!r} ended in vLLM before its claim")
             try:
-                return claim(request_id, max(0.1, min(deadline - time.monotonic(), 50.0)))
+                return claim(request_id,
+                             max(0.1, min(deadline - time.monotonic(), CLAIM_ROUND_S)))
             except NotFound:
                 if time.monotonic() >= deadline:
                     raise
@@ -112,8 +147,22 @@ class EngineSource:
             raise InvalidArgument(f"request {info.request_id}: the plan's block keys are not "
                                   "the keys of vLLM's prompt token ids")
 
+    def _drop(self, client: SyncEngineClient) -> None:
+        """Drop ``client`` if it is still the attachment (another thread may have replaced
+        it already)."""
+        with self._lock:
+            if self._client is not client:
+                return
+            self._client = None
+        self._close(client)
+
     def close(self) -> None:
-        client, self._client = self._client, None
+        with self._lock:
+            client, self._client = self._client, None
+        self._close(client)
+
+    @staticmethod
+    def _close(client: SyncEngineClient | None) -> None:
         if client is not None:
             try:
                 client.close()

@@ -6,6 +6,12 @@ kv_consumer). ``--role example``: vLLM's bundled ExampleConnector over ``--store
 row of ``dualpath bench engine``). Prints ``READY`` once loaded, then answers one JSON line per request line on
 stdin — ``{"prompt": [ids], "max_tokens": n, "dualpath": {...} | null}`` →
 ``{"tokens": [...], "dualpath": {...}, "ttft_s": s}`` — and exits at EOF.
+
+``--stepwise``: requests run concurrently. A request line carries an ``"id"``; it is added to
+the running engine at once (``{"id", "event": "added", "t"}``), every engine step that gives
+it tokens prints ``{"id", "event": "tokens", "n", "t"}`` (its token count so far, a monotonic
+time), and its end ``{"id", "event": "done", "tokens", "dualpath"}`` — what the tests use to
+see one request decode while another waits for its KV.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import resource
 import sys
+import threading
 import time
 
 
@@ -41,13 +49,18 @@ def build(a: argparse.Namespace):
     return LLM(**kw)
 
 
-def serve(llm, lines, out) -> None:
+def params(req: dict):
     from vllm import SamplingParams
 
+    extra = {"kv_transfer_params": {"dualpath": req["dualpath"]}} if req.get("dualpath") else None
+    return SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], extra_args=extra,
+                          ignore_eos=bool(req.get("ignore_eos", False)))
+
+
+def serve(llm, lines, out) -> None:
     for line in lines:
         req = json.loads(line)
-        extra = {"kv_transfer_params": {"dualpath": req["dualpath"]}} if req.get("dualpath") else None
-        sp = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], extra_args=extra)
+        sp = params(req)
         t0 = time.monotonic()
         res = llm.generate({"prompt_token_ids": req["prompt"]}, sp, use_tqdm=False)[0]
         reply = {"tokens": list(res.outputs[0].token_ids),
@@ -55,6 +68,41 @@ def serve(llm, lines, out) -> None:
                  "latency_s": time.monotonic() - t0,
                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         print(json.dumps(reply), file=out, flush=True)
+
+
+def serve_stepwise(llm, lines, out) -> None:
+    """Requests added as they arrive, the engine stepped while any runs (module docstring)."""
+    engine = llm.llm_engine
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: ([inbox.put(x) for x in lines], inbox.put(None)),
+                     daemon=True).start()
+    counts: dict[str, int] = {}
+
+    def say(**event) -> None:
+        print(json.dumps({**event, "t": time.monotonic()}), file=out, flush=True)
+
+    while True:
+        items = [inbox.get()] if not engine.has_unfinished_requests() else []
+        while True:
+            try:
+                items.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        for line in items:
+            if line is None:
+                return
+            req = json.loads(line)
+            engine.add_request(req["id"], {"prompt_token_ids": req["prompt"]}, params(req))
+            counts[req["id"]] = 0
+            say(id=req["id"], event="added")
+        for res in engine.step() if engine.has_unfinished_requests() else ():
+            n = len(res.outputs[0].token_ids)
+            if n != counts.get(res.request_id):
+                counts[res.request_id] = n
+                say(id=res.request_id, event="tokens", n=n)
+            if res.finished:
+                say(id=res.request_id, event="done", tokens=list(res.outputs[0].token_ids),
+                    dualpath=(res.kv_transfer_params or {}).get("dualpath"))
 
 
 def main() -> int:
@@ -67,6 +115,7 @@ def main() -> int:
     ap.add_argument("--engine-id", default="")
     ap.add_argument("--preset", default="smollm2-135m-f32")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--stepwise", action="store_true", help="concurrent requests (docstring)")
     a = ap.parse_args()
     # vLLM logs to stdout, in this process and the engine processes it spawns: keep the real
     # stdout for the protocol and point fd 1 at stderr (the caller's log file)
@@ -74,7 +123,7 @@ def main() -> int:
     os.dup2(2, 1)
     llm = build(a)
     print("READY", file=out, flush=True)
-    serve(llm, sys.stdin, out)
+    (serve_stepwise if a.stepwise else serve)(llm, sys.stdin, out)
     return 0
 
 

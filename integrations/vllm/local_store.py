@@ -12,7 +12,8 @@ A request is a ``PrefillHandle`` like the engine socket's, made blocking the sam
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ class LocalKVStore:
         self.bytes_read = 0
         self.bytes_written = 0
         self._portal: Portal | None = None       # started by the first request
+        self._lock = threading.Lock()             # requests open from several threads
 
     @property
     def spec(self) -> KVSpec:
@@ -65,14 +67,20 @@ class LocalKVStore:
         return blocks
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float) -> SyncPrefillHandle:
+                     timeout_s: float, stop: Callable[[], bool] = lambda: False
+                     ) -> SyncPrefillHandle:
         keys = block_keys_from_tokens(token_ids, self._spec.block_tokens)
         hit_blocks = min(self._stored_prefix(keys, len(token_ids)),
                          planned_hit // self._spec.block_tokens)
-        if self._portal is None:
-            self._portal = Portal("dualpath-local-kv")
+        with self._lock:
+            if self._portal is None:
+                self._portal = Portal("dualpath-local-kv")
+            portal = self._portal
         return Blocking(LocalPrefillSession(self, request_id, keys, hit_blocks, len(token_ids)),
-                        self._portal)
+                        portal)
+
+    def abandon(self, request_id: str, reason: str) -> None:
+        """Nothing waits for a claim here: no node to tell."""
 
     def read_blocks(self, keys: Sequence[str], out: np.ndarray) -> None:
         """Fill ``out`` (``[L, len(keys)·T, B]``) from the blocks' files."""

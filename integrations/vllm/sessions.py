@@ -9,11 +9,15 @@ in a directory, for one engine without a cluster and for the geometry tests).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from common.kv import KVSpec
 from services.engine_api.blocking import SyncPrefillHandle
+
+
+class ClaimStopped(Exception):
+    """vLLM gave the request up while its claim waited: the claim stopped asking."""
 
 
 class KVSource(Protocol):
@@ -29,6 +33,13 @@ class KVSource(Protocol):
         ...
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float) -> SyncPrefillHandle: ...
+                     timeout_s: float, stop: Callable[[], bool] = ...) -> SyncPrefillHandle:
+        """Claim the request (off vLLM's step: it may wait for the plan); ``stop()`` turns
+        true when vLLM gave the request up meanwhile."""
+        ...
+
+    def abandon(self, request_id: str, reason: str) -> None:
+        """This engine will not claim ``request_id``: whoever waits for the claim stops."""
+        ...
 
     def close(self) -> None: ...

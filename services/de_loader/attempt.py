@@ -332,6 +332,10 @@ class DecodeAttempt:
         """End the attempt with ``err`` (reported when the PE cannot know it)."""
         self.drv.feed(self.core.abort, err, report)
 
+    def engine_gave_up(self, err: DualpathError) -> None:
+        """The engine abandoned the request before claiming it: fail the attempt (reported)."""
+        self.drv.feed(self.core.engine_failed, err)
+
     def drop(self, reason: str) -> None:
         self.drv.feed(self.core.drop, reason)
 

@@ -27,7 +27,8 @@ from common.config import RpcConfig
 from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, PeerFailed,
                            ProtocolError, Unavailable)
 from common.kv import KVSpec
-from common.protocol import (ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
+from common.protocol import (AbandonRequest, ArenaSlot, Assigned, AttachEngine, BlockOpened,
+                             ClaimRequest,
                              CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAttached, EnginePrompt, EngineReply,
                              FailRequest, FinishDecode, FinishPrefill, LayerReady, NewBlock,
                              NextRequest, PrefillAssigned, PutBlock, PutLayer, ReportCounters,
@@ -150,6 +151,12 @@ class EngineClient:
         """The decode request ``request_id`` once its full prompt KV is in the DE buffer."""
         self._check_role("decode")
         return (await self._claim(request_id, timeout_s))[0]
+
+    async def abandon(self, request_id: str, reason: str, timeout_s: float = 30.0) -> None:
+        """This engine will not claim ``request_id`` (it could not open it and computes it
+        alone): the node fails the attempt assigned here now, instead of at its deadline.
+        Waits up to ``timeout_s`` for a plan not yet at the node (NotFound after that)."""
+        await self.call(AbandonRequest(request_id, reason[:300], timeout_s), timeout_s)
 
     def _check_role(self, role: str) -> None:
         if role != self.role:

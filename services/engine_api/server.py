@@ -31,7 +31,7 @@ from common.errors import (AlreadyExists, Cancelled, DualpathError, InternalErro
                            InvalidArgument, KVSpecMismatch, NotFound, PeerFailed, Unavailable,
                            VersionMismatch)
 from common.kv import KVSpec
-from common.protocol import (ENGINE_API_VERSION, ArenaSlot, Assigned, AttachEngine,
+from common.protocol import (ENGINE_API_VERSION, AbandonRequest, ArenaSlot, Assigned, AttachEngine,
                              BlockOpened, ClaimRequest, CollectiveBegin, CollectiveEnd,
                              DecodeAssigned, EngineAttached,
                              EngineOk, EnginePrompt, EngineRequest, FailRequest, FinishDecode,
@@ -81,6 +81,7 @@ class EngineApiServer:
                  ports: dict[str, Any], arena: Any, arena_name: str | None,
                  owner_of: Callable[[str], str | None],
                  failure_of: Callable[[str], str | None] = lambda rid: None,
+                 abandon: Callable[[str, str, DualpathError], bool] = lambda rid, e, err: False,
                  allowed_uids: Sequence[int] = ()) -> None:
         self.node_id, self.role, self.spec = node_id, role, spec
         self.ports = ports
@@ -89,6 +90,8 @@ class EngineApiServer:
         self._arena_base = arena.ctypes.data if isinstance(arena, np.ndarray) else 0
         self.owner_of = owner_of
         self.failure_of = failure_of      # why a request with no live attempt here failed
+        # (request id, engine id, error) -> the node failed that engine's live attempt of it
+        self.abandon = abandon
         self.sessions: dict[str, EngineSession] = {}        # engine id → session
         self._by_conn: dict[int, EngineSession] = {}
         self.counters: collections.Counter[str] = collections.Counter()
@@ -107,7 +110,8 @@ class EngineApiServer:
                 FinishPrefill: self._finish_prefill, TookKV: self._took_kv,
                 SecondToken: self._second_token, NewBlock: self._new_block,
                 PutBlock: self._put_block, FinishDecode: self._finish_decode,
-                FailRequest: self._fail, ReportCounters: self._report_counters,
+                FailRequest: self._fail, AbandonRequest: self._abandon,
+                ReportCounters: self._report_counters,
                 CollectiveBegin: self._collective_begin, CollectiveEnd: self._collective_end}
 
     async def start(self, path: str) -> None:
@@ -431,6 +435,47 @@ class EngineApiServer:
             await req.fail(err)
         self.counters["requests_failed_by_engine"] += 1
         return EngineOk(msg.request_id)
+
+    async def _abandon(self, msg: AbandonRequest, ctx: CallContext) -> EngineOk:
+        """The engine will not claim ``msg.request_id``: fail the attempt assigned to it now
+        (queued in its port, or still being prepared by the node), so the scheduler re-plans
+        it at once instead of at its deadline. A plan not here yet is waited for, rechecked
+        like a claim, up to the unknown-id grace."""
+        sess = self._session(ctx)
+        rid = msg.request_id
+        if rid in sess.prefill or rid in sess.decode:
+            raise InvalidArgument(f"request {rid!r} is claimed by {sess.engine_id}: give it up "
+                                  "with FailRequest")
+        err = PeerFailed(f"engine {sess.engine_id} gave {rid!r} up before claiming it: "
+                         f"{msg.reason[:300] or 'no reason given'}")
+        port = self._open_port(sess)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + min(_timeout(msg.timeout_s), UNKNOWN_GRACE_S)
+        while not sess.closed:
+            if (item := port.take(rid)) is not None:
+                await item.fail(err)
+                return self._abandoned(sess, rid, "queued")
+            owner = self.owner_of(rid)
+            if owner is not None and owner != sess.engine_id:
+                raise InvalidArgument(f"request {rid!r} is assigned to engine {owner}, not "
+                                      f"{sess.engine_id}")
+            if owner is not None and self.abandon(rid, sess.engine_id, err):
+                return self._abandoned(sess, rid, "preparing")
+            if owner is None and self.failure_of(rid) is not None:
+                return EngineOk(rid)                    # failed already: nothing to do
+            left = end - loop.time()
+            if left <= 0:
+                break
+            await port.wait_arrival(min(left, CLAIM_RECHECK_S))
+        self.counters["abandons_unknown"] += 1
+        raise NotFound(f"request {rid!r} has no attempt for {sess.engine_id} on "
+                       f"{self.node_id} to abandon")
+
+    def _abandoned(self, sess: EngineSession, rid: str, where: str) -> EngineOk:
+        self.counters["requests_abandoned"] += 1
+        log.info("engine_abandoned_request", node=self.node_id, engine=sess.engine_id,
+                 request_id=rid, where=where)
+        return EngineOk(rid)
 
     def _slot(self, view: Any) -> ArenaSlot:
         """The arena slot of a view into the arena (a layer, a block page)."""

@@ -149,7 +149,7 @@ class NodeBase(Service):
         self.engine_api = EngineApiServer(
             self.cfg.rpc, node_id=self.node_id, role=self.role, spec=self.spec,
             ports=self.ports, arena=self.pool.arena, arena_name=shm.name if shm else None,
-            owner_of=self._engine_of, failure_of=self._failure_of,
+            owner_of=self._engine_of, failure_of=self._failure_of, abandon=self._abandon,
             allowed_uids=self.settings.engine_socket_uids)
         await self.engine_api.start(path)
 
@@ -164,6 +164,17 @@ class NodeBase(Service):
             if rid == request_id and not getattr(att, "done", False):
                 return att.engine_id
         return None
+
+    def _abandon(self, request_id: str, engine_id: str, err: DualpathError) -> bool:
+        """Engine ``engine_id`` will not claim ``request_id``: fail its live attempts of it now
+        (each reports ``failed``, retryable), so the scheduler re-plans at once."""
+        found = False
+        for (rid, _), att in list(self.attempts.items()):
+            if rid == request_id and att.engine_id == engine_id and not att.dropped():
+                self.counters["attempts_abandoned_by_engine"] += 1
+                att.engine_gave_up(err)
+                found = True
+        return found
 
     def loops(self):
         out = []

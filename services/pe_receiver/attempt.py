@@ -161,6 +161,10 @@ class PrefillAttempt:
         """A helper task failed: fail the attempt (its main task handles the rest)."""
         self.drv.feed(self.core.failed, err)
 
+    def engine_gave_up(self, err: DualpathError) -> None:
+        """The engine abandoned the request before claiming it: fail the attempt (reported)."""
+        self.drv.feed(self.core.engine_failed, err)
+
     def drop(self, reason: str) -> None:
         """Revoked (or the service stops): end without reporting."""
         self.drv.feed(self.core.dropped, reason)

@@ -1,0 +1,100 @@
+"""An engine that cannot open a request tells its node at once (``AbandonRequest``).
+
+A vLLM instance that refuses a request before claiming it (an unverified cache layout, a
+claim error, the request aborted while its claim waited) computes it without dualpath; the
+node's attempt must fail now — reported retryable, so the scheduler re-plans it — and not
+wait for a claim until its deadline (docs/engine-api.md, docs/vllm.md "Asynchronous loads").
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.errors import InvalidArgument, NotFound
+from tests.helpers import until
+from tests.test_datapath import BT, no_leaks, plan, report, tokens
+from tests.test_engine_ipc import client, sockets
+from tools.cluster.inprocess import local_datapath
+
+DEADLINE = 300.0          # the attempt's own deadline: the test must never get near it
+
+
+async def failed_soon(svc, rid: str):
+    await until(lambda: report(svc, rid, "failed") is not None, timeout=20,
+                what=f"{rid} failed on {svc.node_id}")
+    return report(svc, rid, "failed")
+
+
+@pytest.mark.parametrize("plan_first", [True, False], ids=["planned", "plan-after"])
+async def test_a_prefill_engine_that_abandons_fails_the_attempt_at_once(tmp_path, plan_first):
+    """Queued in the engine's port, or arriving at the node after the abandon: either way the
+    PE attempt fails now (retryable, the engine's reason in the message), its DE side is
+    dropped and every page is freed."""
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides=sockets(tmp_path)) as c:
+        eng = await client(tmp_path)
+        pe = c.pe["p0"]
+        try:
+            p = plan(c, "ab1", tokens(3 * BT + 5, 3), 0, "none", deadline=DEADLINE)
+            if plan_first:
+                pe.submit_plan(p)
+                await eng.abandon("ab1", "cache layout not verified", 10.0)
+            else:
+                abandon = asyncio.create_task(eng.abandon("ab1", "cache layout not verified",
+                                                          10.0))
+                await asyncio.sleep(0)
+                pe.submit_plan(p)
+                await asyncio.wait_for(abandon, 10.0)
+            failed = await failed_soon(pe, "ab1")
+            assert failed.retryable and "cache layout not verified" in failed.message, failed
+            assert pe.engine_api.counters["requests_abandoned"] == 1
+            await no_leaks(c)
+        finally:
+            await eng.close()
+
+
+async def test_a_decode_engine_that_abandons_fails_the_de_attempt_before_the_prefill(tmp_path):
+    """The decode request reaches the engine's port only once its prompt KV is assembled
+    (the whole prefill); an abandon fails the DE attempt while it is still being prepared."""
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides=sockets(tmp_path)) as c:
+        dec = await client(tmp_path, "d0.e0", role="decode")
+        try:
+            c.pe["p0"].submit_plan(plan(c, "ab2", tokens(2 * BT + 7, 4), 0, "none",
+                                        deadline=DEADLINE))
+            await until(lambda: ("ab2", 0) in c.de["d0"].attempts, what="DE attempt prepared")
+            await dec.abandon("ab2", "prompt check failed", 10.0)
+            failed = await failed_soon(c.de["d0"], "ab2")
+            assert failed.retryable and "prompt check failed" in failed.message, failed
+            await until(lambda: report(c.pe["p0"], "ab2", "failed") is not None
+                        or not c.pe["p0"].attempts, timeout=20, what="the PE side ended")
+            await no_leaks(c)
+        finally:
+            await dec.close()
+
+
+async def test_abandon_refusals_are_typed(tmp_path):
+    """An id the node never planned: NotFound after the abandon's wait (bounded); another
+    engine's request: InvalidArgument at once; one this engine already claimed: fail it
+    instead (InvalidArgument)."""
+    over = sockets(tmp_path)
+    over["pe_receiver"]["engines"] = 2
+    async with local_datapath(tmp_path, scheduler=False, engines=False, overrides=over) as c:
+        e0, e1 = await client(tmp_path, "p0.e0"), await client(tmp_path, "p0.e1")
+        try:
+            with pytest.raises(NotFound, match="no attempt"):
+                await asyncio.wait_for(e0.abandon("never", "x", 0.3), 10.0)
+            c.pe["p0"].submit_plan(plan(c, "ab3", tokens(BT + 3, 6), 0, "none"))  # for p0.e0
+            with pytest.raises(InvalidArgument, match="p0.e0"):
+                await e1.abandon("ab3", "not mine", 5.0)
+            h = await e0.claim_prefill("ab3", 5.0)
+            with pytest.raises(InvalidArgument, match="FailRequest"):
+                await e0.abandon("ab3", "too late", 5.0)
+            await h.fail("test gives up")
+            await failed_soon(c.pe["p0"], "ab3")
+            await no_leaks(c)
+        finally:
+            for e in (e0, e1):
+                await e.close()

@@ -1,0 +1,23 @@
+"""The connector's asynchronous loads as a state machine, with a fake KV source (docs/vllm.md
+"Asynchronous loads"). Runs tests/vllm_checks/async_load_check.py in the vLLM venv (vLLM's
+own types, no model, a few seconds): a request is held back (``None``) while its claim waits
+and gets the claimed hit after; a decode hit loads off the step and a failed load is reported
+in ``failed_recving`` and recomputed; a request not opened (refused layout, claim NotFound)
+or given up while its claim waits is abandoned on its node, never left to its deadline."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_env import run_check, skip_or_fail
+from tools.vllm_engines import VLLM_PYTHON
+
+pytestmark = [pytest.mark.vllm]
+
+
+def test_claims_wait_outside_the_batch_and_failures_reach_the_node():
+    if not VLLM_PYTHON.exists():
+        skip_or_fail(f"{VLLM_PYTHON} missing")
+    out = run_check(VLLM_PYTHON, "async_load", timeout=300, script="async_load_check.py")
+    assert out == {"prefill_hit_from_claim": 128, "decode_async": "ok",
+                   "abandoned": ["n1", "n2"], "given_up": "ok"}

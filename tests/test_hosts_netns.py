@@ -347,43 +347,71 @@ def test_prometheus_on_a_host_scrapes_every_service_and_the_dashboard_has_data(n
 
 # ---------------------------------------------------------------------------- chaos across hosts
 
-# Run on ``cli``: ask ``node``'s service (GetStats over its RPC port, every 20 ms) until it
-# holds an attempt; exit 0 then, 1 when ``deadline`` passes first.
-_HOLDING = """
+# Run on ``cli`` until a condition on the cluster holds (exit 0), or 1 when ``deadline`` s pass:
+#   holding NODE       NODE's service holds an attempt (GetStats over its RPC port, every 20 ms)
+#   registered NODE    the scheduler lists NODE's service (prints its registration epoch)
+#   not-epoch NODE E   the scheduler no longer lists NODE under registration epoch E
+_PROBE = """
 import asyncio, sys, time
 from typing import Union
 from common.config import RpcConfig
 from common.protocol import ErrorReply, GetStats, GetStatsReply
 from common.rpc_client import RpcClient
+from services.scheduler.client.client import SchedulerClient
 
-async def main(host, port, deadline):
-    c = RpcClient(RpcConfig(), host, int(port), role="monitor", node_id="test",
-                  reply_type=Union[GetStatsReply, ErrorReply])
+async def main(what, node, host, port, sched_host, sched_port, deadline, epoch="0"):
+    node_rpc = RpcClient(RpcConfig(), host, int(port), role="monitor", node_id="test",
+                         reply_type=Union[GetStatsReply, ErrorReply])
+    sched = SchedulerClient(sched_host, int(sched_port))
     end = time.monotonic() + float(deadline)
     try:
         while time.monotonic() < end:
             try:
-                r = await c.call(GetStats(), timeout=2.0)
-                if r.counters.get("attempts_live", 0) >= 1:
-                    return 0
+                if what == "holding":
+                    r = await node_rpc.call(GetStats(), timeout=2.0)
+                    if r.counters.get("attempts_live", 0) >= 1:
+                        return 0
+                else:
+                    st = await sched.cluster_status(timeout=2.0)
+                    epochs = [n.epoch for n in st.nodes
+                              if n.node_id == node and n.role in ("prefill", "decode")]
+                    if what == "registered" and epochs:
+                        print(epochs[0])
+                        return 0
+                    if what == "not-epoch" and int(epoch) not in epochs:
+                        return 0
             except Exception:
                 pass
             await asyncio.sleep(0.02)
         return 1
     finally:
-        await c.close()
+        await node_rpc.close()
+        await sched.close()
 
 sys.exit(asyncio.run(main(*sys.argv[1:])))
 """
 
 
-def _until_holding(net: HostNet, node: str, replay) -> None:
-    """Until ``node`` holds attempts of the running replay: the fault lands on work in flight,
-    not on a moment that happens to be idle (no fixed head start)."""
-    r = net.run("cli", [sys.executable, "-c", _HOLDING, net.hosts[node].address,
-                        str(hc.RPC_PORT), "120"], env=hc.unit_env(net, "cli"), timeout=150)
-    assert r.returncode == 0, f"{node} never held work of the replay: {r.stderr[-2000:]}"
+def _probe(net: HostNet, what: str, node: str, *extra: str, deadline: float = 120) -> str:
+    """Wait (on ``cli``) until ``what`` holds for ``node`` (see ``_PROBE``); the last line it
+    printed (log lines come first)."""
+    r = net.run("cli", [sys.executable, "-c", _PROBE, what, node, net.hosts[node].address,
+                        str(hc.RPC_PORT), net.hosts["ctl"].address, str(hc.SCHEDULER_PORT),
+                        str(deadline), *extra],
+                env=hc.unit_env(net, "cli"), timeout=deadline + 30)
+    assert r.returncode == 0, f"{what} {node} {extra} not seen within {deadline} s: " \
+                              f"{r.stderr[-2000:]}"
+    return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+
+
+def _until_holding(net: HostNet, node: str, replay) -> int:
+    """Until ``node`` is registered and holds attempts of the running replay: the fault lands on
+    work in flight, not on a moment that happens to be idle (no fixed head start). Returns the
+    registration epoch the fault will end."""
+    epoch = int(_probe(net, "registered", node))
+    _probe(net, "holding", node)
     assert replay.poll() is None, f"the replay ended before the fault on {node}"
+    return epoch
 
 
 def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4) -> tuple[int, str, dict]:
@@ -402,20 +430,12 @@ def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4) -> t
     return rc, net.log_text("cli", f"replay{seed}"), res
 
 
-def _d1_removals(net: HostNet) -> int:
-    """How often the scheduler has removed d1 (its lease ran out) so far."""
-    return sum(1 for line in net.log_text("ctl", "dualpath-scheduler").splitlines()
-               if "node_removed" in line and '"d1"' in line)
-
-
 def test_a_partitioned_decode_host_is_replanned_and_no_request_is_lost(net):
     def partition(replay) -> None:
-        _until_holding(net, "d1", replay)    # transfers under way on d1
-        removals = _d1_removals(net)
+        epoch = _until_holding(net, "d1", replay)    # transfers under way on d1
         net.link("d1", up=False)             # d1's cable pulled at the switch
-        try:                                 # until the scheduler gave d1's lease up (5 s)
-            wait_until(lambda: _d1_removals(net) > removals, timeout=60, interval=0.2,
-                       what="the scheduler removing partitioned d1")
+        try:                                 # until the scheduler gave that lease up (5 s)
+            _probe(net, "not-epoch", "d1", str(epoch), deadline=60)
         finally:
             net.link("d1", up=True)
 

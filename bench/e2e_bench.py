@@ -14,11 +14,23 @@ speedup for the same config when the simulator is available.
 
 Headline: ``dualpath_speedup_vs_basic`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.8 (paper up to
 1.87×). ``--quick`` runs fewer agents and turns of the same workload (same mechanism).
+
+**Hit-rate sweep** (``basic`` vs ``dualpath``, on the same two clusters after the agentic run):
+a synthetic Mooncake-format workload the bench writes itself, one point per hit share of
+:data:`SWEEP_HITS` (0 %, 50 %, 95 %). Per point, seed requests store a few shared prefixes,
+then a burst of requests (all at t = 0) each reads that share of its prompt from storage and
+computes and writes back the rest; the point's JCT is the burst's, the best of
+:data:`SWEEP_REPEATS` bursts (fresh keys each; on a shared 2-core host another process only
+ever adds time, so the best run is the mode's own cost). ``worst_ratio_vs_basic`` =
+min over the points of JCT(basic) ÷ JCT(dualpath), goal ≥ 0.97 (a user who turns dualpath on
+never loses by it; docs/workloads.md "Never worse than basic").
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +40,12 @@ from services.scheduler.core.modes import ABLATION_MODES
 
 MODES = ABLATION_MODES             # the ablation sweep, in the order it is reported
 GOAL = 1.8
+SWEEP_HITS = (0.0, 0.5, 0.95)      # hit share of a burst request's prompt
+SWEEP_MODES = ("basic", "dualpath")
+SWEEP_GOAL = 0.97                  # worst_ratio_vs_basic
+SWEEP_BLOCKS = 20                  # Mooncake blocks per prompt (64 tokens each at scale 1/8)
+SWEEP_DOCS = 4                     # shared prefixes (one seed request each)
+SWEEP_REPEATS = 2                  # bursts per point and mode; the best one counts
 
 
 def workload(quick: bool, agents: int | None = None, turns: int | None = None):
@@ -59,28 +77,117 @@ def row(mode: str, s: dict[str, Any], base_jct: float | None, pred: dict[str, An
             "written_MB": mb("storage_written"),
             "hit_rate": s["tokens"]["hit_rate"],
             "ttft_p50_s": s["latency"]["ttft"]["p50"],
-            "ok": bool(c["all_finished"] and c["hit_mismatches"] == 0
-                       and c.get("every_prompt_verified", False)
-                       and c.get("storage_read_matches_hits", False)
-                       # oracle: nothing of the hit crossed PE -> DE (None: a retry interfered)
-                       and c.get("pe_to_de_matches_new_tokens") is not False)}
+            "ok": _checks_ok(c)}
+
+
+def sweep_workloads(directory: Path, hit: float, burst: int, index: int,
+                    repeats: int = SWEEP_REPEATS) -> tuple[list[Any], list[Any]]:
+    """One sweep point's Mooncake-format files as replay specs: ``(seeds, bursts)``.
+
+    Every request's prompt is ``SWEEP_BLOCKS`` trace blocks plus half a block; a burst
+    request's first ``round(hit · SWEEP_BLOCKS)`` blocks are one of ``SWEEP_DOCS`` prefixes the
+    seeds stored, the rest fresh (in every one of the ``repeats`` bursts). Hash ids are
+    disjoint between points (``index``), so the points share a cluster without sharing hits.
+    No seeds at 0 %: nothing to share.
+    """
+    from tools.replay.workloads import TraceSpec
+    n_hit = min(round(hit * SWEEP_BLOCKS), SWEEP_BLOCKS - 1)
+    base = (index + 1) * 10_000_000
+    fresh = iter(range(base + SWEEP_DOCS * SWEEP_BLOCKS, base + 10_000_000))
+    docs = [list(range(base + d * SWEEP_BLOCKS, base + d * SWEEP_BLOCKS + n_hit))
+            for d in range(SWEEP_DOCS)]
+
+    def line(prefix: list[int]) -> str:
+        ids = prefix + [next(fresh) for _ in range(SWEEP_BLOCKS - len(prefix))]
+        return json.dumps({"timestamp": 0, "input_length": SWEEP_BLOCKS * 512 + 256,
+                           "output_length": 128, "hash_ids": ids + [next(fresh)]})
+
+    def spec(name: str, prefixes: list[list[int]]) -> TraceSpec:
+        path = directory / f"sweep-{index}-{name}.jsonl"
+        path.write_text("".join(line(p) + "\n" for p in prefixes))
+        return TraceSpec(str(path), limit=None, speed=1.0, scale=0.125)
+
+    seeds = [spec("seeds", docs)] if n_hit else []
+    return seeds, [spec(f"burst{r}", [docs[i % SWEEP_DOCS] for i in range(burst)])
+                   for r in range(repeats)]
 
 
 async def run_modes(cluster: Any, spec: Any, modes: tuple[str, ...], inprocess: bool,
-                    echo: Any = print, **kw: Any) -> dict[str, dict[str, Any]]:
-    from tools.replay.run import replay_fresh
-    out = {}
+                    echo: Any = print, sweep_burst: int = 0,
+                    **kw: Any) -> tuple[dict[str, dict[str, Any]], dict[float, dict[str, Any]]]:
+    """The ablation per mode, and on the ``SWEEP_MODES`` clusters the hit-rate sweep after it
+    (``sweep_burst`` requests per burst, 0: no sweep): ``({mode: result}, {hit: {mode: [burst
+    results]}})``."""
+    from tools.replay.run import replay_series
+    out: dict[str, dict[str, Any]] = {}
+    sweep: dict[float, dict[str, list]] = {h: {} for h in SWEEP_HITS} if sweep_burst else {}
     root = Path("data/bench-e2e").resolve()
-    for mode in modes:
-        t0 = time.monotonic()
-        echo(f"== {mode}")
-        out[mode] = await replay_fresh(cluster, spec, mode=mode,
+    with tempfile.TemporaryDirectory(prefix="sweep-", dir=_mkdir(root)) as tmp:
+        points = [(h, sweep_workloads(Path(tmp), h, sweep_burst, i))
+                  for i, h in enumerate(SWEEP_HITS) if sweep_burst]
+        for mode in modes:
+            t0 = time.monotonic()
+            echo(f"== {mode}")
+            extra = ([w for _, (seeds, bursts) in points for w in seeds + bursts]
+                     if mode in SWEEP_MODES else [])
+            runs = await replay_series(cluster, [spec, *extra], mode=mode,
                                        storage_root=str(root / mode.replace("+", "plus-")),
-                                       inprocess=inprocess, echo=None, remove_storage=True, **kw)
-        s = out[mode]["summary"]
-        echo(f"   JCT {s.get('jct_s', 0):.2f} s, {s['finished']}/{s['requests']} finished, "
-             f"wall {time.monotonic() - t0:.1f} s")
-    return out
+                                       inprocess=inprocess, echo=None, remove_storage=True,
+                                       settle_s=0.2 if extra else 0.0, **kw)
+            out[mode] = runs[0]
+            s = out[mode]["summary"]
+            echo(f"   JCT {s.get('jct_s', 0):.2f} s, {s['finished']}/{s['requests']} finished")
+            k = 1
+            for h, (seeds, bursts) in points if extra else ():
+                k += len(seeds)
+                sweep[h][mode] = runs[k:k + len(bursts)]
+                k += len(bursts)
+            for h, by in sweep.items():
+                if mode in by:
+                    jcts = ", ".join(f"{b['summary'].get('jct_s', 0):.2f}" for b in by[mode])
+                    echo(f"   sweep {h:.0%} hits: burst JCT {jcts} s")
+            echo(f"   wall {time.monotonic() - t0:.1f} s")
+    return out, sweep
+
+
+def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the shortest JCT (a failed one, without a JCT, last)."""
+    return min(runs, key=lambda r: r["summary"].get("jct_s") or float("inf"))
+
+
+def sweep_rows(sweep: dict[float, dict[str, list]]) -> list[dict[str, Any]]:
+    """One row per sweep point: both modes' best burst JCTs, their ratio, hit rate, read split."""
+    rows = []
+    for h, by in sweep.items():
+        if not all(m in by for m in SWEEP_MODES):
+            continue
+        b, d = (best(by[m])["summary"] for m in SWEEP_MODES)
+        jb, jd = b.get("jct_s"), d.get("jct_s")
+        db = d.get("bytes", {})
+        pe, de = db.get("storage_read_pe_path", 0.0), db.get("storage_read_de_path", 0.0)
+        rows.append({"hit_share": h, "hit_rate": d["tokens"]["hit_rate"],
+                     "basic_jct_s": jb, "dualpath_jct_s": jd,
+                     "ratio_vs_basic": (jb / jd) if jb and jd else None,
+                     "de_read_share": (de / (pe + de)) if pe + de > 0 else 0.0,
+                     "basic_ttft_p50_s": b["latency"]["ttft"]["p50"],
+                     "dualpath_ttft_p50_s": d["latency"]["ttft"]["p50"],
+                     "runs_s": {m: [r["summary"].get("jct_s") for r in by[m]] for m in SWEEP_MODES},
+                     "ok": all(_checks_ok(r["summary"]["checks"]) for m in SWEEP_MODES
+                               for r in by[m])})
+    return rows
+
+
+def _checks_ok(c: dict[str, Any]) -> bool:
+    return bool(c["all_finished"] and c["hit_mismatches"] == 0
+                and c.get("every_prompt_verified", False)
+                and c.get("storage_read_matches_hits", False)
+                # oracle: nothing of the hit crossed PE -> DE (None: a retry interfered)
+                and c.get("pe_to_de_matches_new_tokens") is not False)
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remote-engines", action="store_true",
                    help="emulated engines in their own processes, attached over each node's "
                         "engine socket (docs/engine-api.md \"Cross-process\")")
+    p.add_argument("--no-sweep", action="store_true",
+                   help="skip the hit-rate sweep (basic vs dualpath at 0 %%, 50 %%, 95 %% hits)")
     args = p.parse_args(argv)
     from common.logging import configure_logging
     from tools.cluster.config import load_cluster
@@ -107,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"e2e ablation on {cluster.source} ({cluster.spec.shape}, "
           f"{'in-process' if args.inprocess else 'subprocesses'}"
           f"{', engines over their sockets' if args.remote_engines else ''}): {spec}")
-    results = asyncio.run(run_modes(cluster, spec, modes, args.inprocess, progress=False))
+    burst = 0 if args.no_sweep else (32 if args.quick else 96)
+    results, sweep = asyncio.run(run_modes(cluster, spec, modes, args.inprocess,
+                                           sweep_burst=burst, progress=False))
     pred = predicted(cluster, spec, modes)
     base = results.get("basic", {}).get("summary", {}).get("jct_s")
     rows = [row(m, r["summary"], base, pred) for m, r in results.items()]
@@ -117,15 +228,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots is not None:
         from tools.replay.plots import plot_all
         print("plots: " + ", ".join(str(x) for x in plot_all(results, args.plots)))
+    srows = sweep_rows(sweep)
+    if srows:
+        print(f"\nhit-rate sweep ({burst} requests per burst, basic vs dualpath):")
+        print_table(srows, ["hit_share", "hit_rate", "basic_jct_s", "dualpath_jct_s",
+                            "ratio_vs_basic", "de_read_share", "basic_ttft_p50_s",
+                            "dualpath_ttft_p50_s", "ok"])
+    ratios = [r["ratio_vs_basic"] for r in srows if r["ratio_vs_basic"] is not None]
+    worst = min(ratios) if ratios else None
+    if worst is not None:
+        print(f"worst_ratio_vs_basic = {worst:.3f} (goal >= {SWEEP_GOAL})")
     dp = results.get("dualpath", {}).get("summary", {}).get("jct_s")
     value = (base / dp) if base and dp else 0.0
-    checks = {"all_modes_ok": all(r["ok"] for r in rows),
+    checks = {"all_modes_ok": all(r["ok"] for r in rows) and all(r["ok"] for r in srows),
               "oracle_at_least_dualpath": _cmp(rows, "oracle", "dualpath"),
-              "snic_dualpath_below_dpl": _snic_below(rows)}
+              "snic_dualpath_below_dpl": _snic_below(rows),
+              "never_worse_than_basic": None if worst is None else worst >= SWEEP_GOAL}
     write_results(args.out, "e2e", headline("dualpath_speedup_vs_basic", value, GOAL),
                   {"config": cluster.source, "cluster": cluster.spec.shape,
                    "remote_engines": cluster.spec.remote_engines,
                    "workload": _builtins(spec), "rows": rows, "checks": checks,
+                   "worst_ratio_vs_basic": worst, "worst_ratio_goal": SWEEP_GOAL,
+                   "sweep": {"hit_shares": list(SWEEP_HITS), "burst_requests": burst,
+                             "prompt_blocks": SWEEP_BLOCKS, "prefixes": SWEEP_DOCS,
+                             "repeats": SWEEP_REPEATS, "rows": srows,
+                             "summaries": {f"{h:g}": {m: best(rs)["summary"]
+                                                      for m, rs in by.items()}
+                                           for h, by in sweep.items()}},
                    "predicted": pred,
                    "summaries": {m: r["summary"] for m, r in results.items()}})
     return 0 if checks["all_modes_ok"] else 1

@@ -429,10 +429,17 @@ class Scheduler:
             # counting reads alone levelled the *reads* over all nodes and sent ~2/3 of the
             # hits (1P2D) onto DE links saturated by writes while the PE's link idled
             # (docs/workloads.md "Never worse than basic").
+            # Writes lift a node at most to the mean plus the credit: a miss-heavy phase's
+            # write-backs must not keep every read off that node long after it (a read queue
+            # more than two credits longer on the other side still sends reads here).
             dn = de.node
-            floor = self._read_mean() - self.read_credit
-            v = (dn.read_v if dn.read_v > floor else floor) + w
-            self._read_sum += v - dn.read_v
+            mean = self._read_mean()
+            v0 = dn.read_v
+            v = (v0 if v0 > mean - self.read_credit else mean - self.read_credit) + w
+            cap = mean + self.read_credit
+            if v > cap:
+                v = cap if cap > v0 else v0
+            self._read_sum += v - v0
             dn.read_v = v
         if node is not None:
             node.read_q += r.hit_tokens

@@ -15,13 +15,15 @@ speedup for the same config when the simulator is available.
 Headline: ``dualpath_speedup_vs_basic`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.8 (paper up to
 1.87×). ``--quick`` runs fewer agents and turns of the same workload (same mechanism).
 
-**Hit-rate sweep** (``basic`` vs ``dualpath``, on the same two clusters after the agentic run):
-a synthetic Mooncake-format workload the bench writes itself, one point per hit share of
-:data:`SWEEP_HITS` (0 %, 50 %, 95 %). Per point, seed requests store a few shared prefixes,
-then a burst of requests (all at t = 0) each reads that share of its prompt from storage and
-computes and writes back the rest; the point's JCT is the burst's, the best of
-:data:`SWEEP_REPEATS` bursts (fresh keys each; on a shared 2-core host another process only
-ever adds time, so the best run is the mode's own cost). ``worst_ratio_vs_basic`` =
+**Hit-rate sweep** (``basic`` vs ``dualpath``, after the ablation): a synthetic Mooncake-format
+workload the bench writes itself, one point per hit share of :data:`SWEEP_HITS` (0 %, 50 %,
+95 %). Both modes' clusters run at once (fresh, their own names and storage); per point, seed
+requests store a few shared prefixes on each, then bursts of requests (all at t = 0) each read
+that share of their prompt from storage and compute and write back the rest, the two modes'
+bursts alternating (basic first, then dualpath first), so a load spike from another process
+on a shared 2-core host hits both modes alike instead of whichever happened to run then. A
+point's JCT per mode is its best of :data:`SWEEP_REPEATS` bursts (other processes only ever
+add time). ``worst_ratio_vs_basic`` =
 min over the points of JCT(basic) ÷ JCT(dualpath), goal ≥ 0.97 (a user who turns dualpath on
 never loses by it; docs/workloads.md "Never worse than basic").
 """
@@ -29,6 +31,7 @@ never loses by it; docs/workloads.md "Never worse than basic").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
@@ -46,6 +49,7 @@ SWEEP_GOAL = 0.97                  # worst_ratio_vs_basic
 SWEEP_BLOCKS = 20                  # Mooncake blocks per prompt (64 tokens each at scale 1/8)
 SWEEP_DOCS = 4                     # shared prefixes (one seed request each)
 SWEEP_REPEATS = 2                  # bursts per point and mode; the best one counts
+SWEEP_SETTLE_S = 0.2               # pause before each burst (write-backs of the last one land)
 
 
 def workload(quick: bool, agents: int | None = None, turns: int | None = None):
@@ -113,41 +117,53 @@ def sweep_workloads(directory: Path, hit: float, burst: int, index: int,
 
 
 async def run_modes(cluster: Any, spec: Any, modes: tuple[str, ...], inprocess: bool,
-                    echo: Any = print, sweep_burst: int = 0,
-                    **kw: Any) -> tuple[dict[str, dict[str, Any]], dict[float, dict[str, Any]]]:
-    """The ablation per mode, and on the ``SWEEP_MODES`` clusters the hit-rate sweep after it
-    (``sweep_burst`` requests per burst, 0: no sweep): ``({mode: result}, {hit: {mode: [burst
-    results]}})``."""
-    from tools.replay.run import replay_series
-    out: dict[str, dict[str, Any]] = {}
-    sweep: dict[float, dict[str, list]] = {h: {} for h in SWEEP_HITS} if sweep_burst else {}
+                    echo: Any = print, **kw: Any) -> dict[str, dict[str, Any]]:
+    from tools.replay.run import replay_fresh
+    out = {}
     root = Path("data/bench-e2e").resolve()
-    with tempfile.TemporaryDirectory(prefix="sweep-", dir=_mkdir(root)) as tmp:
-        points = [(h, sweep_workloads(Path(tmp), h, sweep_burst, i))
-                  for i, h in enumerate(SWEEP_HITS) if sweep_burst]
-        for mode in modes:
-            t0 = time.monotonic()
-            echo(f"== {mode}")
-            extra = ([w for _, (seeds, bursts) in points for w in seeds + bursts]
-                     if mode in SWEEP_MODES else [])
-            runs = await replay_series(cluster, [spec, *extra], mode=mode,
+    for mode in modes:
+        t0 = time.monotonic()
+        echo(f"== {mode}")
+        out[mode] = await replay_fresh(cluster, spec, mode=mode,
                                        storage_root=str(root / mode.replace("+", "plus-")),
-                                       inprocess=inprocess, echo=None, remove_storage=True,
-                                       settle_s=0.2 if extra else 0.0, **kw)
-            out[mode] = runs[0]
-            s = out[mode]["summary"]
-            echo(f"   JCT {s.get('jct_s', 0):.2f} s, {s['finished']}/{s['requests']} finished")
-            k = 1
-            for h, (seeds, bursts) in points if extra else ():
-                k += len(seeds)
-                sweep[h][mode] = runs[k:k + len(bursts)]
-                k += len(bursts)
-            for h, by in sweep.items():
-                if mode in by:
-                    jcts = ", ".join(f"{b['summary'].get('jct_s', 0):.2f}" for b in by[mode])
-                    echo(f"   sweep {h:.0%} hits: burst JCT {jcts} s")
-            echo(f"   wall {time.monotonic() - t0:.1f} s")
-    return out, sweep
+                                       inprocess=inprocess, echo=None, remove_storage=True, **kw)
+        s = out[mode]["summary"]
+        echo(f"   JCT {s.get('jct_s', 0):.2f} s, {s['finished']}/{s['requests']} finished, "
+             f"wall {time.monotonic() - t0:.1f} s")
+    return out
+
+
+async def run_sweep(cluster: Any, burst: int, inprocess: bool, echo: Any = print,
+                    **kw: Any) -> dict[float, dict[str, list[dict[str, Any]]]]:
+    """The hit-rate sweep (module docstring): ``{hit share: {mode: [burst results]}}``."""
+    from tools.replay.run import fresh_cluster, replay
+    sweep: dict[float, dict[str, list[dict[str, Any]]]] = {
+        h: {m: [] for m in SWEEP_MODES} for h in SWEEP_HITS}
+    root = Path("data/bench-e2e").resolve()
+    t0 = time.monotonic()
+    echo(f"== sweep: {' vs '.join(SWEEP_MODES)}, {burst} requests per burst")
+    with tempfile.TemporaryDirectory(prefix="sweep-", dir=_mkdir(root)) as tmp:
+        async with contextlib.AsyncExitStack() as stack:
+            targets = {}
+            for m in SWEEP_MODES:
+                cl = cluster.with_overrides(cluster={"name": f"{cluster.spec.name}-sweep-{m}"})
+                targets[m] = await stack.enter_async_context(fresh_cluster(
+                    cl, mode=m, storage_root=str(root / f"sweep-{m}"), inprocess=inprocess,
+                    remove_storage=True))
+            for i, h in enumerate(SWEEP_HITS):
+                seeds, bursts = sweep_workloads(Path(tmp), h, burst, i)
+                for m in SWEEP_MODES:
+                    for w in seeds:
+                        await replay(targets[m], w, **kw)
+                for r, w in enumerate(bursts):
+                    for m in (SWEEP_MODES if r % 2 == 0 else SWEEP_MODES[::-1]):
+                        await asyncio.sleep(SWEEP_SETTLE_S)
+                        sweep[h][m].append(await replay(targets[m], w, **kw))
+                echo(f"   {h:.0%} hits: burst JCT " + "; ".join(
+                    f"{m} " + ", ".join(f"{b['summary'].get('jct_s') or 0:.2f}" for b in runs)
+                    for m, runs in sweep[h].items()) + " s")
+    echo(f"   wall {time.monotonic() - t0:.1f} s")
+    return sweep
 
 
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -216,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"e2e ablation on {cluster.source} ({cluster.spec.shape}, "
           f"{'in-process' if args.inprocess else 'subprocesses'}"
           f"{', engines over their sockets' if args.remote_engines else ''}): {spec}")
+    results = asyncio.run(run_modes(cluster, spec, modes, args.inprocess, progress=False))
     burst = 0 if args.no_sweep else (32 if args.quick else 96)
-    results, sweep = asyncio.run(run_modes(cluster, spec, modes, args.inprocess,
-                                           sweep_burst=burst, progress=False))
+    sweep = asyncio.run(run_sweep(cluster, burst, args.inprocess, progress=False)) if burst else {}
     pred = predicted(cluster, spec, modes)
     base = results.get("basic", {}).get("summary", {}).get("jct_s")
     rows = [row(m, r["summary"], base, pred) for m, r in results.items()]

@@ -8,8 +8,9 @@ JSON holds: the workload spec, the per-request records, the telemetry samples, t
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,30 +146,18 @@ async def replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec | Session
                        remove_storage: bool = False, **kw: Any) -> dict[str, Any]:
     """Start ``cluster`` in ``mode`` on empty storage, replay ``workload``, stop it
     (``remove_storage``: and delete the blocks it wrote)."""
-    [out] = await replay_series(cluster, [workload], mode=mode, storage_root=storage_root,
-                                inprocess=inprocess, echo=echo, remove_storage=remove_storage, **kw)
-    return out
+    async with fresh_cluster(cluster, mode=mode, storage_root=storage_root, inprocess=inprocess,
+                             echo=echo, remove_storage=remove_storage) as target:
+        return await replay(target, workload, **kw)
 
 
-async def replay_series(cluster: Any, workloads: Sequence[AgenticSpec | TraceSpec | SessionTraceSpec], *,
-                        mode: str | None, storage_root: str, inprocess: bool = False,
-                        echo: Any = None, remove_storage: bool = False, settle_s: float = 0.0,
-                        **kw: Any) -> list[dict[str, Any]]:
-    """Like :func:`replay_fresh`, but replay ``workloads`` one after the other on the one cluster
-    (``settle_s`` between them): what a bench with several small workloads per mode needs
-    without a cluster start for each (``bench e2e``'s hit-rate sweep)."""
-    try:
-        return await _replay_fresh(cluster, workloads, mode=mode, storage_root=storage_root,
-                                   inprocess=inprocess, echo=echo, settle_s=settle_s, **kw)
-    finally:
-        if remove_storage:
-            import shutil
-            shutil.rmtree(storage_root, ignore_errors=True)
-
-
-async def _replay_fresh(cluster: Any, workloads: Sequence[AgenticSpec | TraceSpec | SessionTraceSpec], *,
-                        mode: str | None, storage_root: str, inprocess: bool, echo: Any,
-                        settle_s: float, **kw: Any) -> list[dict[str, Any]]:
+@contextlib.asynccontextmanager
+async def fresh_cluster(cluster: Any, *, mode: str | None, storage_root: str,
+                        inprocess: bool = False, echo: Any = None,
+                        remove_storage: bool = False) -> AsyncIterator[ClusterTarget]:
+    """``cluster`` started in ``mode`` on empty storage, as a replay target; stopped on exit
+    (``remove_storage``: and the blocks it wrote deleted). Several may run at once under
+    different cluster names (``bench e2e``'s hit-rate sweep alternates bursts between two)."""
     import asyncio
     import shutil
     from pathlib import Path
@@ -176,24 +165,21 @@ async def _replay_fresh(cluster: Any, workloads: Sequence[AgenticSpec | TraceSpe
     from tools.cluster.inprocess import start_cluster
     from tools.cluster.launcher import Launcher
 
-    async def run_all(target: ClusterTarget) -> list[dict[str, Any]]:
-        out = []
-        for i, w in enumerate(workloads):
-            if i and settle_s > 0:
-                await asyncio.sleep(settle_s)
-            out.append(await replay(target, w, **kw))
-        return out
-
     cl = cluster.with_mode(mode) if mode is not None else cluster
     shutil.rmtree(storage_root, ignore_errors=True)
     Path(storage_root).mkdir(parents=True, exist_ok=True)
-    if inprocess:
-        async with start_cluster(cl, storage_root=storage_root) as c:
-            return await run_all(ClusterTarget.from_inprocess(c))
-    cl = cl.with_overrides(cluster={"storage_root": storage_root})
-    launcher = Launcher(cl, echo=echo)
     try:
-        state = await asyncio.to_thread(launcher.up)
-        return await run_all(ClusterTarget.from_state(cl, state))
+        if inprocess:
+            async with start_cluster(cl, storage_root=storage_root) as c:
+                yield ClusterTarget.from_inprocess(c)
+            return
+        cl = cl.with_overrides(cluster={"storage_root": storage_root})
+        launcher = Launcher(cl, echo=echo)
+        try:
+            state = await asyncio.to_thread(launcher.up)
+            yield ClusterTarget.from_state(cl, state)
+        finally:
+            await asyncio.to_thread(launcher.down)
     finally:
-        await asyncio.to_thread(launcher.down)
+        if remove_storage:
+            shutil.rmtree(storage_root, ignore_errors=True)

@@ -150,6 +150,12 @@ async def run_sweep(cluster: Any, burst: int, inprocess: bool, echo: Any = print
                 targets[m] = await stack.enter_async_context(fresh_cluster(
                     cl, mode=m, storage_root=str(root / f"sweep-{m}"), inprocess=inprocess,
                     remove_storage=True))
+            # a fresh cluster's first requests open its transfer endpoints (both read paths):
+            # a small unmeasured warm-up burst on each, else the first point pays for it
+            seeds, warm = sweep_workloads(Path(tmp), 0.95, 8, len(SWEEP_HITS), repeats=1)
+            for m in SWEEP_MODES:
+                for w in seeds + warm:
+                    await replay(targets[m], w, **kw)
             for i, h in enumerate(SWEEP_HITS):
                 seeds, bursts = sweep_workloads(Path(tmp), h, burst, i)
                 for m in SWEEP_MODES:

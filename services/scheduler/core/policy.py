@@ -43,7 +43,8 @@ Tie rules (all deterministic): equal keys go to the engine or group registered f
   What a node is sent includes its write-backs, × ``write_weight`` (a DE node writes back every
   request's new and generated tokens over the same link; counting reads alone, a miss-heavy
   workload's hits went onto DE links saturated by writes, docs/workloads.md "Never worse than
-  basic"); an idle PE link beside a busy DE link always takes the read.
+  basic"), up to at most the mean plus the credit (past writes bias reads by two credits at
+  most); an idle PE link beside a busy DE link always takes the read.
 """
 
 from __future__ import annotations

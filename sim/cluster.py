@@ -44,11 +44,13 @@ _SIDE = {ReadSide.PE: SIDE_PE, ReadSide.DE: SIDE_DE, ReadSide.NONE: SIDE_NONE}
 class Node:
     __slots__ = ("node_id", "role", "snic_rd", "snic_wr", "dram", "rq", "reading", "read_links")
 
-    def __init__(self, node_id: str, role: str, snic: float, dram: float) -> None:
+    def __init__(self, node_id: str, role: str, snic: float, dram: float,
+                 shared: bool = False) -> None:
         self.node_id = node_id
         self.role = role
         self.snic_rd = Link(f"{node_id}/snic_rd", snic)
-        self.snic_wr = Link(f"{node_id}/snic_wr", snic)
+        # shared (hardware.snic_shared): write-backs queue on the read link, as in the emulation
+        self.snic_wr = self.snic_rd if shared else Link(f"{node_id}/snic_wr", snic)
         self.dram = Link(f"{node_id}/dram", dram)
         self.rq: deque = deque()
         self.reading = 0
@@ -112,7 +114,9 @@ class Cluster:
         self.interval = cfg.engine.fetch_interval_s
         self.read_conc = cfg.engine.read_concurrency
         self.io = not self.spec.oracle
-        self.fast_wb = not self.exact
+        # write-backs counted, not contended — unless they share the read link, where they are
+        # what a miss-heavy workload's storage traffic mostly is (docs/workloads.md)
+        self.fast_wb = not self.exact and not cfg.hardware.snic_shared
         self.waiting_de = self.waiting_pe = 0
         self.tick_armed = False
         self.tick_no = 0
@@ -138,9 +142,10 @@ class Cluster:
     # ------------------------------------------------------------------ topology
     def _build(self) -> None:
         cfg, h = self.cfg, self.cfg.hardware
-        self.pnodes = [Node(f"P{i}", "prefill", h.snic_bytes_per_s, h.dram_bytes_per_s)
+        shared = h.snic_shared
+        self.pnodes = [Node(f"P{i}", "prefill", h.snic_bytes_per_s, h.dram_bytes_per_s, shared)
                        for i in range(h.prefill_nodes)]
-        self.dnodes = [Node(f"D{i}", "decode", h.snic_bytes_per_s, h.dram_bytes_per_s)
+        self.dnodes = [Node(f"D{i}", "decode", h.snic_bytes_per_s, h.dram_bytes_per_s, shared)
                        for i in range(h.decode_nodes)]
         self.nodes = self.pnodes + self.dnodes
         self.node_by_id = {n.node_id: n for n in self.nodes}

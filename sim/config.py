@@ -12,7 +12,8 @@ Sections (every key optional; typos are rejected with their name):
 * ``[engine]`` — fetch interval, compute quota, batch caps, read-queue concurrency, prefetch depth.
 * ``[scheduler]`` — ``services.scheduler.SchedulerConfig`` as is. The simulator overrides
   ``model`` and ``snic_bytes_per_s`` from the sections above and ``policy``/``oracle``/
-  ``placement`` from the mode, so α and β always follow the simulated hardware.
+  ``placement`` from the mode, so α and β always follow the simulated hardware, and
+  ``write_weight`` to 0 unless ``snic_shared`` (a full-duplex SNIC's writes never delay a read).
 * ``[sim]`` — time scale, SNIC window, seed, exact per-layer mode.
 
 ``time_scale`` mirrors a slowed-down local emulation: every cost-model time (prefill, decode)
@@ -44,6 +45,9 @@ class HardwareConfig(Section):
     dram_bytes_per_s: PositiveFloat = 500e9  # M ≈ 10 × SNIC (docs/simulator.md, 'Hardware ratios')
     pe_hbm_kv_bytes: PositiveFloat = 16e9    # whole-prompt (basic) batches must fit here
     de_hbm_kv_bytes: PositiveFloat = 50e9    # DE HBM for request KV (the scheduler's HBM stop)
+    # one storage link per node carrying reads *and* write-backs (the local emulation's gateway
+    # token bucket, docs/storage.md); false: a full-duplex SNIC, writes on their own direction
+    snic_shared: bool = False
 
 
 class ModelSection(Section):
@@ -104,6 +108,10 @@ def scheduler_config(cfg: SimConfig, mode: str) -> SchedulerConfig:
     changes: dict = {"model": cfg.model.preset, "snic_bytes_per_s": cfg.hardware.snic_bytes_per_s,
                      "policy": spec.policy, "placement": spec.placement, "oracle": spec.oracle,
                      "read_side": spec.read_side}
+    if not cfg.hardware.snic_shared:
+        # full-duplex SNICs: a write-back takes nothing from the read direction, so the read
+        # side must not count it (SchedulerConfig.write_weight; shared links keep the section's)
+        changes["write_weight"] = 0.0
     if sc.pe_tokens_per_s is None and sc.beta_tokens is None and cfg.sim.time_scale != 1.0:
         rate = cfg.cost.prompt_tokens_per_s(sc.ref_context_tokens, sc.ref_append_tokens)
         changes["pe_tokens_per_s"] = rate / cfg.sim.time_scale

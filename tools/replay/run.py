@@ -8,7 +8,9 @@ JSON holds: the workload spec, the per-request records, the telemetry samples, t
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,18 +146,18 @@ async def replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec | Session
                        remove_storage: bool = False, **kw: Any) -> dict[str, Any]:
     """Start ``cluster`` in ``mode`` on empty storage, replay ``workload``, stop it
     (``remove_storage``: and delete the blocks it wrote)."""
-    try:
-        return await _replay_fresh(cluster, workload, mode=mode, storage_root=storage_root,
-                                   inprocess=inprocess, echo=echo, **kw)
-    finally:
-        if remove_storage:
-            import shutil
-            shutil.rmtree(storage_root, ignore_errors=True)
+    async with fresh_cluster(cluster, mode=mode, storage_root=storage_root, inprocess=inprocess,
+                             echo=echo, remove_storage=remove_storage) as target:
+        return await replay(target, workload, **kw)
 
 
-async def _replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec | SessionTraceSpec, *, mode: str | None,
-                        storage_root: str, inprocess: bool, echo: Any,
-                        **kw: Any) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def fresh_cluster(cluster: Any, *, mode: str | None, storage_root: str,
+                        inprocess: bool = False, echo: Any = None,
+                        remove_storage: bool = False) -> AsyncIterator[ClusterTarget]:
+    """``cluster`` started in ``mode`` on empty storage, as a replay target; stopped on exit
+    (``remove_storage``: and the blocks it wrote deleted). Several may run at once under
+    different cluster names (``bench e2e``'s hit-rate sweep alternates bursts between two)."""
     import asyncio
     import shutil
     from pathlib import Path
@@ -166,13 +168,18 @@ async def _replay_fresh(cluster: Any, workload: AgenticSpec | TraceSpec | Sessio
     cl = cluster.with_mode(mode) if mode is not None else cluster
     shutil.rmtree(storage_root, ignore_errors=True)
     Path(storage_root).mkdir(parents=True, exist_ok=True)
-    if inprocess:
-        async with start_cluster(cl, storage_root=storage_root) as c:
-            return await replay(ClusterTarget.from_inprocess(c), workload, **kw)
-    cl = cl.with_overrides(cluster={"storage_root": storage_root})
-    launcher = Launcher(cl, echo=echo)
     try:
-        state = await asyncio.to_thread(launcher.up)
-        return await replay(ClusterTarget.from_state(cl, state), workload, **kw)
+        if inprocess:
+            async with start_cluster(cl, storage_root=storage_root) as c:
+                yield ClusterTarget.from_inprocess(c)
+            return
+        cl = cl.with_overrides(cluster={"storage_root": storage_root})
+        launcher = Launcher(cl, echo=echo)
+        try:
+            state = await asyncio.to_thread(launcher.up)
+            yield ClusterTarget.from_state(cl, state)
+        finally:
+            await asyncio.to_thread(launcher.down)
     finally:
-        await asyncio.to_thread(launcher.down)
+        if remove_storage:
+            shutil.rmtree(storage_root, ignore_errors=True)

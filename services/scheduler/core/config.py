@@ -68,6 +68,10 @@ class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's datac
     # read side (policy.read_side): how far, in seconds of SNIC reading, a node that has been
     # sent less than the cluster's mean may catch up in one go
     read_credit_s: NonNegFloat = 1.0
+    # read side: what one written-back token weighs on its node's storage link, counted in what
+    # the link has been sent (policy.read_side). 1: reads and write-backs share the link (the
+    # local emulation's gateway bucket; storage whose disks serve both); 0: a full-duplex SNIC
+    write_weight: NonNegFloat = 1.0
     # PE fair share (policy.pe_share_limit): at a fetch a PE takes work only while its tok_e is at
     # most pe_share × the cluster's mean PE load with the PE queue placed; 0 = β alone (paper)
     pe_share: float = 1.0

@@ -40,6 +40,11 @@ Tie rules (all deterministic): equal keys go to the engine or group registered f
   next one, and the loss grows with the number of groups (12P24D: PE SNICs 38 % busy, DE SNICs
   92 %, storage max/avg 1.35; docs/simulator.md). The sent-volume term lets a node that was
   sent less catch up (at most the credit), the queue term still steers away from a slow link.
+  What a node is sent includes its write-backs, × ``write_weight`` (a DE node writes back every
+  request's new and generated tokens over the same link; counting reads alone, a miss-heavy
+  workload's hits went onto DE links saturated by writes, docs/workloads.md "Never worse than
+  basic"), up to at most the mean plus the credit (past writes bias reads by two credits at
+  most); an idle PE link beside a busy DE link always takes the read.
 """
 
 from __future__ import annotations
@@ -178,7 +183,13 @@ def shorter_queue_side(pe_node: Node, de_node: Node) -> ReadSide:
 
 
 def read_side(pe_node: Node, de_node: Node, floor: int) -> ReadSide:
-    """Shorter read queue plus what the node has been sent above ``floor``; a tie: PE."""
+    """Shorter read queue plus what the node has been sent above ``floor``; a tie: PE.
+
+    An idle PE link beside a busy DE one always takes the read: it finishes there first, and
+    the DE path would add its DE-buffer → PE hop for nothing (docs/workloads.md "Never worse
+    than basic")."""
+    if pe_node.read_q == 0 and de_node.read_q > 0:
+        return ReadSide.PE
     pv, dv = pe_node.read_v, de_node.read_v
     pk = pe_node.read_q + (pv - floor if pv > floor else 0)
     dk = de_node.read_q + (dv - floor if dv > floor else 0)

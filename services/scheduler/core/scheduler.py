@@ -60,6 +60,7 @@ class Scheduler:
         self.beta = cfg.resolved_beta()
         self._read_mode = cfg.read_side_mode()
         self.read_credit = cfg.resolved_read_credit()
+        self._write_weight = cfg.write_weight if self._read_mode == "shorter_queue" else 0.0
         self._read_sum = 0                   # Σ read_v over nodes (their mean is the floor's base)
         self._balanced = cfg.placement_mode() == "balanced"
         self.pe_load = cfg.pe_load_counter()    # (hit, new) -> PE load (tok_e, β's unit)
@@ -420,6 +421,26 @@ class Scheduler:
         r, de = p.request, p.de
         assert de is not None
         side, node = self._read_side(r.hit_tokens, e.node, de.node)
+        w = int((r.new_tokens + r.gen_tokens) * self._write_weight)
+        if w > 0:
+            # The write-back (≈ new + generated tokens, by the DE's node) counts in what that
+            # node's storage link has been sent, with the reads' floor. Why: a DE node's link
+            # also carries every write-back, on a miss-heavy workload most of its traffic;
+            # counting reads alone levelled the *reads* over all nodes and sent ~2/3 of the
+            # hits (1P2D) onto DE links saturated by writes while the PE's link idled
+            # (docs/workloads.md "Never worse than basic").
+            # Writes lift a node at most to the mean plus the credit: a miss-heavy phase's
+            # write-backs must not keep every read off that node long after it (a read queue
+            # more than two credits longer on the other side still sends reads here).
+            dn = de.node
+            mean = self._read_mean()
+            v0 = dn.read_v
+            v = (v0 if v0 > mean - self.read_credit else mean - self.read_credit) + w
+            cap = mean + self.read_credit
+            if v > cap:
+                v = cap if cap > v0 else v0
+            self._read_sum += v - v0
+            dn.read_v = v
         if node is not None:
             node.read_q += r.hit_tokens
             nid = node.node_id

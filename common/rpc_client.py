@@ -357,7 +357,19 @@ class RpcClient:
             self._connecting = asyncio.create_task(self._connect_with_backoff(),
                                                    name=f"rpc-client-{self.address}-connect")
             self._connecting.add_done_callback(_retrieve)
-        return await asyncio.shield(self._connecting)
+        connecting = self._connecting
+        try:
+            return await asyncio.shield(connecting)
+        except asyncio.CancelledError:
+            # ``close()`` cancelled the shared connect task under us: a shield passes the
+            # inner task's cancellation on to every waiter, which would then unwind as if
+            # *it* had been cancelled (a scheduler's submit stream ended, its client never
+            # answered). Only a cancellation of the waiter itself stays one.
+            me = asyncio.current_task()
+            if connecting.cancelled() and (me is None or not me.cancelling()):
+                raise Cancelled(f"rpc client to {self.address} was closed while "
+                                f"connecting") from None
+            raise
 
     async def _connect_with_backoff(self) -> _Connection:
         cfg = self._cfg

@@ -456,6 +456,20 @@ class RpcServer:
             async with timeout:
                 await (self._stream if entry.streaming else self._unary)(conn, msg, entry, ctx)
             outcome = "ok"
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if ctx._cancelled.is_set() or me is None or me.cancelling():
+                raise               # this call was cancelled (CancelCall, shutdown, close)
+            # A CancelledError out of the handler while nobody cancelled this call (an
+            # awaitable it waited on was cancelled elsewhere): answer it, or the client waits
+            # for its deadline on a call that is over.
+            log.error("handler_cancelled_inside", service=self._service, conn_id=ctx.conn_id,
+                      call_id=ctx.call_id, msg=type(msg).__name__)
+            outcome = "INTERNAL"
+            self._counters["calls_failed"] += 1
+            await self._send_error(conn, ctx.call_id, ErrorReply(
+                ErrorCode.INTERNAL, f"{self._service} failed handling {type(msg).__name__}: "
+                f"an operation it waited on was cancelled", False))
         except Exception as e:
             error = self._error_reply(e, msg, ctx, timeout.expired())
             outcome = error.code

@@ -111,6 +111,49 @@ async def test_a_failed_gateway_hands_the_lookup_to_the_next():
     assert lookup.retries == 1
 
 
+async def test_a_gateway_dropped_while_a_lookup_connects_to_it_hands_the_lookup_on():
+    """etcd discovery drops a gateway (``replace``, then the scheduler closes its client)
+    while a lookup waits for that client's connection: the lookup moves to the next gateway
+    instead of unwinding the request's submit stream with a CancelledError."""
+    from common.config import RpcConfig
+    from common.protocol import ErrorReply, Ping, Pong
+    from common.rpc import RpcClient
+
+    class RpcBacked:                    # a gateway client whose lookup is one RPC call
+        def __init__(self, port: int) -> None:
+            self.rpc = RpcClient(RpcConfig(connect_timeout_s=30.0, handshake_timeout_s=30.0),
+                                 "127.0.0.1", port, role="scheduler", node_id="s",
+                                 reply_type=Pong | ErrorReply)
+
+        async def lookup_prefix(self, keys: Sequence[str], timeout: float | None = None):
+            await self.rpc.call(Ping(b""), timeout)
+            raise AssertionError("a silent gateway never answers")
+
+        async def close(self) -> None:
+            await self.rpc.close()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()             # accepts, never says hello
+        writer.close()
+    srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    dropped = RpcBacked(srv.sockets[0].getsockname()[1])
+    lookup = GatewayHitLookup({"gone": dropped, "g1": FakeGateway(hit=4)}, 30.0)
+    task = asyncio.create_task(lookup.lookup("s", ["k"]))
+    await until_connecting(dropped.rpc)
+    for old in lookup.replace({"g1": lookup.clients["g1"]}):
+        await old.close()               # what the scheduler's discovery follower does
+    assert await task == 4
+    assert lookup.failures == {"gone": 1}
+    srv.close()
+    await srv.wait_closed()
+
+
+async def until_connecting(rpc: Any) -> None:
+    from tests.helpers import until
+    await until(lambda: rpc._connecting is not None and not rpc._connecting.done(),
+                what="the lookup connecting to the gateway")
+
+
 async def test_every_gateway_failing_raises_one_error_naming_each():
     gws = {"g0": FakeGateway(fail=bad("g0")),
            "g1": FakeGateway(fail=Overloaded("read queue full")),

@@ -110,7 +110,9 @@ class Probe:
     async def fail(self, msg: Fail, ctx) -> Pong:
         errors = {"invalid": lambda: InvalidArgument("n must be positive"),
                   "runtime": lambda: RuntimeError("boom"),
-                  "busy": lambda: Overloaded("queue full", retry_after_s=0.25)}
+                  "busy": lambda: Overloaded("queue full", retry_after_s=0.25),
+                  # what an awaited operation cancelled elsewhere raises in the handler
+                  "cancelled": lambda: asyncio.CancelledError()}
         raise errors[msg.kind]()
 
 
@@ -332,6 +334,19 @@ async def test_handler_crash_is_internal_and_server_survives(pair):
         with pytest.raises(InternalError, match="RuntimeError: boom"):
             await client.call(Fail("runtime"))
     assert [e["event"] for e in logs] == ["handler_failed"]
+    assert await client.call(Ping(b"alive")) == Pong(b"alive")
+    assert server.stats()["calls_failed"] == 1
+
+
+async def test_a_cancelled_error_out_of_a_handler_is_answered_not_dropped(pair):
+    # Nobody cancelled this call, but the handler unwound with CancelledError (something it
+    # awaited was cancelled elsewhere): the client is answered at once instead of waiting for
+    # its deadline on a call the server no longer runs, and the server keeps serving.
+    server, client = pair
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(InternalError, match="was cancelled"):
+            await client.call(Fail("cancelled"), timeout=30.0)
+    assert "handler_cancelled_inside" in [e["event"] for e in logs]
     assert await client.call(Ping(b"alive")) == Pong(b"alive")
     assert server.stats()["calls_failed"] == 1
 

@@ -204,3 +204,26 @@ def test_everything_runs_on_uvloop():
             await rig.aclose()
 
     uvloop.run(scenario())
+
+
+async def test_closing_a_client_while_it_connects_fails_its_callers_with_a_typed_error(rig):
+    """``close()`` cancels the connect task every caller waits on; each caller gets a typed
+    Cancelled — never a bare CancelledError, which would unwind the caller as if *it* had been
+    cancelled (a scheduler's hit lookup did: its submit stream ended and its frontend waited
+    for the deadline)."""
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()             # accepts, never says hello: the handshake waits
+        writer.close()
+    srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    slow = msgspec.structs.replace(CFG, connect_timeout_s=30.0, handshake_timeout_s=30.0)
+    client = await rig.client(port, connect=False, cfg=slow)
+    calls = [asyncio.create_task(client.call(Ping(b"x"), timeout=30.0)) for _ in range(2)]
+    await until(lambda: client._connecting is not None and not client._connecting.done(),
+                what="the client connecting")
+    await client.close()
+    for call in calls:
+        with pytest.raises(Cancelled, match="closed while connecting"):
+            await call
+    srv.close()
+    await srv.wait_closed()

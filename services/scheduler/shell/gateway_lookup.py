@@ -89,10 +89,11 @@ class GatewayHitLookup:
             raise Unavailable("hit lookup: no gateway registered (etcd discovery) or configured")
         deadline = self._clock() + self._budget_s
         errors: list[str] = []
-        for i, (name, client) in enumerate(self._order()):
+        order = self._order()       # this lookup's gateways, even if discovery replaces them
+        for i, (name, client) in enumerate(order):
             if errors:
                 self.retries += 1
-            share = max(deadline - self._clock(), 0.0) / (len(self._gateways) - i)
+            share = max(deadline - self._clock(), 0.0) / (len(order) - i)
             try:
                 return await self._try(client, keys, share)
             except (DualpathError, TimeoutError) as e:

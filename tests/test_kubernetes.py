@@ -31,7 +31,9 @@ from tools.cluster.config import (ROLE_SERVICE, free_port, load_cluster, load_da
 from tools.cluster.etcd_members import EtcdMembers
 from tools.cluster.kubernetes import (KubeOptions, main, node_host, render, scrape_config,
                                       to_yaml)
+from tools.cluster import kubernetes_vllm
 from tools.cluster.observability import dashboard_queries, load_dashboard
+from tools.vllm_serve import FRONT_PORT, VLLM_PORTS, front_argv, vllm_server_argv
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "deploy" / "kubernetes" / "cluster.toml"
@@ -171,6 +173,75 @@ def test_remote_engines_get_their_own_container_sharing_the_pod(cluster):
              if m["name"] == "state"}
     assert state == {str(Path(sock).parent)}
     assert {"name": "shm", "mountPath": "/dev/shm"} in eng["volumeMounts"]
+
+
+VLLM_CONFIG = REPO / "configs" / "vllm-1p1d.toml"
+
+
+def test_the_vllm_variant_runs_the_tests_argv_beside_each_node_and_a_front():
+    """``--vllm``: each node pod's engine is the real vLLM on the node's socket (the argv of
+    tools/vllm_serve, what the real-engine tests start), the front follows the scheduler
+    leader and names every instance by its pod's stable name; schema-valid like the rest."""
+    c = load_cluster(VLLM_CONFIG, environ={})
+    opts = KubeOptions(vllm=True)
+    objs = render(c, opts)
+    validate_all(objs)
+    pods_cm = load_data(tomllib.loads(by_kind(objs, "ConfigMap")["dualpath-config"]["data"]
+                                      ["cluster.toml"]), "cm", environ={})
+    urls = {}
+    for n in c.spec.nodes:
+        pod = by_kind(objs, "StatefulSet")[f"dualpath-{n.id}"]["spec"]["template"]["spec"]
+        names = {ctr["name"] for ctr in pod["containers"]}
+        assert "vllm" in names and "engines" not in names
+        vllm = next(ctr for ctr in pod["containers"] if ctr["name"] == "vllm")
+        svc = ROLE_SERVICE[n.role]
+        sock = getattr(service_config(pods_cm, svc, n.id), svc).engine_socket
+        port = VLLM_PORTS[n.role]
+        assert vllm["command"] + vllm["args"] == vllm_server_argv(
+            kubernetes_vllm.PYTHON, kubernetes_vllm.MODEL, n.role, sock, f"{n.id}.e0", port,
+            host="$(POD_IP)")
+        assert any(m["name"] == "state" and m["mountPath"] == str(Path(sock).parent)
+                   for m in vllm["volumeMounts"])
+        assert vllm["image"] == opts.vllm_image
+        urls[f"{n.id}.e0"] = f"http://{node_host(n.id, opts)}:{port}"
+    front = by_kind(objs, "Deployment")["dualpath-front"]["spec"]["template"]["spec"]
+    (ctr,) = front["containers"]
+    args = ctr["command"] + ctr["args"]
+    assert args[:len(args) - 4] == front_argv(
+        kubernetes_vllm.PYTHON, kubernetes_vllm.MODEL,
+        f"dualpath-scheduler.dualpath.svc.cluster.local:{c.spec.scheduler_port}", urls,
+        port=FRONT_PORT, host="$(POD_IP)")
+    assert args[-4] == "--etcd" and args[-3].startswith("dualpath-etcd-0.")
+    assert by_kind(objs, "Service")["dualpath-front"]["spec"]["ports"][0]["port"] == FRONT_PORT
+    assert main(["-c", str(VLLM_CONFIG), "--vllm", "-o", os.devnull]) == 0
+    assert "dualpath-front" not in by_kind(render(c), "Deployment")       # opt-in
+
+
+def test_the_vllm_variant_refuses_a_file_its_engines_cannot_attach_to(cluster, capsys):
+    with pytest.raises(ConfigError, match="preset must be 'smollm2-135m-f32'"):
+        render(cluster, KubeOptions(vllm=True))              # test-small: emulator's preset
+    local = load_data({**cluster.data, "cluster": {**cluster.data["cluster"],
+                                                    "remote_engines": False}}, "x", environ={})
+    with pytest.raises(ConfigError, match="remote_engines"):
+        render(local, KubeOptions(vllm=True))
+    assert main(["-c", str(SOURCE), "--vllm", "-o", os.devnull]) == 2
+    assert "smollm2-135m-f32" in capsys.readouterr().err
+
+
+def test_the_vllm_front_gets_the_clusters_rpc_secrets():
+    c = load_cluster(VLLM_CONFIG, environ={})
+    tls = load_data({**c.data, "rpc": TLS_RPC}, "x", environ={})
+    objs = render(tls, KubeOptions(vllm=True))
+    validate_all(objs)
+    (ctr,) = by_kind(objs, "Deployment")["dualpath-front"]["spec"]["template"]["spec"][
+        "containers"]
+    for flag, field in (("--auth-secret-file", "auth_secret_file"),
+                        ("--rpc-tls-ca-file", "tls_ca_file"),
+                        ("--rpc-tls-cert-file", "tls_cert_file"),
+                        ("--rpc-tls-key-file", "tls_key_file")):
+        assert ctr["args"][ctr["args"].index(flag) + 1] == TLS_RPC[field]
+    mounted = {m["mountPath"] for m in ctr["volumeMounts"]}
+    assert {"/etc/dualpath/tls", "/etc/dualpath/auth"} <= mounted
 
 
 TLS_RPC = {"tls_cert_file": "/etc/dualpath/tls/tls.crt", "tls_key_file": "/etc/dualpath/tls/tls.key",

@@ -4,6 +4,12 @@ What an operator runs by hand (docs/vllm.md "The front"), started from the main 
 ``dualpath demo --engine vllm`` and tests/test_vllm_front.py: each process in its own session
 (vLLM's engine core and worker outlive a killed parent otherwise, so stopping kills the group),
 its output in a log file. The front prints ``READY <url>`` on stdout once it listens.
+
+The command lines are rendered in one place (``vllm_server_argv``, ``front_argv``), so what an
+operator copies is what the tests run: ``python -m tools.vllm_serve`` prints the runbook of
+docs/vllm.md (every process of ``configs/vllm-1p1d.toml``), ``--unit-env NODE`` /
+``--front-env`` the environment files of the systemd units, and the Kubernetes render
+(``tools/cluster/kubernetes_vllm.py``) takes the same argv.
 """
 
 from __future__ import annotations
@@ -12,13 +18,14 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tools.vllm_engines import DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
+from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
 
 
 def free_port() -> int:
@@ -72,25 +79,54 @@ async def start(args: list[str], env: dict, log_path: Path,
             stderr=log, limit=1 << 20, start_new_session=True)
 
 
+# What the runbook's vLLM instances get, whatever the host (the tests' omp_bind drops the
+# pinning on a one-core host or when the operator set their own)
+KVCACHE_GIB = "1"
+
+
+def kv_transfer_config(role: str, sock: str, engine_id: str) -> dict:
+    """``--kv-transfer-config`` of an instance: kv_producer on a prefill node, kv_consumer on
+    a decode node, attached to the node's engine socket as ``engine_id``."""
+    return {"kv_connector": "DualPathConnector",
+            "kv_connector_module_path": "integrations.vllm.connector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
+                                          "engine_id": engine_id, "kv_preset": PRESET,
+                                          "layer_timeout_s": 30.0}}
+
+
+def vllm_server_argv(python: str, model: str, role: str, sock: str, engine_id: str, port: int,
+                     max_model_len: int = 2048, host: str = "127.0.0.1") -> list[str]:
+    """The OpenAI server's command line: fp32 (the preset's dtype), prefix caching off (the
+    connector refuses it), one step per prompt (docs/vllm.md "The paper's 300 ms quota")."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--port", str(port), "--host", host, "--max-model-len", str(max_model_len),
+            "--enforce-eager", "--dtype", DTYPE, "--no-enable-prefix-caching",
+            "--max-num-batched-tokens", str(max_model_len), "--gpu-memory-utilization", "0.2",
+            "--kv-transfer-config", json.dumps(kv_transfer_config(role, sock, engine_id))]
+
+
+def front_argv(python: str, model: str, scheduler: str, urls: dict[str, str],
+               model_name: str = "smollm2", timeout_s: float = 900.0,
+               port: int | None = None, host: str | None = None) -> list[str]:
+    """The front's command line over the scheduler and each engine's URL (``port`` None:
+    any free port, printed on its READY line; ``host`` None: loopback)."""
+    return [python, "-m", "integrations.vllm.front", "--model-name", model_name,
+            "--tokenizer", model, "--scheduler", scheduler, "--request-timeout-s",
+            str(timeout_s), *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")],
+            *(["--port", str(port)] if port is not None else []),
+            *(["--host", host] if host is not None else [])]
+
+
 async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: int,
                       log_dir: Path, max_model_len: int = 2048) -> asyncio.subprocess.Process:
     """``vllm serve`` (the OpenAI server) with the DualPathConnector attached to a node's
     engine socket: kv_producer on a prefill node, kv_consumer on a decode node."""
-    ktc = {"kv_connector": "DualPathConnector",
-           "kv_connector_module_path": "integrations.vllm.connector",
-           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-           "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
-                                         "engine_id": engine_id, "kv_preset": PRESET,
-                                         "layer_timeout_s": 30.0}}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role))
-    return await start([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                        str(model), "--port", str(port), "--host", "127.0.0.1",
-                        "--max-model-len", str(max_model_len), "--enforce-eager",
-                        "--dtype", DTYPE, "--no-enable-prefix-caching",
-                        "--max-num-batched-tokens", str(max_model_len),
-                        "--gpu-memory-utilization", "0.2",
-                        "--kv-transfer-config", json.dumps(ktc)], env,
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KVCACHE_GIB, PYTHONPATH=str(REPO),
+               **omp_bind(role))
+    return await start(vllm_server_argv(str(VLLM_PYTHON), str(model), role, sock, engine_id,
+                                        port, max_model_len), env,
                        log_dir / f"vllm-{role}-{engine_id}.log")
 
 
@@ -100,10 +136,8 @@ async def front(model: Path, scheduler_port: int, urls: dict[str, str], log_dir:
     """The front (``python -m integrations.vllm.front``) over the scheduler and the engines'
     URLs; ``(process, its URL)`` once it printed READY."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = await start([str(VLLM_PYTHON), "-m", "integrations.vllm.front", "--model-name",
-                        model_name, "--tokenizer", str(model), "--scheduler",
-                        f"127.0.0.1:{scheduler_port}", "--request-timeout-s", str(timeout_s),
-                        *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")]], env,
+    proc = await start(front_argv(str(VLLM_PYTHON), str(model), f"127.0.0.1:{scheduler_port}",
+                                  urls, model_name, timeout_s), env,
                        log_dir / "front.log", pipe_stdout=True)
     try:
         return proc, await ready_line(proc)
@@ -137,3 +171,108 @@ async def tokenize(url: str, model: str, text: str) -> list[int]:
     if status != 200:
         raise RuntimeError(f"/tokenize at {url} answered {status}: {raw[:200]!r}")
     return list(json.loads(raw)["tokens"])
+
+
+# ----------------------------------------------------------------------- the operator's runbook
+
+RUNBOOK_CONFIG = "configs/vllm-1p1d.toml"
+VLLM_PORTS = {"prefill": 8001, "decode": 8002}
+FRONT_PORT = 8000
+MODEL_VAR = "$MODEL"
+
+
+def runbook(config: str = RUNBOOK_CONFIG) -> str:
+    """Every process of a real-engine cluster, one shell line each, run from the repository
+    root: what docs/vllm.md "Runbook" shows (tests/test_vllm_runbook.py holds the two equal).
+    The vLLM and front lines are the argv the tests start (``vllm_server_argv``,
+    ``front_argv``), with the model directory as ``$MODEL`` and the relative venv path."""
+    from tools.cluster.config import load_cluster
+
+    spec = load_cluster(REPO / config, environ={}).spec
+    py = ".venv-vllm/bin/python"
+    lines = [f"dualpath serve scheduler -c {config}"]
+    lines += [f"dualpath serve gateway -c {config} --node {n.id}" for n in spec.nodes]
+    lines += [f"dualpath serve node -c {config} --node {n.id}" for n in spec.nodes]
+    urls: dict[str, str] = {}
+    for n in spec.nodes:
+        sock = str(spec.state_dir() / f"{n.id}.engine.sock")
+        engine, port = f"{n.id}.e0", VLLM_PORTS[n.role]
+        urls[engine] = f"http://127.0.0.1:{port}"
+        env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": ".",
+               "VLLM_CPU_OMP_THREADS_BIND": CORES[n.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port)
+        lines.append(" ".join([*(f"{k}={v}" for k, v in env.items()), *map(_quote, argv)]))
+    scheduler = f"{spec.scheduler_host or spec.host}:{spec.scheduler_port}"
+    lines.append("PYTHONPATH=. " + " ".join(map(_quote, front_argv(py, MODEL_VAR, scheduler,
+                                                                     urls, port=FRONT_PORT))))
+    return "\n".join(lines) + "\n"
+
+
+def _quote(word: str) -> str:
+    """shlex quoting that leaves ``$MODEL`` for the shell to expand."""
+    return word if word == MODEL_VAR else shlex.quote(word)
+
+
+def unit_env(node_id: str, config: str = RUNBOOK_CONFIG, root: str = "/var/lib/dualpath",
+             model: str = "/opt/dualpath/models/smollm2-135m-0.1.2") -> str:
+    """``/etc/dualpath/vllm-<node>.env`` of ``deploy/systemd/dualpath-vllm@.service``: the
+    per-instance values its ``ExecStart`` leaves open (port, connector config on the node's
+    socket under the node service's working directory ``root``, core binding) for the
+    runbook's instance of ``node_id``."""
+    from tools.cluster.config import load_cluster
+
+    spec = load_cluster(REPO / config, environ={}).spec
+    node = next((n for n in spec.nodes if n.id == node_id), None)
+    if node is None:
+        raise SystemExit(f"{config}: no node {node_id!r}")
+    sock = str(Path(root) / spec.state_dir() / f"{node.id}.engine.sock")
+    ktc = json.dumps(kv_transfer_config(node.role, sock, f"{node.id}.e0"))
+    env = {"DUALPATH_MODEL": model, "VLLM_PORT": str(VLLM_PORTS[node.role]),
+           "KV_TRANSFER_CONFIG": ktc, "VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB,
+           "VLLM_CPU_OMP_THREADS_BIND": CORES[node.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    head = (f"# /etc/dualpath/vllm-{node.id}.env: dualpath-vllm@{node.id}.service "
+            f"(`python -m tools.vllm_serve --unit-env {node.id}`)\n")
+    # single quotes: systemd's EnvironmentFile parser would strip the JSON's double quotes
+    return head + "".join(f"{k}='{v}'\n" if '"' in v else f"{k}={v}\n"
+                          for k, v in env.items())
+
+
+def front_env(config: str = RUNBOOK_CONFIG,
+              model: str = "/opt/dualpath/models/smollm2-135m-0.1.2") -> str:
+    """``/etc/dualpath/front.env`` of ``deploy/systemd/dualpath-front.service``: the model
+    and one ``--engine`` per instance of the runbook (the scheduler's address is
+    ``DUALPATH_SCHEDULER`` of /etc/dualpath/env)."""
+    from tools.cluster.config import load_cluster
+
+    spec = load_cluster(REPO / config, environ={}).spec
+    engines = " ".join(f"--engine {n.id}.e0=http://127.0.0.1:{VLLM_PORTS[n.role]}"
+                       for n in spec.nodes)
+    return ("# /etc/dualpath/front.env: dualpath-front.service "
+            "(`python -m tools.vllm_serve --front-env`)\n"
+            f"DUALPATH_MODEL={model}\nDUALPATH_FRONT_ENGINES={engines}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="print the real-engine runbook (docs/vllm.md) "
+                                 "or a vLLM / front unit's environment file")
+    ap.add_argument("--unit-env", metavar="NODE", help="dualpath-vllm@NODE's env file")
+    ap.add_argument("--front-env", action="store_true", help="dualpath-front's env file")
+    ap.add_argument("-c", "--config", default=RUNBOOK_CONFIG)
+    ap.add_argument("--root", default="/var/lib/dualpath",
+                    help="the node service's working directory (its socket's base)")
+    ap.add_argument("--model", default="/opt/dualpath/models/smollm2-135m-0.1.2",
+                    help="the converted model's directory (model_prep --print-dir)")
+    a = ap.parse_args(argv)
+    if a.unit_env:
+        print(unit_env(a.unit_env, a.config, a.root, a.model), end="")
+    elif a.front_env:
+        print(front_env(a.config, a.model), end="")
+    else:
+        print(runbook(a.config), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,7 +12,8 @@ object against the Kubernetes schemas with ``kubernetes-validate``). What it ren
 * etcd (a 3-member StatefulSet) unless the file's ``[etcd] endpoints`` name an external one;
 * the scheduler replicas (a StatefulSet; each binds its pod IP, the leader is elected in etcd);
 * one StatefulSet (one pod) per node: gateway + PE receiver / DE loader (+ an ``engine_sim``
-  container with ``remote_engines``), sharing the pod's ``/dev/shm`` (a memory emptyDir);
+  container with ``remote_engines``, or with ``--vllm`` a real vLLM and the OpenAI front:
+  :mod:`tools.cluster.kubernetes_vllm`), sharing the pod's ``/dev/shm`` (a memory emptyDir);
 * headless Services (stable names, ``publishNotReadyAddresses``: a service resolves its own
   name at start, before it is ready), readiness/liveness = the Ping probe
   (``tools.cluster.health``), PodDisruptionBudgets;
@@ -62,6 +63,8 @@ class KubeOptions(Section, frozen=True):
     prometheus_image: str = "prom/prometheus:v2.53.2"
     grafana_image: str = "grafana/grafana:11.2.0"
     rpc_secret: str = "dualpath-rpc"             # Secret with the [rpc] TLS / auth files
+    vllm: bool = False                           # real engines: vLLM per node + the front
+    vllm_image: str = "dualpath-vllm:latest"     # the Dockerfile with WITH_VLLM=1
 
 
 def meta(name: str, opts: KubeOptions, component: str, **extra: Any) -> dict[str, Any]:
@@ -135,9 +138,12 @@ def require_fixed_ports(cluster: Cluster) -> None:
 def render(cluster: Cluster, opts: KubeOptions | None = None) -> list[dict[str, Any]]:
     """Every object, in apply order."""
     from . import kubernetes_pods as pods
+    from . import kubernetes_vllm
 
     opts = opts or KubeOptions()
     require_fixed_ports(cluster)
+    if opts.vllm:
+        kubernetes_vllm.check(cluster)
     objs: list[dict[str, Any]] = [config_map(cluster, opts)]
     if not cluster.cfg.etcd.endpoints:
         objs += pods.etcd(opts)
@@ -146,6 +152,8 @@ def render(cluster: Cluster, opts: KubeOptions | None = None) -> list[dict[str, 
     for n in cluster.spec.nodes:
         objs.append(pods.node_statefulset(cluster, n, opts))
     objs.append(pods.pdb("nodes", selector("node"), opts, max_unavailable=1))
+    if opts.vllm:
+        objs += kubernetes_vllm.front(cluster, opts)
     objs += monitoring(cluster, opts)
     return objs
 

@@ -165,7 +165,10 @@ def node_statefulset(cluster: Cluster, n: NodeSpec, opts: KubeOptions) -> dict[s
         container(ROLE_SERVICE[n.role].replace("_", "-"), opts,
                   [*serve, "node", "-c", CONFIG, "--node", n.id], node_ports, n.rpc_port,
                   list(mounts))]
-    if c.remote_engines:            # engines in their own container, on the node's socket
+    if opts.vllm:                   # a real engine on the node's socket (kubernetes_vllm)
+        from .kubernetes_vllm import vllm_container
+        containers.append(vllm_container(cluster, n, opts, list(mounts)))
+    elif c.remote_engines:          # engines in their own container, on the node's socket
         eng = container("engines", opts, [*serve, "engine_sim", "-c", CONFIG, "--node", n.id],
                         {}, n.rpc_port, list(mounts))
         # no port of its own: it lives while its node socket does (it exits when that goes)

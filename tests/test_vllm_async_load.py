@@ -3,8 +3,8 @@
 own types, no model, a few seconds): a request is held back (``None``) while its claim waits
 and gets the claimed hit after; a decode hit loads off the step and a failed load is reported
 in ``failed_recving`` and recomputed; a request not opened (refused layout, claim NotFound)
-or given up while its claim waits is abandoned on its node, never left to its deadline. Each scenario's connector counters
-(docs/vllm.md "Metrics") are checked too."""
+or given up while its claim waits is abandoned on its node, never left to its deadline. Each
+scenario's connector counters (docs/vllm.md "Metrics") are checked too."""
 
 from __future__ import annotations
 

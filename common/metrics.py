@@ -39,6 +39,12 @@ Standard families (labels):
 ``dualpath_snic_max_avg``                   window = run | recent: max ÷ mean planned reads
                                             across nodes (1.0 = balanced; paper §7.4)
 ==========================================  ===================================================
+
+The vLLM connector's families (:data:`CONNECTOR_FAMILIES`, :data:`CONNECTOR_HIT_TOKENS`) are
+not exported here: vLLM's own stats path carries them from its worker to its API server, which
+registers them (``integrations/vllm/stats.py``), so they show on each vLLM instance's
+``/metrics`` with vLLM's ``engine`` / ``model_name`` labels (docs/vllm.md "Metrics"). Their names
+live here so every dualpath family is listed in one place.
 """
 
 from __future__ import annotations
@@ -69,6 +75,28 @@ class StatsSource(Protocol):
     """
 
     def stats(self) -> dict[str, float]: ...
+
+# connector counter key -> (family, help); counters, so Prometheus shows them as ``<family>_total``
+CONNECTOR_FAMILIES: dict[str, tuple[str, str]] = {
+    "load_bytes": ("dualpath_engine_load_bytes",
+                   "KV bytes the dualpath connector loaded into vLLM's paged cache"),
+    "load_seconds": ("dualpath_engine_load_seconds",
+                     "Seconds those loads took, waits for the KV to arrive included "
+                     "(load_bytes / load_seconds = load rate)"),
+    "load_errors": ("dualpath_engine_load_errors",
+                    "Requests whose dualpath load failed (vLLM recomputed them)"),
+    "recompute_fallbacks": ("dualpath_engine_recompute_fallbacks",
+                            "Requests sent to dualpath that vLLM computed without its hit: "
+                            "not opened (claim failed, refused layout) or their load failed"),
+    "claim_waits": ("dualpath_engine_claim_waits",
+                    "Claims made: each waits for the node to hand the request over"),
+    "claim_wait_seconds": ("dualpath_engine_claim_wait_seconds",
+                           "Seconds spent waiting for claims (off vLLM's step)"),
+}
+# hit tokens by source: ``source`` = the side whose storage NIC read them (pe | de)
+CONNECTOR_HIT_TOKENS = ("dualpath_engine_hit_tokens",
+                        "Hit tokens the dualpath connector claimed for vLLM to load, by the "
+                        "side that read them from storage")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0,
                     8.0, 16.0, 32.0, 64.0, 128.0)

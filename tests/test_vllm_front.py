@@ -17,6 +17,7 @@ import asyncio
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.vllm_env import require_vllm, run_check
 from tools.cluster.inprocess import local_datapath
@@ -58,6 +59,7 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
                                           script="openai_client_check.py", timeout=900)
             assert got["stop"]["text"] and got["refused"] == {"n=2": "unsupported_parameter"}
             await conversation(front_url, urls["p0.e0"], str(model))
+            await connector_metrics(urls)
         finally:
             for p in procs:
                 await stop(p)
@@ -126,6 +128,37 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
             assert (status, off["token_ids"], off["hit_tokens"]) == (200, ref, 0), raw
         prompt = prompt + dp["token_ids"] + ids[cursor:cursor + APPEND]
         cursor += APPEND
+
+
+async def connector_metrics(urls: dict[str, str]) -> None:
+    """The connector's counters on each instance's vLLM /metrics (docs/vllm.md "Metrics"):
+    both instances claimed and loaded hits; vLLM's per-source split saw them (prefill: disk,
+    decode: p2p). vLLM publishes its stats with its step outputs: poll a little."""
+    def samples(body: bytes) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(body.decode()):
+            for s in fam.samples:
+                key = s.name + "".join(f"|{s.labels[k]}" for k in ("source",) if k in s.labels)
+                out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    want = {"p0.e0": "vllm:prompt_tokens_cached_by_source_total|disk",
+            "d0.e0": "vllm:prompt_tokens_cached_by_source_total|p2p"}
+    for engine, url in urls.items():
+        got: dict[str, float] = {}
+        for _ in range(50):
+            status, body = await ahttp("GET", f"{url}/metrics")
+            assert status == 200
+            got = samples(body)
+            if got.get("dualpath_engine_load_bytes_total", 0) > 0:
+                break
+            await asyncio.sleep(0.2)
+        hits = sum(v for k, v in got.items() if k.startswith("dualpath_engine_hit_tokens_total|"))
+        assert hits > 0 and got.get(want[engine], 0) > 0, (engine, got)
+        assert got["dualpath_engine_load_bytes_total"] > 0, (engine, got)
+        assert got["dualpath_engine_load_seconds_total"] > 0, (engine, got)
+        assert got["dualpath_engine_claim_waits_total"] >= TURNS, (engine, got)
+        assert got["dualpath_engine_load_errors_total"] == 0, (engine, got)
 
 
 async def test_front_refuses_a_dead_or_wrong_scheduler(tmp_path):

@@ -16,7 +16,9 @@ process; on CPU they are always separate processes and share only per-step plain
 until its claim is known, decode loads asynchronous), the worker hooks to
 :class:`~integrations.vllm.worker_half.WorkerHalf` (claims and decode loads off the step,
 prefill loads layer-wise inside the forward, saves, finishes). Waiting for dualpath never
-stalls the running batch (docs/vllm.md "Asynchronous loads").
+stalls the running batch (docs/vllm.md "Asynchronous loads"). The worker half's counters
+(load bytes and seconds, load errors, recompute fallbacks, claim waits, hit tokens by read
+side) reach vLLM's ``/metrics`` through vLLM's connector stats (:mod:`integrations.vllm.stats`).
 
 Tensor parallelism 1 only: a TP > 1 vLLM would announce its collectives to the node
 (``collective_begin`` / ``collective_end`` on the engine client) so KV egress stays below
@@ -36,15 +38,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from common.kv import PRESETS
 from integrations.vllm.kv_spec import check_same_layout, check_supported, spec_from_vllm
 from integrations.vllm.local_store import LocalKVStore
 from integrations.vllm.scheduler_half import PARAMS_KEY, SchedulerHalf
 from integrations.vllm.sessions import KVSource
+from integrations.vllm.stats import DualPathPromMetrics, DualPathStats
 from integrations.vllm.worker_half import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -90,6 +99,7 @@ class DualPathConnector(KVConnectorBase_V1):
         if decode and extra.get("source") != "engine":
             raise ValueError("DualPathConnector: kv_consumer (decode) needs source='engine'")
         self._source = _make_source(extra, vllm_config)
+        self._decode = decode
         self._sched = SchedulerHalf(self._source, decode)
         # a claim waits for the node to have the request: on the decode side that is the whole
         # prefill (the prompt KV assembled), so it gets its own, longer deadline; it waits off
@@ -115,6 +125,14 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched.worker_output(connector_output)
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's ``prompt_tokens_cached_by_source``: a prefill hit was read from storage
+        (disk); a decode instance's prompt KV came from the prefill instance (p2p)."""
+        if num_external_tokens == 0:
+            return {}
+        return {CacheHitSource.P2P if self._decode else CacheHitSource.DISK: num_external_tokens}
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -152,6 +170,23 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's counter deltas since the last step (None when nothing happened, or
+        in the scheduler process, whose worker half never counts)."""
+        data = self._worker.counters.take()
+        return DualPathStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return DualPathStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return DualPathPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self._worker.shutdown()

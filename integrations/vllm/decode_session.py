@@ -34,6 +34,11 @@ class DecodeSession:
         self._forwards = 0
 
     @property
+    def info(self) -> Any:
+        """The request's ``PromptInfo`` (its read side is what the hit counters label)."""
+        return self._req.info
+
+    @property
     def hit_tokens(self) -> int:
         return len(self._ids) - 1
 

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from common.errors import Cancelled, NotFound
+from integrations.vllm.counters import ConnectorCounters
 from integrations.vllm.metadata import AsyncLoad, OpenRequest
 from integrations.vllm.sessions import ClaimStopped, KVSource
 
@@ -61,8 +62,9 @@ class OffStep:
 
     def __init__(self, source: KVSource, sessions: Sessions, *, decode: bool,
                  claim_timeout_s: float, num_layers: int, check_layout: Callable[[], None],
-                 copy_hit: CopyHit, threads: int) -> None:
+                 copy_hit: CopyHit, threads: int, counters: ConnectorCounters) -> None:
         self._source, self._sessions, self._decode = source, sessions, decode
+        self._counters = counters
         self._claim_timeout_s = claim_timeout_s
         self._num_layers = num_layers
         self._check_layout = check_layout
@@ -118,7 +120,8 @@ class OffStep:
     def _open(self, op: OpenRequest) -> None:
         hit: int | None = None
         try:
-            session = self._claim(op)
+            with self._counters.claim_wait():
+                session = self._claim(op)
         except Exception as e:  # noqa: BLE001 -- an unusable hit is recomputed, never fatal
             log.warning("dualpath_open_failed", request_id=op.req_id, error=str(e))
             # refused here, or the node never handed it within the claim's time: the node's
@@ -136,6 +139,10 @@ class OffStep:
                     self._sessions.pop(op.req_id)
                     session.fail("request ended in vLLM before its first step")
                 return
+            if hit is None:         # vLLM computes it without dualpath
+                self._counters.add("recompute_fallbacks")
+            else:
+                self._counters.hit(session.info.read_side, hit)
             self._opened[op.req_id] = hit
             self._cond.notify_all()
 
@@ -174,6 +181,8 @@ class OffStep:
             session.loaded()
         except Exception as e:  # noqa: BLE001 -- a failed load is recomputed by vLLM
             failed = True
+            self._counters.add("load_errors")
+            self._counters.add("recompute_fallbacks")
             log.warning("dualpath_async_load_failed", request_id=rid, error=str(e))
             if (dropped := self._sessions.pop(rid)) is not None:
                 dropped.fail(f"load failed: {e}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
+from integrations.vllm.counters import ConnectorCounters
 from integrations.vllm.geometry import (
     VERIFIED_ISAS,
     CacheGeometry,
@@ -72,6 +74,7 @@ class WorkerHalf:
         self._finishing: dict[str, Future[None]] = {}
         self._done_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self.counters = ConnectorCounters()     # read by the connector's get_kv_connector_stats
 
     # ------------------------------------------------------------------ caches
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -93,7 +96,8 @@ class WorkerHalf:
         self._off = OffStep(self._source, self._sessions, decode=self._decode,
                             claim_timeout_s=self._claim_timeout_s,
                             num_layers=len(self._caches), check_layout=self._check_layout,
-                            copy_hit=self._copy_hit, threads=self._open_threads)
+                            copy_hit=self._copy_hit, threads=self._open_threads,
+                            counters=self.counters)
         connect = getattr(self._source, "client", None)
         if connect is not None:
             connect()        # attach to the node now: it places requests on attached engines
@@ -120,9 +124,11 @@ class WorkerHalf:
                   block_ids: list[int]) -> None:
         """Hit tokens ``[start, stop)`` of one layer from the session into the paged cache."""
         assert self._geom is not None
+        t0 = time.monotonic()
         src = session.layer(layer, self._timeout_s)[start:stop]
         scatter_range(self._geom, self._live_cache(layer), block_ids, start, stop,
                       torch.from_numpy(src))
+        self.counters.loaded((stop - start) * self._geom.token_bytes, time.monotonic() - t0)
 
     # ------------------------------------------------------------------ per step
     def start(self, forward_context: Any) -> None:
@@ -171,11 +177,14 @@ class WorkerHalf:
 
     def _fail_load(self, step: ReqStep, layer: int | None, err: Exception) -> None:
         log.warning("dualpath_load_failed", request_id=step.req_id, layer=layer, error=str(err))
+        session = self._sessions.pop(step.req_id)
+        if session is not None:     # counted once per request: later layers find it gone
+            self.counters.add("load_errors")
+            self.counters.add("recompute_fallbacks")
         start, stop = step.load
         if stop > start:
             first, last = start // self._block_size, (stop - 1) // self._block_size
             self._load_errors.update(step.block_ids[first:last + 1])
-        session = self._sessions.pop(step.req_id)
         if session is not None:
             session.fail(f"load failed at layer {layer}: {err}")
 

@@ -16,6 +16,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from common.errors import NotFound
 from common.kv import KVSpec
+from integrations.vllm.counters import ConnectorCounters
 from integrations.vllm.metadata import DualPathWorkerMeta
 from integrations.vllm.off_step import LayoutRefused, OffStep, Sessions
 from integrations.vllm.scheduler_half import SchedulerHalf
@@ -25,8 +26,9 @@ SPEC = KVSpec("t", 2, 16)
 
 
 class FakeSession:
-    def __init__(self, hit: int, broken: bool = False) -> None:
+    def __init__(self, hit: int, broken: bool = False, side: str = "pe") -> None:
         self.hit_tokens, self.broken, self.failed, self.took = hit, broken, None, False
+        self.info = NS(read_side=side)
 
     def fail(self, reason: str) -> None:
         self.failed = reason
@@ -91,9 +93,10 @@ class Rig:
         self.copied: list[tuple[str, int]] = []
         self.layout_ok = True
         self.sched = SchedulerHalf(self.source, decode)
+        self.counters = ConnectorCounters()
         self.off = OffStep(self.source, self.sessions, decode=decode, claim_timeout_s=30,
                            num_layers=SPEC.num_layers, check_layout=self._layout,
-                           copy_hit=self._copy, threads=4)
+                           copy_hit=self._copy, threads=4, counters=self.counters)
 
     def _layout(self) -> None:
         if not self.layout_ok:
@@ -115,6 +118,12 @@ class Rig:
             self.off.load(load)
         return [meta]
 
+    def counted(self) -> dict[str, float]:
+        """The counters since the last call, claim wait seconds checked and left out."""
+        got = self.counters.take()
+        assert got.pop("claim_wait_seconds", 0.0) >= 0.0, got
+        return got
+
     def report(self) -> None:
         opened, received, failed = self.off.drain()
         self.sched.worker_output(KVConnectorOutput(
@@ -130,12 +139,13 @@ def main() -> None:
     assert p.sched.matched(r, 0) == (None, False)
     p.step()
     assert p.sched.matched(r, 0) == (None, False)          # still pending: ask again
-    p.source.outcome["p1"] = FakeSession(128)              # the node shortened the hit
+    p.source.outcome["p1"] = FakeSession(128, side="de")   # the node shortened the hit
     p.source.release["p1"].set()
     until(lambda: bool(p.off._opened), "p1 answered")
     p.report()
     assert p.sched.matched(r, 0) == (128, False), p.sched.matched(r, 0)
     out["prefill_hit_from_claim"] = 128
+    counted: dict[str, dict[str, float]] = {"prefill": p.counted()}
 
     # decode: async load after the claim; a failed load recomputes (failed_recving)
     d = Rig(decode=True)
@@ -162,6 +172,7 @@ def main() -> None:
     assert d.sched.matched(ok, 0) == (0, False)            # loaded once: a preemption recomputes
     assert d.sched.matched(bad, 0) == (0, False)           # failed: plain vLLM
     out["decode_async"] = "ok"
+    counted["decode"] = d.counted()
 
     # not opened: refused layout / claim NotFound → the node is told (abandon), hit 0
     n = Rig(decode=True)
@@ -180,6 +191,7 @@ def main() -> None:
     n.report()
     assert n.sched.matched(r1, 0) == (0, False) and n.sched.matched(r2, 0) == (0, False)
     out["abandoned"] = n.source.abandoned
+    counted["not_opened"] = n.counted()
 
     # given up while its claim waits: not reported to vLLM, claim stopped, node told
     g = Rig(decode=True)
@@ -194,6 +206,8 @@ def main() -> None:
     until(lambda: g.source.abandoned == ["g1"], "g1 abandoned after give-up")
     assert not g.off.drain()[0]                            # nothing reported for it
     out["given_up"] = "ok"
+    counted["given_up"] = g.counted()
+    out["counted"] = counted
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -38,6 +38,17 @@ def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+ENGINE_FAMILY_PREFIX = "dualpath_engine_"
+"""The vLLM connector's families (``common.metrics.CONNECTOR_FAMILIES``): on the vLLM
+instances' own ``/metrics``, so only a cluster with a real engine has data for them."""
+
+
+def engine_queries(queries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The dashboard queries that read the vLLM connector's families (no data on an emulated
+    cluster: it has no vLLM instance to scrape)."""
+    return [(title, e) for title, e in queries if ENGINE_FAMILY_PREFIX in e]
+
+
 def metrics_targets(cluster: Cluster, host_of: Callable[[str, str | None], str] | None = None
                     ) -> list[dict[str, Any]]:
     """One scrape target per service with a metrics port: ``{targets, labels}`` groups.

@@ -29,7 +29,9 @@ and engine mode only.
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,8 +241,36 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+_RNG = random.Random()
+_HANDED: collections.deque[int] = collections.deque(maxlen=4096)   # recent picks, never repeated
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999             # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for services that cannot bind port 0 themselves)."""
+    """A port that was free a moment ago, for a service that must be told its port (a fixed
+    port in a cluster file, etcd): picked *below* the kernel's ephemeral range, so no socket
+    bound to port 0 meanwhile (a UCX listener, another service's ``--metrics-port 0``) can take
+    it before its service binds it — an ephemeral pick collided so (``Address already in
+    use`` at start, seen in CI). Falls back to an ephemeral port if none is free below."""
+    low, _ = _ephemeral_range()
+    for _ in range(64):
+        port = _RNG.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        if port in _HANDED:             # two picks in a row must not name one port
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            _HANDED.append(s.getsockname()[1])
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

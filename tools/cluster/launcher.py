@@ -35,7 +35,7 @@ from typing import Any
 from common.errors import ConfigError, DualpathError
 
 from .config import (ROLE_SERVICE, Cluster, check_local_resources, check_ports_free,
-                     free_port, pd_warning)
+                     pd_warning)
 from .toml_write import dumps
 
 STATE_FILE = "state.json"
@@ -234,7 +234,10 @@ class Launcher:
         if node is not None:
             argv += ["--node", node]
         if c.metrics and c.metrics_port(service, node) is None:
-            argv += ["--metrics-port", str(free_port(c.host))]
+            # 0: the service binds any free port and reports it in its ready file; a port
+            # picked here and bound there can be taken in between (seen: a de_loader exited
+            # "Address already in use" while another test started services)
+            argv += ["--metrics-port", "0"]
         return name, service, argv + (extra or [])
 
     def _wave(self, items: list[tuple[str, str, list[str]]]) -> None:

@@ -121,6 +121,18 @@ class RawPeer:
             check_envelope(env)
             out.append(env)
 
+    async def expect_hello_refused(self) -> None:
+        """After bad bytes in place of the hello: read until the server closes — its
+        ServerHello, then nothing but typed refusals — and close."""
+        frames = []
+        while (f := await self.frame()) is not None:   # ServerHello, maybe an ErrorReply
+            frames.append(self.codec.handshake(f))
+        assert type(frames[0]).__name__ == "ServerHello"
+        for msg in frames[1:]:
+            assert type(msg).__name__ == "ErrorReply" and msg.code in (
+                ErrorCode.PROTOCOL_ERROR, ErrorCode.VERSION_MISMATCH), msg
+        await self.close()
+
     def eof(self) -> None:
         if self.writer.can_write_eof() and not self.writer.is_closing():
             self.writer.write_eof()

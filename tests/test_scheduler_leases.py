@@ -4,6 +4,8 @@ and stopping the service fails live requests retryably. Rig: ``test_scheduler_se
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.errors import AlreadyExists, ErrorCode, NotFound
@@ -45,6 +47,24 @@ async def test_prefill_node_lease_expiry_replans_onto_the_other_pe_keeping_the_d
         assert isinstance(done, RequestFinished) and done.attempt == 1
         assert_idle(env.svc)
         assert env.svc.counters["leases_expired"] == 1 and env.svc.counters["replans"] == 1
+
+
+async def test_a_stall_of_the_scheduler_itself_drops_no_node():
+    """The scheduler's loop stands still for three leases (here it shares the loop with its
+    nodes, as in an in-process cluster, so they are silent too): no lease is held against
+    them — the first sweep after the stall extends every lease by it — and a node that then
+    really goes silent is still dropped."""
+    async with running() as env:
+        p0, d0 = await env.node("p0", "prefill"), await env.node("d0", "decode")
+        epoch = p0.epoch
+        time.sleep(3 * env.svc.settings.lease_s)        # the stall under test: the loop blocked
+        await until(lambda: env.svc.counters["lease_sweeps_stalled"] >= 1, what="a late sweep")
+        assert env.svc.counters["leases_expired"] == 0 and len(env.svc.leases) == 2
+        await p0.heartbeat()
+        assert p0.epoch == epoch                          # not re-registered: never lost
+        await d0.close()                                  # d0 goes silent for real
+        await until(lambda: env.svc.counters["leases_expired"] == 1, what="d0's lease expiry")
+        assert [r.node_id for r in env.svc.leases] == ["p0"]
 
 
 async def test_decode_node_lease_expiry_replans_onto_the_other_de_and_read_side():

@@ -46,6 +46,7 @@ from tools.engine_sim.kv_pattern import full_block
 
 from .config import ROLE_SERVICE, Cluster, service_config
 from .emulated import attach_engines, attach_remote_engines
+from .loop_watch import LoopStallWatch, watching
 
 if TYPE_CHECKING:
     from tools.cluster.stub_nodes import StubCluster
@@ -68,6 +69,7 @@ class InProcessCluster:
     scheduler: SchedulerService | None = None      # None: started without one
     hit_lookup: GatewayHitLookup | None = None     # the scheduler's (None: no gateway known)
     stub: StubCluster | None = None                # when started with stub=True
+    loop_watch: LoopStallWatch | None = None       # reports stalls of the shared loop
 
     @property
     def nodes(self) -> dict[str, PEReceiverService | DELoaderService]:
@@ -131,6 +133,7 @@ async def start_cluster(cluster: Cluster, *, storage_root: str | Path | None = N
         cluster = cluster.with_overrides(cluster={"storage_root": str(storage_root)})
     c = InProcessCluster(cluster.cfg, spec_from_config(cluster.cfg.kv), cluster)
     async with contextlib.AsyncExitStack() as stack:
+        c.loop_watch = stack.enter_context(watching())
         if stub:
             await _start_stub(stack, c, cluster)
         else:
@@ -206,6 +209,7 @@ async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
     cfg = _cfg(data)
     c = InProcessCluster(cfg, spec_from_config(cfg.kv))
     async with contextlib.AsyncExitStack() as stack:
+        c.loop_watch = stack.enter_context(watching())
         for node in (*prefill, *decode):
             c.gateways[node] = await start_gateway(stack, _cfg(data), node, spec=c.spec)
         sched_port = 0

@@ -192,5 +192,10 @@ class LeaseTable:
     def renew(self, reg: Registration, now: float) -> None:
         reg.expires_at = now + self.lease_s
 
+    def extend(self, seconds: float) -> None:
+        """Push every lease back by ``seconds``: time the scheduler itself did not run."""
+        for reg in self._regs.values():
+            reg.expires_at += seconds
+
     def expired(self, now: float) -> list[Registration]:
         return [r for r in self._regs.values() if r.expires_at < now]

@@ -66,7 +66,7 @@ COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
             "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
             "attempts_failed", "resubmits", "detached", "results_kept", "results_recovered",
-            "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone")
+            "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone", "lease_sweeps_stalled")
 
 # stats() keys the metrics floor (common.metrics) turns into labelled series: live requests per
 # status, and the core's planned reads per node and per read side
@@ -180,9 +180,29 @@ class SchedulerService(Service):
         await self._server.stop(grace_s=self.settings.drain_grace_s)
 
     async def _lease_loop(self) -> None:
+        """Sweep the leases every ``lease_check_s``.
+
+        A sweep that wakes later than one period past its due time means this process did not
+        run meanwhile (a GC pause, CPU starvation, a stopped VM, or — in an in-process cluster
+        — a node sharing this loop that held it): the nodes' heartbeats may sit unread in its
+        sockets, so that stall is not held against them. Every lease is extended by it
+        (``LeaseTable.extend``) before the sweep, counted in ``lease_sweeps_stalled`` and, past
+        a second, logged: a node silent for ``lease_s`` of *this scheduler's running time* is
+        dropped, never every node at once because the scheduler itself stood still."""
+        period = self.settings.lease_check_s
+        due = loop_now() + period
         while True:
-            await asyncio.sleep(self.settings.lease_check_s)
-            self.nodes.expire_leases(loop_now())
+            await asyncio.sleep(max(0.0, due - loop_now()))
+            now = loop_now()
+            stalled = now - due
+            if stalled > period:
+                self.leases.extend(stalled)
+                self.counters["lease_sweeps_stalled"] += 1
+                if stalled > 1.0:
+                    self.log.warning("scheduler_loop_stalled", stalled_s=round(stalled, 3),
+                                     leases_extended=len(self.leases))
+            self.nodes.expire_leases(now)
+            due = now + period
 
     # ------------------------------------------------------------------ views
     def stats(self) -> dict[str, float]:

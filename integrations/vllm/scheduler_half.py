@@ -8,10 +8,12 @@ never stalls the running batch (docs/vllm.md "Asynchronous loads"):
 2. the worker claims off the step and reports the usable hit (``DualPathWorkerMeta``);
    a request it could not open is computed without dualpath (hit 0);
 3. prefill: the hit loads layer by layer inside the request's first forward (paper §4.2),
-   so vLLM hears ``(hit - local, False)`` — only the rows vLLM does not hold already (its
-   prefix cache's local hit, :mod:`integrations.vllm.rows`); decode: the prompt KV is already assembled, so vLLM hears
-   ``(hit, True)`` — an asynchronous load: the worker copies it into the blocks vLLM
-   allocated, off the step, and reports the request received; only then is it scheduled.
+   so vLLM hears ``(hit - local, False)``; decode: the prompt KV is already assembled, so
+   vLLM hears ``(hit - local, True)`` — an asynchronous load: the worker copies it into the
+   blocks vLLM allocated, off the step, and reports the request received; only then is it
+   scheduled. ``local`` is vLLM's own prefix-cache hit: rows it holds are never loaded over
+   (at or above the hit, nothing loads), and the prefill gathers every row it forwards from
+   the paged cache, held or computed (:mod:`integrations.vllm.rows`).
 
 A request loaded once and preempted later recomputes: its hit pages went back to the node.
 """

@@ -5,10 +5,12 @@ the read side), two ``vllm serve`` processes with the DualPathConnector (prefill
 the PE receiver, decode to the DE loader) and the front (``python -m integrations.vllm.front``),
 all from .venv-vllm. A multi-turn agent conversation over HTTP: greedy output of every turn
 equals the prefill server's own output for the same prompt without dualpath (a request without
-``kv_transfer_params`` runs as plain vLLM there: prefix caching off, connector idle — the
-strictly separate plain instance is tests/test_vllm_dualpath.py's reference); from turn 2 the
-dualpath hit is >= 90 % of the prompt. Bad requests get OpenAI-shaped 4xx errors and the front
-keeps serving.
+``kv_transfer_params`` runs as plain vLLM there: connector idle — the strictly separate plain
+instance is tests/test_vllm_dualpath.py's reference); from turn 2 the dualpath hit is >= 90 %
+of the prompt. The instances run vLLM's defaults (prefix caching on) with chunked prefill at a
+512-token budget: the reference requests, and a ``kv_loading: false`` turn sent first at turn
+2, leave the prefill instance a local hit larger than the dualpath hit. Bad requests get
+OpenAI-shaped 4xx errors and the front keeps serving.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ GEN = 16
 # tokens; turn 6 reaches 1,250 + 5 x (16 + 40) + 16 = 1,546 tokens of context
 FIRST = 1250
 APPEND = 40
+STEP = 512          # vLLM's tokens per step (--max-num-batched-tokens): FIRST takes 3 chunks
 
 
 async def test_front_multi_turn_agent_over_http(tmp_path):
@@ -42,10 +45,12 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
                                    scheduler={"model": PRESET, "policy": "dualpath"})
     async with local_datapath(tmp_path, engines=False, overrides=overrides) as c:
         ports = {"p0.e0": free_port(), "d0.e0": free_port()}
+        # chunked prefill at a 512-token budget: the first turn's 1,250-token prompt is
+        # prefilled (and saved to the PE) over three chunks
         procs = [await vllm_server(model, "prefill", str(tmp_path / "p0.sock"), "p0.e0",
-                                   ports["p0.e0"], tmp_path),
+                                   ports["p0.e0"], tmp_path, step=STEP),
                  await vllm_server(model, "decode", str(tmp_path / "d0.sock"), "d0.e0",
-                                   ports["d0.e0"], tmp_path)]
+                                   ports["d0.e0"], tmp_path, step=STEP)]
         try:
             urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}
             await wait_healthy(urls.values())
@@ -106,6 +111,15 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
     assert chat["usage"]["prompt_tokens"] > len(await tokenize(plain_url, model, head))
     prompt, cursor = ids[:FIRST], FIRST
     for turn in range(TURNS):
+        if turn == 1:
+            # issue #24's report: a turn without dualpath first fills the prefill instance's
+            # own prefix cache (vLLM's default), so its local hit (every 16-token block of the
+            # prompt) exceeds the dualpath hit (64-token blocks): the turn below must load
+            # nothing over it, forward rows it held, and the next turns still hit
+            status, raw = await ahttp("POST", f"{front}/v1/completions",
+                                      {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
+                                       "kv_loading": False})
+            assert status == 200 and json.loads(raw)["dualpath"]["hit_tokens"] == 0, raw
         status, raw = await ahttp("POST", f"{front}/v1/completions",
                                   {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
                                    "session_id": "agent-1"})
@@ -159,6 +173,11 @@ async def connector_metrics(urls: dict[str, str]) -> None:
         assert got["dualpath_engine_load_seconds_total"] > 0, (engine, got)
         assert got["dualpath_engine_claim_waits_total"] >= TURNS, (engine, got)
         assert got["dualpath_engine_load_errors_total"] == 0, (engine, got)
+    # the prefill instance served turns from its own prefix cache too (the plain references
+    # and the kv_loading: false turn left it more than the dualpath hit)
+    status, body = await ahttp("GET", f"{urls['p0.e0']}/metrics")
+    local = sum(v for k, v in samples(body).items() if k.startswith("vllm:prefix_cache_hits"))
+    assert local > 0, samples(body)
 
 
 async def test_front_refuses_a_dead_or_wrong_scheduler(tmp_path):

@@ -17,7 +17,9 @@ import pytest
 from tools.cluster import serve
 from tools.cluster.config import engine_socket_path, load_cluster, service_config
 from tools.vllm_engines import DTYPE, PRESET, REPO, VLLM_PYTHON
-from tools.vllm_serve import RUNBOOK_CONFIG, VLLM_PORTS, runbook, vllm_server_argv
+from services.compute_model.batching import vllm_budget
+from services.compute_model.cost_model import cost_model
+from tools.vllm_serve import RUNBOOK_CONFIG, VLLM_PORTS, runbook, step_tokens, vllm_server_argv
 
 DOC = REPO / "docs" / "vllm.md"
 
@@ -59,8 +61,13 @@ def _after(argv: list[str], flag: str) -> list[str]:
 
 def test_the_runbooks_vllm_lines_are_the_tests_argv():
     """Same argv as tools/vllm_serve.vllm_server (what the real-engine tests start), with the
-    fp32 dtype and preset the equality tests need and prefix caching off."""
-    spec = load_cluster(REPO / RUNBOOK_CONFIG, environ={}).spec
+    fp32 dtype and preset the equality tests need, vLLM's default prefix caching (on: no flag
+    turns it off) and chunked prefill at the paper's quota mapped by batching.vllm_budget."""
+    loaded = load_cluster(REPO / RUNBOOK_CONFIG, environ={})
+    spec = loaded.spec
+    budget = vllm_budget(cost_model(loaded.cfg.scheduler.model).attention_s,
+                         loaded.cfg.scheduler.ref_context_tokens)["max_num_batched_tokens"]
+    step = min(budget, 2048)                    # at most --max-model-len
     vllm = lines("vllm.entrypoints.openai.api_server")
     assert len(vllm) == len(spec.nodes) == 2
     for ln, n in zip(vllm, spec.nodes, strict=True):
@@ -68,8 +75,13 @@ def test_the_runbooks_vllm_lines_are_the_tests_argv():
         argv = argv[next(i for i, w in enumerate(argv) if w.endswith("/python")):]
         sock = str(spec.state_dir() / f"{n.id}.engine.sock")
         assert argv == vllm_server_argv(".venv-vllm/bin/python", "M", n.role, sock,
-                                        f"{n.id}.e0", VLLM_PORTS[n.role])
-        assert _after(argv, "--dtype") == [DTYPE] and "--no-enable-prefix-caching" in argv
+                                        f"{n.id}.e0", VLLM_PORTS[n.role], step=step_tokens(
+                                            loaded.cfg))
+        assert _after(argv, "--dtype") == [DTYPE]
+        assert not any("prefix-caching" in w for w in argv)
+        assert "--enable-chunked-prefill" in argv and _after(argv, "--max-model-len") == ["2048"]
+        assert (_after(argv, "--max-num-batched-tokens")
+                == _after(argv, "--long-prefill-token-threshold") == [str(step)])
         extra = json.loads(_after(argv, "--kv-transfer-config")[0])["kv_connector_extra_config"]
         assert extra["kv_preset"] == PRESET
     front = lines("integrations.vllm.front")
@@ -115,6 +127,7 @@ def test_vllms_own_parser_accepts_the_runbooks_vllm_lines():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     parsed = json.loads(out.stdout.split("RESULT ", 1)[1])
-    assert [(p["kv_role"], p["dtype"], p["enable_prefix_caching"]) for p in parsed] == [
-        ("kv_producer", DTYPE, False), ("kv_consumer", DTYPE, False)]
+    assert [(p["kv_role"], p["dtype"], p["enable_prefix_caching"] is not False,
+             p["enable_chunked_prefill"]) for p in parsed] == [
+        ("kv_producer", DTYPE, True, True), ("kv_consumer", DTYPE, True, True)]
     assert {p["extra"]["kv_preset"] for p in parsed} == {PRESET}

@@ -100,10 +100,54 @@ def test_unsupported_vllm_instances_are_refused_at_start_naming_the_reason():
     from integrations.vllm.kv_spec import check_supported
 
     check_supported(_vllm_config())                                     # TP=PP=1, plain KV
+    check_supported(_vllm_config(prefix=True))          # vLLM's default: served (rows.py)
     for cfg, why in ((_vllm_config(tp=2), "tensor_parallel_size=2"),
                      (_vllm_config(pp=2), "pipeline_parallel_size=2"),
                      (_vllm_config(use_mla=True), "MLA"),
-                     (_vllm_config(is_hybrid=True), "hybrid"),
-                     (_vllm_config(prefix=True), "--no-enable-prefix-caching")):
+                     (_vllm_config(is_hybrid=True), "hybrid")):
         with pytest.raises(ValueError, match=why):
             check_supported(cfg)
+
+
+# vLLM's local hit (prefix caching) against the dualpath hit, prefill side: hit 768 of a
+# 1,000-token prompt, one step (docs/vllm.md "Prefix caching")
+@pytest.mark.parametrize("local, load, save", [
+    (0, (0, 768), (768, 1000)),          # no local hit: the whole dualpath hit loads
+    (512, (512, 768), (768, 1000)),      # local < hit: only the rows vLLM lacks load
+    (768, (768, 768), (768, 1000)),      # local == hit: nothing to load
+    (896, (896, 896), (768, 1000)),      # local > hit (the reported 896 vs 768): nothing
+])                                       # loads, rows [768, 896) are gathered from the cache
+def test_step_rows_never_load_over_a_local_hit_and_gather_every_forwarded_row(local, load,
+                                                                               save):
+    from integrations.vllm.rows import step_rows
+
+    external = max(0, 768 - local)          # what the scheduler half tells vLLM to expect
+    computed = local + external
+    got = step_rows(hit=768, saved=0, computed=computed, scheduled=1000 - computed,
+                    external=external, prompt=1000)
+    assert got == (load, save)
+
+
+def test_step_rows_over_chunks_gather_each_row_once_and_load_in_the_first_chunk_only():
+    from integrations.vllm.rows import step_rows
+
+    hit, prompt, saved, rows = 256, 1000, 0, []
+    computed, external = 256, 128         # local 128 < hit: vLLM counts 128 + 128 computed
+    loads = []
+    for scheduled in (300, 300, 144, 1):  # chunks of a 300-token budget, then a decode step
+        load, save = step_rows(hit=hit, saved=saved, computed=computed, scheduled=scheduled,
+                               external=external, prompt=prompt)
+        loads.append(load)
+        rows.append(save)
+        saved, computed, external = max(saved, save[1]), computed + scheduled, 0
+    assert loads[0] == (128, 256) and all(b <= a for a, b in loads[1:])
+    assert rows == [(256, 556), (556, 856), (856, 1000), (1000, 1000)]   # decode: no rows
+    # local > hit, chunked: the first chunk gathers the held rows [hit, local) too
+    load, save = step_rows(hit=256, saved=0, computed=512, scheduled=300, external=0,
+                           prompt=1000)
+    assert (load, save) == ((512, 512), (256, 812))
+    # a resumed (preempted) request recomputing rows gathered before: gathered once only
+    assert step_rows(hit=256, saved=812, computed=256, scheduled=744, external=0,
+                     prompt=1000)[1] == (812, 1000)
+    with pytest.raises(ValueError, match="external"):
+        step_rows(hit=256, saved=0, computed=100, scheduled=10, external=200, prompt=1000)

@@ -24,6 +24,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
 
@@ -96,14 +97,31 @@ def kv_transfer_config(role: str, sock: str, engine_id: str) -> dict:
                                           "layer_timeout_s": 30.0}}
 
 
+def step_tokens(cfg: Any, max_model_len: int = 2048) -> int:
+    """vLLM's token budget per step for a cluster config: the paper's 300 ms quota mapped by
+    ``batching.vllm_budget`` at the scheduler's reference context (docs/vllm.md "The paper's
+    300 ms quota as vLLM's budget"), at most ``max_model_len`` (a longer budget only allows
+    steps no prompt fills)."""
+    from services.compute_model.batching import vllm_budget
+    from services.compute_model.cost_model import cost_model
+
+    sched = cfg.scheduler
+    budget = vllm_budget(cost_model(sched.model).attention_s, sched.ref_context_tokens)
+    return min(budget["max_num_batched_tokens"], max_model_len)
+
+
 def vllm_server_argv(python: str, model: str, role: str, sock: str, engine_id: str, port: int,
-                     max_model_len: int = 2048, host: str = "127.0.0.1") -> list[str]:
-    """The OpenAI server's command line: fp32 (the preset's dtype), prefix caching off (the
-    connector refuses it), one step per prompt (docs/vllm.md "The paper's 300 ms quota")."""
+                     max_model_len: int = 2048, host: str = "127.0.0.1",
+                     step: int | None = None) -> list[str]:
+    """The OpenAI server's command line: fp32 (the preset's dtype), vLLM's default prefix
+    caching (on), chunked prefill with ``step`` tokens per step and per request's chunk
+    (None: ``max_model_len``, one step per prompt; the runbook's: :func:`step_tokens`)."""
+    step = max_model_len if step is None else step
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--port", str(port), "--host", host, "--max-model-len", str(max_model_len),
-            "--enforce-eager", "--dtype", DTYPE, "--no-enable-prefix-caching",
-            "--max-num-batched-tokens", str(max_model_len), "--gpu-memory-utilization", "0.2",
+            "--enforce-eager", "--dtype", DTYPE, "--enable-chunked-prefill",
+            "--max-num-batched-tokens", str(step), "--long-prefill-token-threshold", str(step),
+            "--gpu-memory-utilization", "0.2",
             "--kv-transfer-config", json.dumps(kv_transfer_config(role, sock, engine_id))]
 
 
@@ -120,13 +138,14 @@ def front_argv(python: str, model: str, scheduler: str, urls: dict[str, str],
 
 
 async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: int,
-                      log_dir: Path, max_model_len: int = 2048) -> asyncio.subprocess.Process:
+                      log_dir: Path, max_model_len: int = 2048,
+                      step: int | None = None) -> asyncio.subprocess.Process:
     """``vllm serve`` (the OpenAI server) with the DualPathConnector attached to a node's
     engine socket: kv_producer on a prefill node, kv_consumer on a decode node."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KVCACHE_GIB, PYTHONPATH=str(REPO),
                **omp_bind(role))
     return await start(vllm_server_argv(str(VLLM_PYTHON), str(model), role, sock, engine_id,
-                                        port, max_model_len), env,
+                                        port, max_model_len, step=step), env,
                        log_dir / f"vllm-{role}-{engine_id}.log")
 
 
@@ -188,7 +207,8 @@ def runbook(config: str = RUNBOOK_CONFIG) -> str:
     ``front_argv``), with the model directory as ``$MODEL`` and the relative venv path."""
     from tools.cluster.config import load_cluster
 
-    spec = load_cluster(REPO / config, environ={}).spec
+    loaded = load_cluster(REPO / config, environ={})
+    spec, step = loaded.spec, step_tokens(loaded.cfg)
     py = ".venv-vllm/bin/python"
     lines = [f"dualpath serve scheduler -c {config}"]
     lines += [f"dualpath serve gateway -c {config} --node {n.id}" for n in spec.nodes]
@@ -200,7 +220,7 @@ def runbook(config: str = RUNBOOK_CONFIG) -> str:
         urls[engine] = f"http://127.0.0.1:{port}"
         env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": ".",
                "VLLM_CPU_OMP_THREADS_BIND": CORES[n.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port)
+        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port, step=step)
         lines.append(" ".join([*(f"{k}={v}" for k, v in env.items()), *map(_quote, argv)]))
     scheduler = f"{spec.scheduler_host or spec.host}:{spec.scheduler_port}"
     lines.append("PYTHONPATH=. " + " ".join(map(_quote, front_argv(py, MODEL_VAR, scheduler,

@@ -1,9 +1,11 @@
 """One long-lived vLLM instance for the real-engine tests (runs in .venv-vllm).
 
-``--role plain``: no connector, prefix caching off (the reference). ``--role prefill`` /
-``decode``: the DualPathConnector attached to a node's engine socket (kv_producer /
-kv_consumer). ``--role example``: vLLM's bundled ExampleConnector over ``--store`` (the peer
-row of ``dualpath bench engine``). Prints ``READY`` once loaded, then answers one JSON line per request line on
+``--role plain``: no connector, prefix caching off (the reference: it computes every prompt
+token). ``--role prefill`` / ``decode``: the DualPathConnector attached to a node's engine
+socket (kv_producer / kv_consumer), with vLLM's default prefix caching (on: its local hit
+next to the dualpath hit, docs/vllm.md "Prefix caching"). ``--role example``: vLLM's bundled
+ExampleConnector over ``--store`` (the peer row of ``dualpath bench engine``; prefix caching
+off, so it loads every repeat). Prints ``READY`` once loaded, then answers one JSON line per request line on
 stdin — ``{"prompt": [ids], "max_tokens": n, "dualpath": {...} | null}`` →
 ``{"tokens": [...], "dualpath": {...}, "ttft_s": s}`` — and exits at EOF.
 
@@ -30,7 +32,7 @@ def build(a: argparse.Namespace):
     from vllm import LLM
 
     kw: dict = dict(model=a.model, max_model_len=a.max_model_len, enforce_eager=True,
-                    dtype=a.dtype, enable_prefix_caching=False,
+                    dtype=a.dtype, enable_prefix_caching=a.role in ("prefill", "decode"),
                     max_num_batched_tokens=a.max_model_len, gpu_memory_utilization=0.2)
     if a.role == "example":
         kw["kv_transfer_config"] = {

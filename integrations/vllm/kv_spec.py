@@ -44,9 +44,9 @@ def check_supported(vllm_config: Any) -> None:
       is the whole model's (one engine = one rank).
     * MLA, hybrid (attention + mamba/sliding groups), attention-free models: their KV is not
       ``[K|V][kv_head][head_size]`` per layer, the byte layout every stored block has.
-    * Prefix caching: vLLM's own local hit can exceed the hit dualpath planned, and the
-      connector does not yet merge the two (the turn would be refused and re-planned until it
-      fails) — start vLLM with ``--no-enable-prefix-caching`` (docs/vllm.md).
+
+    Prefix caching (vLLM's default) is served: vLLM's own local hit may be below, at or above
+    the dualpath hit (``integrations.vllm.rows``, docs/vllm.md "Prefix caching").
     """
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
     reasons = []
@@ -58,8 +58,5 @@ def check_supported(vllm_config: Any) -> None:
                        ("is_attention_free", "an attention-free model")):
         if getattr(model, flag, False):
             reasons.append(f"{what} (the dualpath layout is [K|V][kv_head][head_size] per layer)")
-    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
-        reasons.append("prefix caching is on (start vLLM with --no-enable-prefix-caching: a "
-                       "local vLLM hit larger than the dualpath hit is not merged yet)")
     if reasons:
         raise ValueError("DualPathConnector cannot serve this vLLM instance: " + "; ".join(reasons))

@@ -40,12 +40,14 @@ class AsyncLoad:
 
 @dataclass
 class ReqStep:
-    """One request's work in one step: hit tokens to load, tokens computed, its blocks."""
+    """One request's work in one step: hit rows to load, prompt rows to gather, its blocks
+    (the arithmetic: :func:`integrations.vllm.rows.step_rows`)."""
 
     req_id: str
     block_ids: list[int]
-    load: tuple[int, int]          # [start, stop) of hit tokens to load in this forward
-    computed: tuple[int, int]      # [start, stop) of tokens computed this step
+    load: tuple[int, int]          # [start, stop) of hit rows to load in this forward
+    save: tuple[int, int]          # [start, stop) of prompt rows to gather after it (prefill)
+    ask_hit: bool                  # first forward, nothing to load: ask each hit layer anyway
     prompt_tokens: int
 
 

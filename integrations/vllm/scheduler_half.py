@@ -8,9 +8,12 @@ never stalls the running batch (docs/vllm.md "Asynchronous loads"):
 2. the worker claims off the step and reports the usable hit (``DualPathWorkerMeta``);
    a request it could not open is computed without dualpath (hit 0);
 3. prefill: the hit loads layer by layer inside the request's first forward (paper §4.2),
-   so vLLM hears ``(hit, False)``; decode: the prompt KV is already assembled, so vLLM hears
-   ``(hit, True)`` — an asynchronous load: the worker copies it into the blocks vLLM
-   allocated, off the step, and reports the request received; only then is it scheduled.
+   so vLLM hears ``(hit - local, False)``; decode: the prompt KV is already assembled, so
+   vLLM hears ``(hit - local, True)`` — an asynchronous load: the worker copies it into the
+   blocks vLLM allocated, off the step, and reports the request received; only then is it
+   scheduled. ``local`` is vLLM's own prefix-cache hit: rows it holds are never loaded over
+   (at or above the hit, nothing loads), and the prefill gathers every row it forwards from
+   the paged cache, held or computed (:mod:`integrations.vllm.rows`).
 
 A request loaded once and preempted later recomputes: its hit pages went back to the node.
 """
@@ -28,6 +31,7 @@ from integrations.vllm.metadata import (
     OpenRequest,
     ReqStep,
 )
+from integrations.vllm.rows import step_rows
 from integrations.vllm.sessions import KVSource
 
 if TYPE_CHECKING:
@@ -51,6 +55,7 @@ class _SchedReq:
     opened: bool = False            # scheduled once: the worker has its block table
     blocks: list[int] = field(default_factory=list)
     pending_load: int = 0
+    saved: int = 0                  # prefill: prompt rows gathered for the PE so far
 
 
 class SchedulerHalf:
@@ -135,10 +140,17 @@ class SchedulerHalf:
         return meta
 
     def _step(self, rid: str, req: _SchedReq, computed: int, scheduled: int) -> ReqStep:
-        loaded, req.pending_load = req.pending_load, 0
-        req.opened = True
-        return ReqStep(rid, list(req.blocks), (computed - loaded, computed),
-                       (computed, computed + scheduled), len(req.token_ids))
+        """One request's rows this step (:func:`~integrations.vllm.rows.step_rows`): ``computed``
+        includes vLLM's own local hit (prefix caching), which may be below, at or above the
+        dualpath hit."""
+        external, req.pending_load = req.pending_load, 0
+        first, req.opened = not req.opened, True
+        load, save = step_rows(hit=req.hit or 0, saved=req.saved, computed=computed,
+                               scheduled=scheduled, external=external,
+                               prompt=len(req.token_ids))
+        req.saved = max(req.saved, save[1])
+        return ReqStep(rid, list(req.blocks), load, save, first and load[1] <= load[0],
+                       len(req.token_ids))
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: a request that ran keeps its blocks until the worker

@@ -197,8 +197,7 @@ class WorkerHalf:
             session = self._sessions.get(step.req_id)
             if session is None:
                 continue
-            hit = session.hit_tokens
-            start, stop = max(step.computed[0], hit), min(step.computed[1], step.prompt_tokens)
+            start, stop = step.save
             if stop <= start:
                 continue
             try:
@@ -212,10 +211,13 @@ class WorkerHalf:
     def _save(self, session: SyncPrefillHandle, step: ReqStep, layer: int, kv_layer: torch.Tensor,
               start: int, stop: int) -> None:
         """Gather tokens ``[start, stop)`` of one layer into the session's output slots; put the
-        layer once the prompt is complete. The engine API hands out a layer's output only after
-        its hit was asked for (``layer(l)``), which a request without a hit also does here."""
+        layer once the prompt is complete. The rows come from the paged cache whether this
+        forward computed them or vLLM held them (its local hit above the dualpath hit). The
+        engine API hands out a layer's output only after its hit was asked for (``layer(l)``),
+        which a first forward with nothing to load (no hit, or vLLM's local hit covers it)
+        also does here."""
         assert self._geom is not None
-        if step.load[1] <= step.load[0] and step.computed[0] <= session.hit_tokens:
+        if step.ask_hit:
             session.layer(layer, self._timeout_s)
         hit = session.hit_tokens
         dst = torch.from_numpy(session.output(layer)[start - hit:stop - hit])
@@ -225,11 +227,14 @@ class WorkerHalf:
             session.put_layer(layer)
 
     def end_step(self) -> None:
-        """vLLM's ``wait_for_save``: decode sessions count their forwards (TTST)."""
+        """vLLM's ``wait_for_save``: decode sessions count their forwards (TTST). A decode
+        request whose whole hit vLLM held locally (prefix caching) had no load: its first
+        forward hands the node's pages back (``loaded`` is once per request)."""
         if self._decode and self._prepared is not None:
             for step in self._prepared.steps:
                 if (session := self._sessions.get(step.req_id)) is not None:
                     try:
+                        session.loaded()
                         session.after_step()
                     except Exception as e:  # noqa: BLE001 -- the KV is in vLLM already
                         log.warning("dualpath_decode_report_failed", request_id=step.req_id,

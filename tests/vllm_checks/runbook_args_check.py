@@ -22,6 +22,7 @@ def main() -> None:
         validate_parsed_serve_args(ns)
         ktc = ns.kv_transfer_config
         parsed.append({"dtype": ns.dtype, "enable_prefix_caching": ns.enable_prefix_caching,
+                       "enable_chunked_prefill": ns.enable_chunked_prefill,
                        "kv_role": ktc.kv_role, "kv_connector": ktc.kv_connector,
                        "extra": ktc.kv_connector_extra_config, "port": ns.port})
     print("RESULT " + json.dumps(parsed), flush=True)

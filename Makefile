@@ -28,7 +28,7 @@ lint: $(STAMP)
 # everything, the real-engine tests (marker vllm: real vLLM on SmolLM2-135M) included: the vLLM
 # venv and the converted model are installed first (once: 3.9 GB + 260 MB, ~5 min)
 test: $(STAMP) vllm-model test-deps
-	$(PY) -m pytest -q --durations=25
+	PY=$(PY) bash tools/test_groups.sh
 
 # the system components some tests need — etcd (election/failover), Prometheus (operations
 # view), ip + nsenter (namespace hosts) — installed from Debian where root or sudo allows, so a

@@ -124,3 +124,16 @@ def test_toml_writer_round_trips_a_cluster_file():
     text = dumps(c.data)
     assert tomllib.loads(text) == c.data
     assert load_data(tomllib.loads(text), "x", environ={}).spec == c.spec
+
+
+def test_free_port_stays_in_this_processs_band(monkeypatch):
+    """`make test` runs two pytest processes at once, each handing out ports from its own
+    band (DUALPATH_PORT_BAND=k/n), so they never name one port to two services."""
+    from tools.cluster.config import _ephemeral_range, free_port
+    low, _ = _ephemeral_range()
+    start = max(1024, low - 12000)
+    width = (low - start) // 2
+    monkeypatch.setenv("DUALPATH_PORT_BAND", "1/2")
+    assert all(start + width <= free_port() < start + 2 * width for _ in range(50))
+    monkeypatch.setenv("DUALPATH_PORT_BAND", "0/2")
+    assert all(start <= free_port() < start + width for _ in range(50))

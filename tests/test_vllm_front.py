@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.vllm_env import require_vllm, run_check
 from tools.cluster.inprocess import local_datapath
 from tools.vllm_engines import PRESET, datapath_overrides
-from tools.vllm_serve import (ahttp, free_port, front, stop, tokenize, vllm_server,
+from tools.cluster.config import free_port
+from tools.vllm_serve import (ahttp, front, stop, tokenize, vllm_server,
                               wait_healthy)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.vllm_serve import (ahttp, free_port, front, stop, tokenize, vllm_server,
+from tools.cluster.config import free_port
+from tools.vllm_serve import (ahttp, front, stop, tokenize, vllm_server,
                               wait_healthy)
 
 GEN = 16

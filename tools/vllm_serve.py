@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -27,12 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http(method: str, url: str, body: dict | bytes | None = None,

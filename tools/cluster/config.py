@@ -253,6 +253,21 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999             # Linux's default
 
 
+def _band(start: int, stop: int) -> tuple[int, int]:
+    """This process's share of ``[start, stop)``: ``DUALPATH_PORT_BAND=k/n`` (band k of n, as
+    ``make test`` gives each of the pytest processes it runs at once) keeps two processes from
+    handing out one port; unset, the whole range."""
+    band = os.environ.get("DUALPATH_PORT_BAND", "")
+    try:
+        k, n = (int(x) for x in band.split("/"))
+    except ValueError:
+        return start, stop
+    if not 0 <= k < n:
+        return start, stop
+    width = (stop - start) // n
+    return start + k * width, start + (k + 1) * width
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago, for a service that must be told its port (a fixed
     port in a cluster file, etcd): picked *below* the kernel's ephemeral range, so no socket
@@ -260,8 +275,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     it before its service binds it — an ephemeral pick collided so (``Address already in
     use`` at start, seen in CI). Falls back to an ephemeral port if none is free below."""
     low, _ = _ephemeral_range()
+    start, stop = _band(max(1024, low - 12000), low)
     for _ in range(64):
-        port = _RNG.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        port = _RNG.randrange(start, stop) if low > 2048 else 0
         if port in _HANDED:             # two picks in a row must not name one port
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -7,9 +7,12 @@ replay driver), each service from its deploy/systemd unit's ExecStart with the h
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import re
 import shlex
+import subprocess
 import sys
 import pytest
 
@@ -350,7 +353,8 @@ def test_prometheus_on_a_host_scrapes_every_service_and_the_dashboard_has_data(n
 # ---------------------------------------------------------------------------- chaos across hosts
 
 # Run on ``cli`` until a condition on the cluster holds (exit 0), or 1 when ``deadline`` s pass:
-#   holding NODE       NODE's service holds an attempt (GetStats over its RPC port, every 20 ms)
+#   holding NODE       NODE's service is registered and holds an attempt (GetStats over its RPC
+#                      port, every 20 ms); prints the registration epoch
 #   registered NODE    the scheduler lists NODE's service (prints its registration epoch)
 #   not-epoch NODE E   the scheduler no longer lists NODE under registration epoch E
 _PROBE = """
@@ -370,8 +374,14 @@ async def main(what, node, host, port, sched_host, sched_port, deadline, epoch="
         while time.monotonic() < end:
             try:
                 if what == "holding":
+                    if epoch == "0":
+                        st = await sched.cluster_status(timeout=2.0)
+                        epoch = next((str(n.epoch) for n in st.nodes if n.node_id == node
+                                      and n.role in ("prefill", "decode")), "0")
+                        continue
                     r = await node_rpc.call(GetStats(), timeout=2.0)
                     if r.counters.get("attempts_live", 0) >= 1:
+                        print(epoch, flush=True)
                         return 0
                 else:
                     st = await sched.cluster_status(timeout=2.0)
@@ -408,16 +418,34 @@ def _probe(net: HostNet, what: str, node: str, *extra: str, deadline: float = 12
     return r.returncode == 0, out.splitlines()[-1] if out else ""
 
 
+_PROBES = itertools.count()
+
+
 def _until_holding(net: HostNet, node: str, replay) -> int | None:
     """Until ``node`` is registered and holds attempts of the running replay: the fault lands on
     work in flight, not on a moment that happens to be idle (no fixed head start). Returns the
     registration epoch the fault will end, or None when the replay ended first (the scheduler
-    placed none of its work there: the caller runs another)."""
-    epoch = int(_probe(net, "registered", node)[1])
-    while replay.poll() is None:
-        if _probe(net, "holding", node, deadline=1.0, check=False)[0]:
-            return epoch if replay.poll() is None else None
-    return None
+    placed none of its work there: the caller runs another).
+
+    One probe process watches for the replay's whole run (a probe restarted in slices missed
+    short replays under load: its own start-up took most of each slice); it is stopped when
+    the replay ends first."""
+    name = f"probe-holding-{next(_PROBES)}"
+    probe = net.spawn("cli", [sys.executable, "-c", _PROBE, "holding", node,
+                              net.hosts[node].address, str(hc.RPC_PORT),
+                              net.hosts["ctl"].address, str(hc.SCHEDULER_PORT), "400"],
+                      env=hc.unit_env(net, "cli"), log_name=name)
+    try:
+        while probe.poll() is None and replay.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                probe.wait(timeout=0.02)        # the probe's exit or the replay's, polled
+        if probe.returncode != 0 or replay.poll() is not None:
+            return None
+        return int(net.log_text("cli", name).strip().splitlines()[-1])
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait(timeout=30)
 
 
 def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4,

@@ -92,3 +92,22 @@ def test_a_cut_off_attempt_bounds_the_storage_check_instead_of_failing_it():
     # a node that reported its own failure (read_bytes known) is counted exactly, not bounded
     told = dict(cut, hop="de_loader", code="UNAVAILABLE", read_bytes=640)
     assert _byte_check(1280 + 640, [told, final])["storage_read_bytes_unreported_bound"] == 0
+
+
+def test_a_hit_short_by_exactly_the_reported_lost_write_is_explained_not_a_mismatch():
+    """A turn whose predecessor's write-back died with its node hits less than the client
+    predicted; the cluster reports the shortfall (RequestQueued/RequestFinished): exactly that
+    much shorter is explained, anything else is still a mismatch."""
+    from tools.replay.driver import RequestRecord
+    from tools.replay.results import _checks
+
+    def rec(rid: str, hit: int, shortfall: int) -> RequestRecord:
+        return RequestRecord(request_id=rid, session_id=rid, turn=1, prompt_tokens=512,
+                             gen_tokens=1, expected_hit=256, hit_tokens=hit,
+                             hit_shortfall_tokens=shortfall, outcome="finished")
+    records = [rec("ok", 256, 0), rec("lost", 128, 128), rec("wrong", 128, 64),
+               rec("unreported", 128, 0)]
+    checks = _checks(records, records)
+    assert checks["hit_short_by_lost_writes"] == 1
+    assert checks["hit_mismatches"] == 2
+    assert checks["hit_mismatch_examples"] == ["wrong", "unreported"]

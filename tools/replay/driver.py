@@ -46,6 +46,9 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     gen_tokens: int
     expected_hit: int | None = None
     hit_tokens: int | None = None
+    # what the cluster says an earlier turn stored but the lookup did not find (its write-back
+    # was lost with a node): the hit is shorter than the client's prediction by this much
+    hit_shortfall_tokens: int = 0
     read_side: str | None = None
     pe_node: str | None = None
     de_node: str | None = None
@@ -186,6 +189,7 @@ def _apply(rec: RequestRecord, ev: Any) -> None:
     match ev:
         case RequestQueued():
             rec.hit_tokens = ev.hit_tokens
+            rec.hit_shortfall_tokens = ev.hit_shortfall_tokens
         case RequestPlaced():
             rec.attempts = ev.attempt + 1
             rec.read_side, rec.pe_node, rec.de_node = ev.read_side, ev.pe_node, ev.de_node
@@ -196,6 +200,7 @@ def _apply(rec: RequestRecord, ev: Any) -> None:
         case RequestFinished():
             rec.outcome, rec.code, rec.message = "finished", None, None
             rec.tokens, rec.hit_tokens = ev.tokens, ev.hit_tokens
+            rec.hit_shortfall_tokens = ev.hit_shortfall_tokens
             rec.ttft_s, rec.ttst_s, rec.tpot_s, rec.e2e_s = ev.ttft_s, ev.ttst_s, ev.tpot_s, \
                 ev.e2e_s
             out = ev.output_token_ids

@@ -242,8 +242,7 @@ class Front:
                                       finish_reason=result["choices"][0]["finish_reason"])))
         if call.body.stream_options is not None and call.body.stream_options.include_usage:
             await out.write(sse(api.usage_chunk(call.rid, model, call.chat, call.created,
-                                                usage["prompt_tokens"],
-                                                usage["completion_tokens"])))
+                                                usage)))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -298,7 +297,7 @@ class Front:
         """The OpenAI-shaped body, with the ``dualpath`` object (placement, token ids, TTFT)."""
         body = api.response(call.rid, self.cfg.model_name, call.chat, decoded.text,
                             decoded.finish_reason, len(call.ids), len(decoded.token_ids),
-                            call.created)
+                            call.created, cached_tokens=dualpath["hit_tokens"])
         body["dualpath"] = {"request_id": call.rid, **dualpath, "token_ids": decoded.token_ids,
                             "ttft_s": decoded.ttft_s, "e2e_s": time.monotonic() - call.arrival}
         return body

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.errors import ConfigError
 
@@ -112,10 +113,11 @@ def front_url(log: str | Path) -> str | None:
     return found[-1] if found else None
 
 
-def on_loopback(config: str | Path, root: Path) -> Cluster:
+def on_loopback(config: str | Path, root: Path, **cluster: Any) -> Cluster:
     """``config`` (a real-engine cluster file) with every fixed port made 0 (any free port) and
-    its state and storage under ``root``: the demo's and the tests' copy, which must not
-    collide with an operator's cluster (or another test) on the file's fixed ports."""
+    its state and storage under ``root``, ``cluster`` set in its ``[cluster]`` section: the
+    demo's, the tests' and the tools' copy, which must not collide with an operator's cluster
+    (or another test) on the file's fixed ports."""
     from common.config import read_toml
 
     from .config import load_data
@@ -129,4 +131,5 @@ def on_loopback(config: str | Path, root: Path) -> Cluster:
                     "engine_port"):
             node.pop(key, None)
     sect["data_dir"], sect["storage_root"] = str(root / "cluster"), str(root / "storage")
+    sect.update(cluster)
     return load_data(data, str(config), environ={})

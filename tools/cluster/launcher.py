@@ -222,6 +222,48 @@ class Launcher:
         self.state.save()
         return self.state
 
+    def restart(self, name: str) -> Proc:
+        """Start service ``name`` of the running cluster again after it died (or was killed),
+        on the port it had — what a supervisor (systemd, Kubernetes) does: its peers find it
+        where they knew it. Node services re-register; a vLLM instance loads again."""
+        state = self.state = self.state or State.load(self.state_dir)
+        if state is None:
+            raise ConfigError(f"cluster {self.cluster.spec.name} is not running")
+        old = state.proc(name)
+        if _running(old):
+            raise ConfigError(f"{name} is still running (pid {old.pid}): stop it first")
+        state.procs.remove(old)
+        cmd = self._command_again(old)
+        self._wave([cmd], self.cluster.spec.engine_start_timeout_s
+                   if old.service == "vllm" else None)
+        if old.service in ("pe_receiver", "de_loader", "scheduler"):
+            self._wait_registered()
+        return state.proc(name)
+
+    def _command_again(self, old: Proc) -> real_engines.Command:
+        state = self.state
+        assert state is not None
+        if old.service in GROUPS:
+            model = real_engines.resolve_model(self.cluster)
+            if old.service == "front":
+                urls = {p.name.split(":", 1)[1]: str(p.url) for p in state.procs
+                        if p.service == "vllm"}
+                return real_engines.front_command(self.cluster, model, state.scheduler, urls,
+                                                  port=real_engines.url_port(str(old.url)))
+            engine = old.name.split(":", 1)[1]
+            return next(c for c in real_engines.instance_commands(
+                self.cluster, model, {engine: real_engines.url_port(str(old.url))})
+                if c.name == old.name)
+        port = ["--port", str(old.rpc_port)]
+        if old.service == "scheduler":
+            return self._argv("scheduler", None, self._lookup_gateways() + port)
+        if old.service in ("gateway", "engine_sim"):
+            return self._argv(old.service, old.node, port if old.service == "gateway" else [])
+        sched = state.proc("scheduler")
+        return self._argv(old.service, old.node,
+                          ["--scheduler", f"{sched.host}:{sched.rpc_port}", "--gateway-port",
+                           str(state.proc(f"gateway:{old.node}").rpc_port)] + port)
+
     def _lookup_gateways(self) -> list[str]:
         """``--lookup-gateway`` for every gateway started: the scheduler's hit lookup asks any
         of them (the store is shared) and goes on to the next when one fails."""
@@ -325,9 +367,12 @@ class Launcher:
         return True
 
     def _wait_registered(self) -> None:
-        """Poll the scheduler until every PE receiver / DE loader holds a lease."""
+        """Poll the scheduler until every PE receiver / DE loader holds a lease (on a restart,
+        every one that runs: another may be down, waiting for its own restart)."""
         from services.scheduler.client.client import SyncSchedulerClient
-        want = {p.node for p in self.state.procs if p.service in ("pe_receiver", "de_loader")}
+        nodes = [p for p in self.state.procs if p.service in ("pe_receiver", "de_loader")
+                 and (not self.state.ready or alive(p))]
+        want = {p.node for p in nodes}
         host, port = self.state.scheduler
         deadline = time.monotonic() + self.cluster.spec.start_timeout_s
         with SyncSchedulerClient(host, port, rpc=self.cluster.cfg.rpc,
@@ -337,7 +382,7 @@ class Launcher:
                 have = {n.node_id for n in status.nodes if n.engines}
                 if want <= have:
                     return
-                for p in self.state.procs:
+                for p in nodes:
                     self._ready(p)               # a node that died while registering
                 if time.monotonic() > deadline:
                     missing = sorted(want - have)

@@ -69,8 +69,10 @@ def resolve_model(cluster: Cluster) -> Path:
     return model.resolve()
 
 
-def instance_commands(cluster: Cluster, model: Path) -> list[Command]:
-    """One vLLM OpenAI server per engine of every node, attached to the node's socket."""
+def instance_commands(cluster: Cluster, model: Path,
+                      ports: dict[str, int] | None = None) -> list[Command]:
+    """One vLLM OpenAI server per engine of every node, attached to the node's socket
+    (``ports``: engine id -> the port it must have, e.g. the one it had before a restart)."""
     from tools.vllm_engines import REPO, VLLM_PYTHON, omp_bind
     from tools.vllm_serve import KVCACHE_GIB, step_tokens, vllm_server_argv
 
@@ -80,7 +82,8 @@ def instance_commands(cluster: Cluster, model: Path) -> list[Command]:
         sock = engine_socket_path(cluster, n.id)
         for i in range(spec.engines(n)):
             engine = f"{n.id}.e{i}"
-            port = n.engine_port + i if n.engine_port else free_port()
+            port = (ports or {}).get(engine) or (n.engine_port + i if n.engine_port
+                                                 else free_port())
             host = spec.node_host(n)
             argv = vllm_server_argv(str(VLLM_PYTHON), str(model), n.role, sock, engine, port,
                                     host=host, step=step)
@@ -92,15 +95,22 @@ def instance_commands(cluster: Cluster, model: Path) -> list[Command]:
 
 
 def front_command(cluster: Cluster, model: Path, scheduler: tuple[str, int],
-                  instances: dict[str, str]) -> Command:
-    """The OpenAI front over the scheduler and ``instances`` (engine id -> URL)."""
+                  instances: dict[str, str], port: int | None = None) -> Command:
+    """The OpenAI front over the scheduler and ``instances`` (engine id -> URL), on ``port``
+    (None: ``[cluster] front_port``)."""
     from tools.vllm_engines import REPO, VLLM_PYTHON
     from tools.vllm_serve import front_argv
 
     spec = cluster.spec
     argv = front_argv(str(VLLM_PYTHON), str(model), f"{scheduler[0]}:{scheduler[1]}",
-                      instances, port=spec.front_port, host=spec.host)
+                      instances, port=spec.front_port if port is None else port,
+                      host=spec.host)
     return Command("front", "front", "front", argv, {"PYTHONPATH": str(REPO)}, None)
+
+
+def url_port(url: str) -> int:
+    """The port of ``http://host:port``."""
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
 
 
 def front_url(log: str | Path) -> str | None:

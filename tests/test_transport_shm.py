@@ -76,6 +76,8 @@ async def test_shm_transfers_are_byte_exact_in_one_copy(pools):
         sa, sb = a.stats(), b.stats()
         assert sa["shm_transfers_received"] == 3 == sb["shm_transfers_sent"]
         assert sa["shm_links"] == 1 == sb["shm_links"]
+        (path,) = a.links.paths()
+        assert (path["send"], path["receive"], path["node_id"]) == ("shm", "shm", "b")
         # no UCX message carried a page, nothing was packed, gathered or staged
         assert sa["messages_received"] == 0 and sa["packed_messages"] == 0
         assert sa["staging_peak_bytes"] == 0 and sb["gathered_bytes"] == 0

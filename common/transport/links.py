@@ -339,10 +339,20 @@ class Links:
         current = self._links.get(link.addr)
         if current is None or not current.usable:
             self._links[link.addr] = link
-        log.debug("endpoint_registered", peer=link.addr, node_id=link.node_id)
+        log.debug("endpoint_registered", peer=link.addr, node_id=link.node_id,
+                  send_path="shm" if link.shm_out else "tag",
+                  receive_path="shm" if link.shm_in else "tag")
         for hook in self.up_hooks:
             hook()
         return link
+
+    def paths(self) -> list[dict[str, Any]]:
+        """Per usable link: the peer and how pages go each way (``shm`` or ``tag``)."""
+        return [{"peer": f"{link.addr[0]}:{link.addr[1]}", "node_id": link.node_id,
+                 "send": "shm" if link.shm_out else "tag",
+                 "receive": "shm" if link.shm_in else "tag",
+                 "single_copy": link.single_copy}
+                for link in self._all_links if link.usable]
 
     def usable_link(self) -> Link | None:
         """Any usable link (the shm control receives are posted through one: see

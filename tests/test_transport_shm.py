@@ -261,3 +261,35 @@ async def test_receiver_killed_fails_the_send_typed(pools):
             assert t.stats()["shm_transfers_sent"] == 1
         finally:
             other.close()
+
+
+# ---------------------------------------------------------------- write-backs
+
+async def test_write_back_to_a_same_host_gateway_is_one_copy(tmp_path):
+    """A node's write goes straight into the gateway's /dev/shm staging (no UCX message, no
+    gather), and what it stored reads back byte for byte."""
+    from storage_gateway.client import GatewayClient, block_slots
+    from storage_gateway.service import GatewayService
+    from tests.test_gateway_service import BB, SPEC, TCFG, blocks, chain, node_cfg
+
+    cfg = node_cfg(tmp_path)
+    async with GatewayService(cfg, "gw0", spec=SPEC) as gw, PageTransport(TCFG, "req") as tr:
+        arena = np.zeros(8 * MIB, np.uint8)
+        client = GatewayClient.connect(cfg.rpc, "127.0.0.1", gw.rpc_port, tr, arena, SPEC,
+                                       node_id="req")
+        try:
+            keys, data = chain(6), blocks(6)
+            parts = [[b[:BB // 3], b[BB // 3:]] for b in data]   # a block from two slices
+            done = await client.write_blocks("w1", keys, parts, 10.0)
+            assert done.written == 6
+            stats = gw.counters()
+            assert stats["transport_shm_bytes_received"] == 6 * BB
+            assert stats["transport_messages_received"] == 0
+            assert tr.stats()["gathered_bytes"] == 0 and tr.stats()["shm_transfers_sent"] == 1
+            reply = await client.read_blocks("r1", keys, block_slots(0, BB, 6), 10.0)
+            assert reply.found == [True] * 6
+            for i in range(6):
+                assert np.array_equal(arena[i * BB:(i + 1) * BB], data[i])
+        finally:
+            await client.close()
+        assert gw.staging.pool.used_pages == 0, "staging leaked"

@@ -227,6 +227,36 @@ async def test_sender_killed_mid_copy_leaves_the_survivor_serving(pools):
         assert t.stats()["shm_transfers_received"] == 1
 
 
+async def test_receiver_giving_up_mid_copy_stops_the_sender(pools):
+    """A receive cancelled while the (slowed) sender copies: the cancel returns only once the
+    copy stopped (the fence), no slot after that is written, and the sender fails typed."""
+    pool = pools[0]
+    async with PageTransport(TransportConfig(**CFG), "receiver", shm_arena=pool.arena) as t:
+        peer = PeerProc({**CFG, "slow_copy_s": 0.05})
+        try:
+            alloc = pool.alloc(64 * PAGE, "cancelled")
+            base = alloc.slots()[0][0]
+            slots = [(base + i * PAGE, PAGE) for i in range(64)]
+            pool.arena[base:base + 64 * PAGE] = 0
+            tid = t.new_transfer_id()
+            handle = await t.expect(peer.address, tid, pool.arena, slots, 30.0)
+            sent = peer.call("send", peer=list(t.address), tid=tid, slots=slots, seed=11,
+                             deadline=30.0)
+            first = pool.arena[base:base + PAGE]
+            await until(lambda: first.any(), 20.0, "the sender's copy started")
+            await handle.cancel()
+            assert t.stats()["shm_fences"] == 1 and t.stats()["shm_fences_not_settled"] == 0
+            after = pool.arena[base:base + 64 * PAGE].copy()
+            reply = await asyncio.wrap_future(sent["done"])
+            assert not reply["ok"] and reply["error"] == "PeerFailed", reply
+            assert np.array_equal(pool.arena[base:base + 64 * PAGE], after), \
+                "the sender wrote after the receiver's cancel returned"
+            assert not pool.arena[base + 63 * PAGE:base + 64 * PAGE].any()
+            alloc.free()
+        finally:
+            peer.close()
+
+
 async def test_receiver_killed_fails_the_send_typed(pools):
     """A receiver that dies after posting: the survivor's send fails typed, the dead peer's
     segment is unmapped, and the survivor sends to the next peer."""

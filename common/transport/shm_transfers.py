@@ -48,6 +48,7 @@ _RING = 8                  # control receives kept posted
 _EARLY_READY = 4096        # READYs kept for sends that have not started
 _FENCED = 4096             # given-up transfer ids whose fence this side keeps
 _FENCE_POLL_S = 0.001
+_SETTLE_S = 5.0            # bound on a give-up waiting for a copy to stop (as transfers')
 _COUNTS = ("shm_transfers_sent", "shm_transfers_received", "shm_bytes_sent",
            "shm_bytes_received", "shm_pieces_copied", "shm_transfers_tag_fallback",
            "shm_commits_dropped", "shm_ready_dropped", "shm_fences", "shm_fences_not_settled",
@@ -74,6 +75,7 @@ class ShmTransfers:
         self._early: collections.OrderedDict[tuple[int, int], Control] = \
             collections.OrderedDict()
         self._fenced: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._copying: dict[Link, set[threading.Event]] = {}    # copies running, per link
         self._copier = concurrent.futures.ThreadPoolExecutor(2, "dualpath-shm-copy")
         self._open = True
         progress.hooks.append(self._on_round)
@@ -150,7 +152,10 @@ class ShmTransfers:
         return req
 
     def _link_down(self, link: Link) -> None:
-        """Fail every wait on ``link`` now (a READY or COMMIT it will never bring)."""
+        """Fail every wait on ``link`` now (a READY or COMMIT it will never bring) and stop
+        the copies to its peer at their next piece (its receiver may have given them up)."""
+        for stop in self._copying.get(link, ()):
+            stop.set()
         for table in (self._commits, self._ready):
             for lk, fut in list(table.values()):
                 if lk is link and not fut.done():
@@ -196,13 +201,18 @@ class ShmTransfers:
         self._commits.pop(rx.transfer_id, None)
         if self.segment is None or rx.transfer_id in self._fenced:
             return
-        fence, end = self.segment.fence, time.monotonic() + 5.0
-        while not fence.try_exclusive(rx.transfer_id):
-            if time.monotonic() > end:   # a sender stopped mid-copy: as a tag receive that
-                self.counts["shm_fences_not_settled"] += 1      # never settles (transfers)
-                log.error("shm_fence_not_settled", transfer_id=rx.transfer_id)
-                return
-            await asyncio.sleep(_FENCE_POLL_S)
+        fence, end = self.segment.fence, time.monotonic() + _SETTLE_S
+        if not fence.try_exclusive(rx.transfer_id):
+            # a copy runs: abort the link, so the sender stops at its next piece (its link
+            # goes down) rather than finish a transfer nobody waits for
+            self._links.abort(rx.link, f"receive of transfer {rx.transfer_id} given up "
+                                       "mid-copy")
+            while not fence.try_exclusive(rx.transfer_id):
+                if time.monotonic() > end:  # a sender stopped mid-copy: as a tag receive
+                    self.counts["shm_fences_not_settled"] += 1   # that never settles
+                    log.error("shm_fence_not_settled", transfer_id=rx.transfer_id)
+                    return
+                await asyncio.sleep(_FENCE_POLL_S)
         self.counts["shm_fences"] += 1
         self._fenced[rx.transfer_id] = None
         while len(self._fenced) > _FENCED:
@@ -238,7 +248,7 @@ class ShmTransfers:
         if ready.offset + ready.span > peer.nbytes:
             raise ProtocolError(f"transfer {tid}: arena [{ready.offset}, +{ready.span}) lies "
                                 f"outside the peer's segment of {peer.nbytes} B")
-        pieces = await self._copy(peer, tid, src, slots, ready)
+        pieces = await self._copy(link, peer, tid, src, slots, ready)
         if not link.usable:
             raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
         req = self._send_control(link, Control(COMMIT, tid, self.nonce, tx.nbytes, digest,
@@ -252,7 +262,7 @@ class ShmTransfers:
         self.counts["shm_bytes_sent"] += tx.nbytes
         self.counts["shm_pieces_copied"] += pieces
 
-    async def _copy(self, peer: Any, tid: int, src: Sequence[Any],
+    async def _copy(self, link: Link, peer: Any, tid: int, src: Sequence[Any],
                     slots: Sequence[tuple[int, int]], ready: Control) -> int:
         """The copy, in a worker thread, under the fence; a cancelled caller waits for the
         thread to stop (between two pieces) before the fence is released."""
@@ -263,10 +273,15 @@ class ShmTransfers:
                 self.counts["shm_sends_refused"] += 1
                 raise PeerFailed(f"transfer {tid}: the receiver gave it up before the copy")
             stop = threading.Event()
+            copying = self._copying.setdefault(link, set())
+            copying.add(stop)
             dst = peer.array[ready.offset:ready.offset + ready.span]
             job = self._loop.run_in_executor(self._copier, copy_stream, src, dst, slots, stop)
             try:
-                return await asyncio.shield(job)
+                pieces = await asyncio.shield(job)
+                if stop.is_set():
+                    raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
+                return pieces
             except BaseException:
                 stop.set()
                 while not job.done():
@@ -277,6 +292,9 @@ class ShmTransfers:
                 raise
             finally:
                 peer.fence.release(tid)
+                copying.discard(stop)
+                if not copying:
+                    self._copying.pop(link, None)
         finally:
             peer.release()
 

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import threading
 import time
 
 import msgspec
@@ -24,7 +25,7 @@ from common.errors import DeadlineExceeded, PeerFailed, Unavailable
 from common.transport import PageTransport
 from common.transport.plan import (HELLO_BYTES, TransferHello, decode_hello, encode_hello,
                                    shm_link)
-from common.transport.shm_path import COMMIT, Control
+from common.transport.shm_path import COMMIT, Control, Fence, copy_stream, slots_digest
 from tests.helpers import until
 from tests.test_transport import PeerProc, gapped
 from tests.transport_peer import gather, pattern, split_views
@@ -63,6 +64,42 @@ async def move(rx: PageTransport, tx: PageTransport, arena: np.ndarray, slots, s
     await tx.send(rx.address, tid, split_views(data, split), slots, 10.0)
     await handle.wait()
     assert np.array_equal(gather(arena, slots), data)
+
+
+# ---------------------------------------------------------------- pure parts
+
+def test_fence_excludes_a_copy_and_a_give_up_across_open_files(tmp_path):
+    """Two opens of one file (two transports, even in one process) exclude each other."""
+    path = tmp_path / "seg"
+    path.write_bytes(b"\0" * 4096)
+    sender, receiver = (Fence(os.open(path, os.O_RDWR)) for _ in range(2))
+    try:
+        tid = (1 << 43) + 5                   # far beyond the end of the file
+        assert sender.try_share(tid)          # copying
+        assert not receiver.try_exclusive(tid)
+        sender.release(tid)
+        assert receiver.try_exclusive(tid)    # given up: no copy may start now
+        assert not sender.try_share(tid)
+        assert sender.try_share(tid + 1)      # other transfers are not affected
+        sender.close()                        # a closed (dead) sender holds nothing
+        assert receiver.try_exclusive(tid + 1)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_copy_stream_places_pieces_and_stops_between_them():
+    src = pattern(1, 10_000)
+    views = split_views(src, 4)
+    slots = [(9000, 3000), (0, 5000), (20_000, 2000)]
+    dst = np.zeros(30_000, np.uint8)
+    pieces = copy_stream(views, dst, slots, threading.Event())
+    assert np.array_equal(gather(dst, slots), src) and pieces >= 3
+    stop = threading.Event()
+    stop.set()
+    assert copy_stream(views, np.zeros(30_000, np.uint8), slots, stop) == 0
+    assert slots_digest(slots) == slots_digest([*slots[:1], (5, 0), *slots[1:]])
+    assert slots_digest(slots) != slots_digest(slots[::-1])
 
 
 # ---------------------------------------------------------------- in one process

@@ -26,7 +26,7 @@ from common.shm import SHM_DIR, ShmUnavailable
 from common.transport.plan import (HELLO_BYTES, HELLO_VERSION, TransferHello, check_same_plan,
                                    decode_hello, encode_hello, fit_hello, shm_link,
                                    single_copy_link)
-from common.transport.shm_path import LocalSegment, PeerSegment
+from common.transport.shm_path import LocalSegment, PeerSegment, PeerSegments
 from common.transport.ucx import Link, Peer, claim_progress, ucxx
 from common.transport.ucx_env import (WorkerProgress, local_host_id, local_process_id,
                                       process_gone)
@@ -58,7 +58,7 @@ class Links:
         self._host_id = local_host_id()
         # the one-copy path: whether we speak it, the segment we receive into, our name
         self._shm, self._segment, self._shm_nonce = cfg.same_host == "shm", segment, shm_nonce
-        self._peer_segments: dict[str, PeerSegment] = {}   # name -> mapping (sends into it)
+        self._peer_segments = PeerSegments(SHM_DIR)          # the peers' we send into
         self.down_hooks: list[Callable[[Link], None]] = []  # a link went down (shm waits)
         self.up_hooks: list[Callable[[], None]] = []         # a link registered (shm control)
         self._process_id = local_process_id()
@@ -111,9 +111,7 @@ class Links:
         for ep in self._data_eps.values():
             ep.abort()
         self._data_eps.clear()
-        for seg in self._peer_segments.values():
-            seg.close()
-        self._peer_segments.clear()
+        self._peer_segments.close()
         if self._listener is not None:
             self._listener.close()
         self._listener = self._ctx = None
@@ -190,6 +188,7 @@ class Links:
         except (TimeoutError, ProtocolError, u.Error, OSError, RuntimeError) as e:
             if ep is not None:
                 ep.abort()
+            self._prune_segments()
             if isinstance(e, ProtocolError):
                 raise
             if loop.time() >= deadline_at:
@@ -222,12 +221,15 @@ class Links:
         except (TimeoutError, ProtocolError, Unavailable, ucxx().Error) as e:
             log.warning("peer_handshake_failed", error=repr(e))
             ep.abort()
+            self._prune_segments()
         finally:
             self._handshaking.discard(ep)
 
     def _new_link(self, addr: Peer, ep: Any, hello: TransferHello,
                   shm_out: PeerSegment | None = None, shm_in: bool = False) -> Link:
         single = single_copy_link(self._hello(), hello)
+        if shm_out is not None and shm_out.closing:  # let go while this handshake ran
+            shm_out = self._map_peer(hello)
         return Link(addr, ep, hello.node_id, single_copy=single,
                     peer_worker_address=hello.worker_address if single else b"",
                     peer_process=hello.process, shm_out=shm_out, shm_in=shm_in,
@@ -259,32 +261,22 @@ class Links:
         await self._wait_one(ep._ep.tag_send(u.Array(mine), u.Tag(ep._tags["msg_send"])), mine)
 
     def _map_peer(self, hello: TransferHello) -> PeerSegment | None:
-        seg = self._peer_segments.get(hello.shm_segment)
-        if seg is not None:
-            return seg
         try:
-            seg = PeerSegment(hello.shm_segment, hello.shm_bytes, SHM_DIR)
+            return self._peer_segments.map(hello.shm_segment, hello.shm_bytes)
         except (ShmUnavailable, InvalidArgument, OSError) as e:  # e.g. another /dev/shm
             log.info("shm_peer_segment_unavailable", peer=hello.node_id, error=str(e))
             return None
-        self._peer_segments[hello.shm_segment] = seg
-        return seg
 
-    def _let_go_segment(self, link: Link) -> None:
-        """A link went down: unmap its peer's segment unless another live link uses it (a
-        dead peer's segment must not stay mapped: its pages would live on in /dev/shm)."""
-        seg: PeerSegment | None = link.shm_out
-        if seg is None or any(other.usable and other.shm_out is seg
-                              for other in self._all_links if other is not link):
-            return
-        if self._peer_segments.get(seg.name) is seg:
-            del self._peer_segments[seg.name]
-        seg.close()
+    def _prune_segments(self) -> None:
+        """Unmap the peers' segments no usable link sends into (a link went down, or a
+        handshake that mapped one failed)."""
+        self._peer_segments.keep_only({link.shm_out.name for link in self._all_links
+                                       if link.usable and link.shm_out is not None})
 
     def _link_down(self, link: Link) -> None:
         for hook in self.down_hooks:
             hook(link)
-        self._let_go_segment(link)
+        self._prune_segments()
 
     async def _open_data_ep(self, link: Link) -> None:
         """Make the single-copy endpoint to the link's peer worker now (see the package doc)."""

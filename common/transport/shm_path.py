@@ -191,6 +191,10 @@ class PeerSegment:
         self.name, self.nbytes, self.fence = name, nbytes, Fence(fd)
         self._users, self._closing = 0, False
 
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
     def acquire(self) -> bool:
         """A copy starts (False once let go: the fence's file is closing)."""
         if self._closing:
@@ -210,3 +214,33 @@ class PeerSegment:
         self._closing = True
         if not self._users:
             self.fence.close()
+
+
+class PeerSegments:
+    """The peers' segments this transport has mapped, by name (several links to one peer
+    share one mapping). A segment no usable link uses is let go at once: a dead peer's
+    pages would otherwise live on in /dev/shm as long as we map them."""
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        self._maps: dict[str, PeerSegment] = {}
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def map(self, name: str, nbytes: int) -> PeerSegment:
+        """The mapping of ``name`` (made now if new); ShmUnavailable, InvalidArgument,
+        OSError when it cannot be mapped from here."""
+        seg = self._maps.get(name)
+        if seg is None:
+            seg = self._maps[name] = PeerSegment(name, nbytes, self._directory)
+        return seg
+
+    def keep_only(self, used: set[str]) -> None:
+        """Let go of every mapping whose name is not in ``used`` (the live links' ones)."""
+        for name in [n for n in self._maps if n not in used]:
+            self._maps.pop(name).close()
+
+    def close(self) -> None:
+        self.keep_only(set())
+

@@ -72,9 +72,10 @@ class NodeBase(Service):
         if n <= 0:
             raise InvalidArgument(f"a node needs at least one engine, got {n}")
         self.engine_ids = [f"{node_id}.e{i}" for i in range(n)]
-        shm = (cfg.gateway.shm and bool(settings.gateway_port)) or bool(settings.engine_socket)
+        shm = (cfg.gateway.shm and bool(settings.gateway_port)) or bool(settings.engine_socket) \
+            or cfg.transport.same_host == "shm"
         self.pool = PagePool(settings.page_bytes, settings.num_pages, settings.device, pool_name,
-                             shm=shm)      # same-host reads, engines in other processes
+                             shm=shm)  # same-host reads and transfers, engines in other processes
         self.regions = RegionPool(self.pool)
         self.arbiter = EgressArbiter(cfg.arbiter)
         # engines' announced collectives hold the arbiter's KV cap (the ports get this)
@@ -103,7 +104,7 @@ class NodeBase(Service):
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
         s = self.settings
-        self.transport = PageTransport(self.cfg.transport, self.node_id)
+        self.transport = PageTransport(self.cfg.transport, self.node_id, shm_arena=self.pool.arena)
         await self.transport.start()
         self.gateways = NodeGateways(
             self.cfg.rpc, self.transport, self.pool.arena, self.spec, node_id=self.node_id,

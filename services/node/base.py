@@ -166,12 +166,15 @@ class NodeBase(Service):
                 return att.engine_id
         return None
 
-    def _abandon(self, request_id: str, engine_id: str, err: DualpathError) -> bool:
-        """Engine ``engine_id`` will not claim ``request_id``: fail its live attempts of it now
-        (each reports ``failed``, retryable), so the scheduler re-plans at once."""
+    def _abandon(self, request_id: str, engine_id: str, err: DualpathError,
+                 attempt: int | None = None) -> bool:
+        """Engine ``engine_id`` will not claim ``request_id`` (its attempt ``attempt``, when
+        given): fail its live attempts of it now (each reports ``failed``, retryable), so the
+        scheduler re-plans at once."""
         found = False
-        for (rid, _), att in list(self.attempts.items()):
-            if rid == request_id and att.engine_id == engine_id and not att.dropped():
+        for (rid, number), att in list(self.attempts.items()):
+            if rid == request_id and att.engine_id == engine_id and not att.dropped() and (
+                    attempt is None or number == attempt):
                 self.counters["attempts_abandoned_by_engine"] += 1
                 att.engine_gave_up(err)
                 found = True

@@ -27,6 +27,9 @@ from tools.proc_group import end_group_blocking, group_pids, group_segments
 from tools.vllm_engines import REPO, VLLM_PYTHON
 from tools.vllm_serve import instance_port, runbook
 
+# `cluster status` configures logging onto the captured stderr: put it back after each test
+pytestmark = pytest.mark.usefixtures("keep_logging")
+
 CONFIG_1P2D = REPO / "configs" / "vllm-1p2d.toml"
 
 

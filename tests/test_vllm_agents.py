@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import until
 from tests.vllm_env import require_vllm
 from tools.cluster.config import free_port
 from tools.cluster.inprocess import local_datapath
@@ -117,12 +119,16 @@ def bytes_read(c) -> dict[str, float]:
     return {n: g.counters().get("bytes_read", 0.0) for n, g in c.gateways.items()}
 
 
-async def agents(c, front_url: str, plain_url: str, model: str) -> dict[str, Any]:
-    """The concurrent phase: ``SESSIONS`` sessions x ``TURNS`` turns at once, every check of
-    the module docstring; returns the turns and the measured figures (also printed)."""
+async def agents(c, front_url: str, urls: dict[str, str], model: str) -> dict[str, Any]:
+    """The concurrent phase over the instances ``urls`` (engine id → URL; the prefill one
+    ``p0.e0`` also gives the references): ``SESSIONS`` sessions x ``TURNS`` turns at once,
+    every check of the module docstring; returns the turns and the measured figures (also
+    printed)."""
+    plain_url = urls["p0.e0"]
     texts = [await tokenize(plain_url, model, session_text(s)) for s in range(SESSIONS)]
     assert all(len(ids) > FIRST + TURNS * APPEND for ids in texts)
     before = bytes_read(c)
+    counted = {e: await connector_counters(u) for e, u in urls.items()}
     loop = asyncio.get_running_loop()
     turns: list[Turn] = []
     with ThreadPoolExecutor(max_workers=SESSIONS) as pool:
@@ -148,6 +154,11 @@ async def agents(c, front_url: str, plain_url: str, model: str) -> dict[str, Any
     assert all(h % bt == 0 for h in hits), hits
     read = {n: after[n] - before[n] for n in after}
     assert sum(read.values()) == sum(hits) // bt * c.spec.full_block_bytes, (read, hits)
+    await connector_check(urls, counted, len(turns))
+    # every attempt ended on the nodes and gave its buffer pages back
+    await until(lambda: not any(c.leaks().values())
+                and not any(n.attempts for n in c.nodes.values()), timeout=60,
+                what=lambda: f"node pools empty after the phase (pages held {c.leaks()})")
     figures = timeline(turns)
     assert figures["max_in_flight"] >= 2, figures
     assert figures["tokens_during_loads"] > 0, figures
@@ -155,6 +166,42 @@ async def agents(c, front_url: str, plain_url: str, model: str) -> dict[str, Any
     print(f"\nmany agents at once ({SESSIONS} sessions x {TURNS} turns): "
           f"{json.dumps(figures, sort_keys=True)}")
     return {"turns": turns, **figures}
+
+
+async def connector_counters(url: str) -> dict[str, float]:
+    """The connector's counters on one instance's vLLM ``/metrics`` (docs/vllm.md
+    "Metrics"), summed over their labels."""
+    status, body = await ahttp("GET", f"{url}/metrics")
+    assert status == 200
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for sample in fam.samples:
+            if sample.name.startswith("dualpath_engine_"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+async def connector_check(urls: dict[str, str], before: dict[str, dict[str, float]],
+                          requests: int) -> None:
+    """What each instance's connector did over the phase: every request claimed on its
+    prefill and on its decode instance, no load error and no recompute fallback. The output
+    checks alone would not see a fallback (vLLM then recomputes, and its output is the
+    same). vLLM publishes the counters with its step outputs: poll until the claims show."""
+    def delta(now: dict[str, dict[str, float]], name: str, role: str) -> float:
+        return sum(now[e].get(name, 0.0) - before[e].get(name, 0.0)
+                   for e in urls if e.startswith(role))
+
+    now: dict[str, dict[str, float]] = {}
+    for _ in range(100):
+        now = {e: await connector_counters(u) for e, u in urls.items()}
+        if all(delta(now, "dualpath_engine_claim_waits_total", r) >= requests for r in "pd"):
+            break
+        await asyncio.sleep(0.2)
+    for role in "pd":
+        assert delta(now, "dualpath_engine_claim_waits_total", role) >= requests, (before, now)
+        for bad in ("dualpath_engine_load_errors_total",
+                    "dualpath_engine_recompute_fallbacks_total"):
+            assert delta(now, bad, role) == 0, (role, bad, before, now)
 
 
 def timeline(turns: list[Turn]) -> dict[str, Any]:
@@ -209,7 +256,7 @@ async def test_agents_at_once_on_1p2d(tmp_path):
             await wait_healthy(urls.values())
             front_proc, front_url = await front(model, c.scheduler.port, urls, tmp_path)
             procs.append(front_proc)
-            got = await agents(c, front_url, urls["p0.e0"], str(model))
+            got = await agents(c, front_url, urls, str(model))
         finally:
             for p in procs:
                 await stop(p)

@@ -68,7 +68,7 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
             assert got["stop"]["text"] and got["refused"] == {"n=2": "unsupported_parameter"}
             await conversation(front_url, urls["p0.e0"], str(model))
             # many agents at once on the same 1P1D cluster (tests/test_vllm_agents.py)
-            await agents(c, front_url, urls["p0.e0"], str(model))
+            await agents(c, front_url, urls, str(model))
             await connector_metrics(urls)
         finally:
             for p in procs:

@@ -16,11 +16,15 @@ stays idle: cheaper here than a fourth instance, and tests/test_vllm_dualpath.py
 strictly separate plain instance); from turn 2 the dualpath hit is >= 90 % of the prompt. Over
 the phase: the bytes the storage gateways read equal the hit blocks x Full Block bytes of the
 phase's requests (every hit is read once from storage, on its read side, and nothing else is
-read), at least two requests were observed in flight at once, and running requests received
-tokens while another request was loading (between its submission and its first token) — the
-structural form of "the batch is not stalled by another request's load"; the decode step gaps
-(time between a running request's consecutive chunks) are printed, p50/p99, overall and for the
-gaps that overlapped another request's load. No timed assertion: speed belongs to the benches.
+read, as tests/test_vllm_dualpath.py checks per turn); each instance's connector counters
+(vLLM ``/metrics``) show every request claimed on both roles, no load error and no recompute
+fallback (the output checks alone would not see a fallback: vLLM then recomputes, and its
+output is the same); the nodes' buffers drain; at least two requests were observed in flight
+at once, and running requests received tokens while another request was loading (between
+its submission and its first token) — the structural form of "the batch is not stalled by
+another request's load"; the decode step gaps (time between a running request's consecutive
+chunks) are printed, p50/p99, overall and for the gaps that overlapped another request's
+load. No timed assertion: speed belongs to the benches.
 """
 
 from __future__ import annotations

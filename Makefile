@@ -107,7 +107,7 @@ PIP_FIND_LINKS_DIRS := $(shell $(PYTHON) -m pip config get global.find-links 2>/
 VLLM_TORCH_WHEEL := $(wildcard $(addsuffix /torch-2.13.0+cpu-*.whl,$(PIP_FIND_LINKS_DIRS)))
 VLLM_TORCH_INDEX ?= $(if $(VLLM_TORCH_WHEEL),,https://download.pytorch.org/whl/cpu)
 
-.PHONY: vllm-env vllm-model test-vllm demo-vllm
+.PHONY: vllm-env vllm-model test-vllm demo-vllm aiperf-env aiperf-front
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -128,6 +128,18 @@ vllm-model: $(VLLM_STAMP)
 # vs recomputed, outputs compared (tools/demo_vllm.py)
 demo-vllm: vllm-model $(STAMP)
 	$(VENV)/bin/dualpath demo --engine vllm
+
+# AIPerf 0.13's multi-turn chat benchmark against the front of a real-engine cluster
+# (tools/aiperf_front.py; docs/vllm.md "AIPerf"); AIPerf in its own venv (1.2 GB, ~1 min)
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed-aiperf
+$(AIPERF_STAMP):
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q 'aiperf==0.13.0'
+	touch $(AIPERF_STAMP)
+aiperf-env: $(AIPERF_STAMP)
+aiperf-front: vllm-model $(AIPERF_STAMP) $(STAMP)
+	$(PY) -m tools.aiperf_front --aiperf $(AIPERF_VENV)/bin/aiperf
 
 # the real-engine tests (tests/test_vllm_*.py) with the env and model in place
 test-vllm: vllm-model $(STAMP)

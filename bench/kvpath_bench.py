@@ -1,10 +1,14 @@
 """``dualpath bench kvpath``: the KV page path between two processes vs a memcpy from memory.
 
 Two processes on one host: this one receives (and times), a child (``--child``) sends, both
-over a ``PageTransport`` with the production defaults (``TransportConfig()``: the ``tag`` path,
-UCX shared memory between the processes, the opt-in single-copy endpoint off). A transfer is
-``PAGES`` pages of 1 MiB, 8 in flight, into slots with a 4 KiB gap between pages (so no two
-pages merge into one message: every page is its own UCX message, as pool pages are).
+over a ``PageTransport`` with the production defaults (``TransportConfig()``). Two receivers,
+two rows: ``shm``, the production default between processes of one host (the receiver's arena
+is a ``/dev/shm`` segment, as node pools are: the sender copies each page straight into it,
+one memcpy in a worker thread, one COMMIT per transfer), and ``tag`` (a receiver with
+``same_host = "ucx"`` and a private arena: UCX tag messages over UCX shared memory, two copies;
+the opt-in single-copy endpoint off). A transfer is ``PAGES`` pages of 1 MiB (8 in flight on
+``tag``) into slots with a 4 KiB gap between pages (so no two pages merge into one message:
+every page is its own UCX message or copy, as pool pages are).
 
 Baseline, measured in the same run and interleaved with the page phases: ``np.copyto`` of the
 same bytes, 1 MiB at a time, between two buffer sets four times the last-level cache, visited
@@ -14,10 +18,11 @@ Sender and receiver rotate over as many regions, for the same reason.
 
 ``verified``: after each timed phase, every destination region is compared (xxh3) with the
 source the sender last put there; the bytes so checked are reported, and a mismatch fails the
-run. Rows ``tag`` (the production page path); again with a third process busy on one core
-(``busy``). Also 4 KiB pages/s (the production defaults pack small non-contiguous pages).
+run. Rows ``shm`` and ``tag``; again with a third process busy on one core (``busy``). Also
+4 KiB pages/s (``tag`` packs small non-contiguous pages; ``shm`` copies each one).
 
-Headline ``kv_path_vs_memcpy``: the median of the per-rep ratios page path ÷ memcpy (paired,
+Headline ``kv_path_vs_memcpy``: the ``shm`` row (the production default path where it
+applies): the median of the per-rep ratios page path ÷ memcpy (paired,
 so a noisy moment on this shared 2-core host hits both sides of a pair); goal 0.80, and 0.60
 with the busy core (reported beside it, against the memcpy measured under the same load).
 """
@@ -42,6 +47,7 @@ from bench.report import bench_parser, headline, print_table, read_json, send_js
 from common.config import TransportConfig
 from common.logging import configure_logging
 from common.service import run
+from common.shm import ShmSegment
 from common.transport import PageTransport
 
 KIB, MIB = 1024, 1024 * 1024
@@ -98,39 +104,67 @@ async def child_main() -> None:
 
 # ---------------------------------------------------------------- parent (receiver)
 
-class Receiver:
-    """The receiving process: its transport, REGIONS destination regions, the child sender."""
+class Sender:
+    """The child process that sends (one transport, to either receiver)."""
 
     def __init__(self) -> None:
-        self.transport = PageTransport(TransportConfig(), "bench-kvpath-receiver")
-        self.span = region_bytes(PAGE, PAGES)
-        self.arena = np.zeros(REGIONS * self.span, np.uint8)
         self.child: subprocess.Popen | None = None
         self.peer: tuple[str, int] = ("", 0)
+
+    async def __aenter__(self) -> Sender:
+        self.child = subprocess.Popen([sys.executable, "-m", "bench.kvpath_bench", "--child"],
+                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True)
+        self.peer = tuple((await read_json(self.child, "sender"))["address"])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.child is None:
+            return
+        try:
+            if self.child.poll() is None:
+                send_json(self.child, {"op": "exit"})
+                self.child.wait(timeout=20)
+        finally:
+            if self.child.poll() is None:
+                self.child.kill()
+                self.child.wait()
+
+
+class Receiver:
+    """One receiving transport of this process and its REGIONS destination regions: ``shm``
+    (a /dev/shm arena the sender copies into) or ``tag`` (private memory, UCX messages)."""
+
+    def __init__(self, path: str, sender: Sender, expected: list[int]) -> None:
+        self.path, self.sender, self.expected = path, sender, expected
+        self.span = region_bytes(PAGE, PAGES)
+        self.segment = ShmSegment.create(REGIONS * self.span) if path == "shm" else None
+        self.arena = self.segment.array if self.segment is not None \
+            else np.zeros(REGIONS * self.span, np.uint8)
+        cfg = TransportConfig() if path == "shm" else TransportConfig(same_host="ucx")
+        self.transport = PageTransport(cfg, f"bench-kvpath-receiver-{path}",
+                                       shm_arena=self.arena if self.segment else None)
         self.sent = 0                      # transfers so far: region of the next = sent % REGIONS
         self.last: dict[int, int] = {}     # destination region → source region last put there
         self.verified = 0
 
     async def __aenter__(self) -> Receiver:
         await self.transport.start()
-        self.child = subprocess.Popen([sys.executable, "-m", "bench.kvpath_bench", "--child"],
-                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True)
-        self.peer = tuple((await read_json(self.child, "sender"))["address"])
-        self.expected = [xxhash.xxh3_64_intdigest(source_region(r, PAGES * PAGE))
-                         for r in range(REGIONS)]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        try:
-            if self.child is not None and self.child.poll() is None:
-                send_json(self.child, {"op": "exit"})
-                self.child.wait(timeout=20)
-        finally:
-            if self.child is not None and self.child.poll() is None:
-                self.child.kill()
-                self.child.wait()
-            await self.transport.stop()
+        await self.transport.stop()
+        if self.segment is not None:
+            self.segment.close()
+
+    @property
+    def child(self) -> subprocess.Popen:
+        assert self.sender.child is not None
+        return self.sender.child
+
+    @property
+    def peer(self) -> tuple[str, int]:
+        return self.sender.peer
 
     async def transfers(self, size: int, count: int, n: int) -> float:
         """Seconds for ``n`` transfers of ``count`` pages of ``size``, each into the next region."""
@@ -224,30 +258,46 @@ async def measure(quick: bool) -> list[dict]:
     n = REGIONS * (1 if quick else 2)            # transfers per phase
     nbytes = n * PAGES * PAGE
     copy = Memcpy()
+    expected = [xxhash.xxh3_64_intdigest(source_region(r, PAGES * PAGE)) for r in range(REGIONS)]
     rows = []
-    async with Receiver() as rx:
+    async with Sender() as sender, Receiver("shm", sender, expected) as shm, \
+            Receiver("tag", sender, expected) as tag:
         for load in ("idle", "busy"):
             with Spinner() if load == "busy" else contextlib.nullcontext():
                 await asyncio.sleep(0.2 if load == "busy" else 0)
-                checked = 0
-
-                async def page() -> float:
-                    nonlocal checked
-                    s = await rx.transfers(PAGE, PAGES, n)
-                    checked += rx.verify()           # outside the timed window
-                    return s
-
-                row = await paired(reps, page, lambda: copy.seconds(nbytes), nbytes)
-                small_pages = SMALL_PAGES * (4 if quick else 16)
-                small = min([await rx.transfers(SMALL, SMALL_PAGES, small_pages // SMALL_PAGES)
-                             for _ in range(3)])
-            rows.append({"path": "tag", "load": load, "page_bytes": PAGE, "inflight": INFLIGHT,
-                         **row, "verified": checked, "pages_per_s_4k": small_pages / small,
-                         "loadavg_1m": os.getloadavg()[0]})
-            print_table([rows[-1]], COLUMNS)
-        stats = rx.transport.stats()
-        rows[0]["single_copy_links"] = stats["single_copy_links"]
+                for rx in (shm, tag):
+                    rows.append(await measure_row(rx, load, reps, n, nbytes, copy, quick))
+                    print_table([rows[-1]], COLUMNS)
+        for rx in (shm, tag):
+            stats = rx.transport.stats()
+            row = next(r for r in rows if r["path"] == rx.path)
+            row["shm_links"] = stats["shm_links"]
+            row["shm_bytes_received"] = stats["shm_bytes_received"]
+            row["single_copy_links"] = stats["single_copy_links"]
+        if shm.transport.stats()["shm_transfers_received"] == 0:
+            raise RuntimeError("kvpath: the shm receiver got no transfer by shm: the default "
+                               "path did not apply between these two processes")
     return rows
+
+
+async def measure_row(rx: Receiver, load: str, reps: int, n: int, nbytes: int, copy: Memcpy,
+                      quick: bool) -> dict:
+    """One row: ``n`` transfers of 32 MiB per rep against memcpy, then 4 KiB pages/s."""
+    checked = 0
+
+    async def page() -> float:
+        nonlocal checked
+        s = await rx.transfers(PAGE, PAGES, n)
+        checked += rx.verify()           # outside the timed window
+        return s
+
+    row = await paired(reps, page, lambda: copy.seconds(nbytes), nbytes)
+    small_pages = SMALL_PAGES * (4 if quick else 16)
+    small = min([await rx.transfers(SMALL, SMALL_PAGES, small_pages // SMALL_PAGES)
+                 for _ in range(3)])
+    return {"path": rx.path, "load": load, "page_bytes": PAGE, "inflight": INFLIGHT, **row,
+            "verified": checked, "pages_per_s_4k": small_pages / small,
+            "loadavg_1m": os.getloadavg()[0]}
 
 
 COLUMNS = ["path", "load", "page_bytes", "inflight", "gbps", "memcpy_gbps", "vs_memcpy",
@@ -266,17 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(measure(args.quick))
     print()
     print_table(rows, COLUMNS)
-    idle = next(r for r in rows if r["load"] == "idle")
-    busy = next(r for r in rows if r["load"] == "busy")
+    idle = next(r for r in rows if r["load"] == "idle" and r["path"] == "shm")
+    busy = next(r for r in rows if r["load"] == "busy" and r["path"] == "shm")
+    tag = {r["load"]: r["vs_memcpy"] for r in rows if r["path"] == "tag"}
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"\n{time.perf_counter() - start:.1f} s, load average {load}; busy: "
           f"kv_path_vs_memcpy {busy['vs_memcpy']:.3g} (goal >= 0.60) — this host is shared: "
           "compare runs from an idle host")
     results = {"rows": rows, "kv_path_vs_memcpy_busy": busy["vs_memcpy"],
+               "tag_vs_memcpy": tag["idle"], "tag_vs_memcpy_busy": tag["busy"],
                "pages_per_s_4k": idle["pages_per_s_4k"], "quick": args.quick, "loadavg": load,
                "settings": {"page_bytes": PAGE, "inflight": INFLIGHT, "pages_per_transfer": PAGES,
                             "regions": REGIONS, "copy_set_bytes": COPY_SET,
-                            "transport": "TransportConfig() defaults (tag)",
+                            "transport": "TransportConfig() defaults: shm (headline), "
+                                         "and tag with same_host = 'ucx'",
                             "cpus": os.cpu_count()}}
     write_results(args.out, "kvpath", headline("kv_path_vs_memcpy", idle["vs_memcpy"], 0.80),
                   results)

@@ -113,6 +113,9 @@ class TransportConfig(Section, frozen=True):
     connect_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
     shared_memory: bool = True                  # sets UCX_{POSIX,SYSV}_ERROR_HANDLING=y
+    # same-host links: "shm" = the sender copies pages straight into the receiver's /dev/shm
+    # arena (one copy, docs/datapath.md "Same host: one copy"); "ucx" = UCX tag messages only
+    same_host: Literal["shm", "ucx"] = "shm"
 
 
 class BufferConfig(Section, frozen=True):

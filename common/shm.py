@@ -198,6 +198,38 @@ def segment_of(arr) -> tuple[ShmSegment, int] | None:
 
 # --------------------------------------------------------------------------- gateway side
 
+def open_segment(path: str, nbytes: int) -> tuple[np.ndarray, int]:
+    """Map another process's segment at ``path`` read-write: (its bytes, an open fd on it).
+
+    The checks of the module doc (a plain file with one link, our uid, exactly ``nbytes``).
+    The caller owns the fd (the page transport keeps it for its fence locks; the gateway
+    closes it at once). InvalidArgument: not a plain segment of that size; ShmUnavailable:
+    not reachable from here.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ShmUnavailable(f"{path} does not exist here (other host or container?)") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:                    # a symlink under that name
+            raise InvalidArgument(f"{path} is a symbolic link, not a segment") from None
+        raise ShmUnavailable(f"cannot open {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise InvalidArgument(f"{path} is not a plain shared-memory segment")
+        if st.st_uid != os.geteuid():
+            raise ShmUnavailable(f"{path} belongs to uid {st.st_uid}, this process runs as "
+                                 f"{os.geteuid()}")
+        if st.st_size != nbytes:
+            raise InvalidArgument(f"{path} holds {st.st_size} B, the peer says {nbytes} B")
+        mm = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return np.frombuffer(mm, dtype=np.uint8), fd
+
+
 @dataclass
 class _Mapping:
     dev: int
@@ -250,27 +282,12 @@ class ShmMappings:
         return m.array
 
     def _open(self, path: str, nbytes: int) -> _Mapping:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise ShmUnavailable(f"{path} does not exist here (other host or container?)") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:                    # a symlink under that name
-                raise InvalidArgument(f"{path} is a symbolic link, not a segment") from None
-            raise ShmUnavailable(f"cannot open {path}: {e.strerror}") from None
+        array, fd = open_segment(path, nbytes)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                raise InvalidArgument(f"{path} is not a plain shared-memory segment")
-            if st.st_uid != os.geteuid():
-                raise ShmUnavailable(f"{path} belongs to uid {st.st_uid}, the gateway runs as "
-                                     f"{os.geteuid()}")
-            if st.st_size != nbytes:
-                raise InvalidArgument(f"{path} holds {st.st_size} B, the request says {nbytes} B")
-            mm = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return _Mapping(st.st_dev, st.st_ino, nbytes, np.frombuffer(mm, dtype=np.uint8))
+        return _Mapping(st.st_dev, st.st_ino, nbytes, array)
 
     def _prune(self) -> None:
         """Drop mappings whose segment was unlinked or replaced (a requester that left)."""

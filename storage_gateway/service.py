@@ -194,11 +194,15 @@ class GatewayService(Service):
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
         svc = self.svc
+        # write-backs from same-host nodes are copied straight into staging (one copy) when
+        # it lives in /dev/shm (docs/datapath.md, "Same host: one copy")
         self._staging = AsyncPagePool(PagePool(
-            svc.staging_page_bytes, -(-svc.staging_bytes // svc.staging_page_bytes), name="staging"))
+            svc.staging_page_bytes, -(-svc.staging_bytes // svc.staging_page_bytes), name="staging",
+            shm=self.cfg.transport.same_host == "shm"))
         self._store = GatewayStore(self.cfg.gateway, self.spec)
         await self._store.start()
-        self._transport = PageTransport(self.cfg.transport, self.node_id)
+        self._transport = PageTransport(self.cfg.transport, self.node_id,
+                                        shm_arena=self._staging.pool.arena)
         await self._transport.start()
         self._rpc = RpcServer(self.cfg.rpc, service=SERVICE_NAME, node_id=self.node_id,
                               handlers=self.handlers(), request_type=GatewayRequest,
@@ -215,6 +219,8 @@ class GatewayService(Service):
         self.shm_maps.clear()
         if self._transport is not None:
             await self._transport.stop()
+        if self._staging is not None:
+            self._staging.pool.close()        # unlinks its /dev/shm segment, if any
         if self._store is not None:
             await self._store.close()
 

@@ -140,6 +140,41 @@ def test_a_service_that_fails_to_start_stops_the_others(tmp_path):
     assert not (tmp_path / "cluster" / "t1p1d" / STATE_FILE).exists()
 
 
+def test_a_killed_service_restarts_where_it_was_and_the_cluster_serves_again(tmp_path):
+    """SIGKILL the scheduler, a gateway and a DE loader; ``Launcher.restart`` starts each on
+    its old port (what a supervisor does), the node re-registers, and a conversation's second
+    turn still hits what the first stored."""
+    import os
+    import signal
+
+    from tools.cluster.config import load_data
+    launcher = Launcher(load_data(small_cluster(tmp_path), "c.toml", environ={}))
+    state = launcher.up()
+    try:
+        before = {p.name: p.rpc_port for p in state.procs}
+        for name in ("scheduler", "gateway:d0", "de_loader:d0"):
+            victim = state.proc(name)
+            os.kill(victim.pid, signal.SIGKILL)
+            assert gone([victim.pid]), name
+        with pytest.raises(Exception, match="still running"):
+            launcher.restart("pe_receiver:p0")
+        for name in ("gateway:d0", "scheduler", "de_loader:d0"):
+            again = launcher.restart(name)
+            assert again.rpc_port == before[name] and proc_start_ticks(again.pid)
+        with SyncSchedulerClient(*launcher.state.scheduler) as sched:
+            wait_until(lambda: {n.node_id for n in sched.cluster_status(timeout=5.0).nodes
+                                if n.engines} == {"p0", "d0"}, 30, "both nodes leased again")
+            toks = list(range(200))
+            first = sched.run("k0", "s", len(toks), 70, token_ids=toks, deadline_s=30)
+            assert isinstance(first, RequestFinished), first
+            toks = toks + first.output_token_ids + list(range(500, 530))
+            second = sched.run("k1", "s", len(toks), 8, token_ids=toks, deadline_s=30)
+            assert isinstance(second, RequestFinished), second
+            assert second.hit_tokens == (200 + 70 - 1) // 64 * 64
+    finally:
+        launcher.down()
+
+
 def test_the_embedded_cluster_checks_without_starting(capsys):
     assert cli.main(["check"]) == 0
     assert "1P2D" in capsys.readouterr().out

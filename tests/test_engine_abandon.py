@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from common.errors import InvalidArgument, NotFound
+from common.errors import Cancelled, InvalidArgument, NotFound
 from tests.helpers import until
 from tests.test_datapath import BT, no_leaks, plan, report, tokens
 from tests.test_engine_ipc import client, sockets
@@ -98,3 +98,33 @@ async def test_abandon_refusals_are_typed(tmp_path):
         finally:
             for e in (e0, e1):
                 await e.close()
+
+
+async def test_claims_and_give_ups_are_scoped_to_their_attempt(tmp_path):
+    """A frontend re-plans by sending the request to vLLM again: the earlier attempt's vLLM
+    request (still ending) must neither take the new attempt's plan nor fail it by giving up
+    (seen under real engines: every re-plan after a killed PE receiver or scheduler failed
+    'request ended in vLLM before its first step' until max_replans). A claim or give-up that
+    names its attempt only ever touches that attempt; one of a superseded attempt is refused
+    (claim: Cancelled at once) or a no-op (give-up), and the new attempt stays claimable."""
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides=sockets(tmp_path)) as c:
+        eng = await client(tmp_path)
+        pe = c.pe["p0"]
+        try:
+            pe.submit_plan(plan(c, "at1", tokens(2 * BT + 5, 8), 0, "none", deadline=DEADLINE,
+                                attempt=1))
+            await until(lambda: pe.engine_api.ports["p0.e0"].attempts_of("at1") == [1],
+                        what="attempt 1 queued at the engine's port")
+            with pytest.raises(Cancelled, match="superseded"):
+                await asyncio.wait_for(eng.claim_prefill("at1", 30.0, 0), 10.0)
+            await eng.abandon("at1", "the old request ended", 5.0, attempt=0)    # a no-op
+            with pytest.raises(NotFound):                 # attempt 2 is not planned (yet)
+                await asyncio.wait_for(eng.claim_prefill("at1", 0.3, 2), 10.0)
+            h = await eng.claim_prefill("at1", 5.0, 1)    # attempt 1 stood through all that
+            assert h.info.attempt == 1 and report(pe, "at1", "failed") is None
+            await h.fail("test gives up")
+            await failed_soon(pe, "at1")
+            await no_leaks(c)
+        finally:
+            await eng.close()

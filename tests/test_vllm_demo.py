@@ -1,7 +1,9 @@
 """``dualpath demo --engine vllm`` (``make demo-vllm``) end to end, small: two agents, two
 turns — real vLLM prefill and decode behind the front, every turn through dualpath and
 recomputed; the demo's own checks (outputs equal) decide its exit code, and its JSON says
-what it measured."""
+what it measured. The cluster is ``dualpath cluster up`` of ``configs/vllm-1p1d.toml``
+(tools/cluster/real_engines.py): every service, both vLLM instances and the front are separate
+processes, and none of the ``/dev/shm`` segments the instances mapped is left after they stop."""
 
 from __future__ import annotations
 
@@ -31,3 +33,9 @@ def test_demo_vllm_runs_agents_through_dualpath_and_compares_with_recompute(tmp_
     assert sum(s["read_sides"].values()) == 2                      # both turn-2 requests hit
     assert [r["hit"] for r in res["turns"] if r["turn"] == 0] == [0, 0]
     assert "TTFT dualpath s" in out.stdout
+    procs = s["processes"]
+    assert {"scheduler", "gateway:p0", "gateway:d0", "pe_receiver:p0", "de_loader:d0",
+            "vllm:p0.e0", "vllm:d0.e0", "front"} <= set(procs), procs
+    assert len(set(procs.values())) == len(procs)                  # one process each
+    assert s["shm_segments_of_instances"], "the vLLM instances mapped no /dev/shm segment?"
+    assert s["shm_left_after_stop"] == []

@@ -136,6 +136,8 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
         ref = json.loads(raw)["choices"][0]["token_ids"]
         dp = got["dualpath"]
         assert dp["token_ids"] == ref, f"turn {turn}: front output != plain vLLM"
+        # OpenAI's prompt-caching field carries the dualpath hit (what AIPerf reads)
+        assert got["usage"]["prompt_tokens_details"] == {"cached_tokens": dp["hit_tokens"]}
         if turn > 0:
             assert dp["hit_tokens"] >= 0.9 * len(prompt), f"turn {turn}: {dp}"
             assert dp["read_side"] in ("pe", "de")

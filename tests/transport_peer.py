@@ -6,7 +6,10 @@ same ``id``. Commands run concurrently. The first line printed is
 
 ops: ``send`` (peer, tid, slots, seed, nbytes?, split, deadline), ``new_id``, ``expect`` (peer,
 tid, arena_bytes, slots, deadline; replies ``posted`` and later the result with a digest of the
-received stream), ``stats``, ``exit``.
+received stream), ``stats``, ``exit``. With ``shm_arena_bytes`` in the config, ``expect`` receives
+into a ``/dev/shm`` arena of that size that the transport advertises (the one-copy path);
+``slow_copy_s`` sleeps that long between the slots of a one-copy send (so a test can kill this
+process mid-copy).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from common.config import TrafficClassConfig, TransportConfig
 from common.errors import DualpathError
 from common.logging import configure_logging
+from common.shm import ShmSegment
 from common.transport import PageTransport
 
 
@@ -48,8 +52,33 @@ def split_views(buf: np.ndarray, parts: int) -> list[np.ndarray]:
     return np.split(buf, cuts)
 
 
+def slow_down_copies(pause_s: float) -> None:
+    """Make one-copy sends of this process pause between slots (tests kill it mid-copy)."""
+    import threading
+    import time
+
+    from common.transport import shm_transfers
+
+    fast = shm_transfers.copy_stream
+
+    def slow(src, dst, slots, stop: threading.Event) -> int:
+        pieces, pos = 0, 0
+        stream = np.concatenate(list(src)) if len(src) > 1 else src[0]
+        for off, n in slots:
+            pieces += fast([stream[pos:pos + n]], dst, [(off, n)], stop)
+            pos += n
+            time.sleep(pause_s)
+            if stop.is_set():
+                break
+        return pieces
+
+    shm_transfers.copy_stream = slow  # type: ignore[assignment]
+
+
 def config_from_env() -> TransportConfig:
     raw = json.loads(os.environ.get("DUALPATH_TEST_TRANSPORT", "{}"))
+    raw.pop("shm_arena_bytes", None)
+    raw.pop("slow_copy_s", None)
     options = raw.pop("options", None)
     if options is not None:
         raw["traffic_classes"] = {"kv": TrafficClassConfig(options=options)}
@@ -57,8 +86,8 @@ def config_from_env() -> TransportConfig:
 
 
 class PeerServer:
-    def __init__(self, transport: PageTransport) -> None:
-        self.t = transport
+    def __init__(self, transport: PageTransport, shm_arena: np.ndarray | None = None) -> None:
+        self.t, self.shm_arena = transport, shm_arena
         self.tasks: set[asyncio.Task] = set()
         self.done = asyncio.Event()
 
@@ -87,7 +116,8 @@ class PeerServer:
 
     async def op_expect(self, cmd: dict) -> dict:
         slots = [tuple(s) for s in cmd["slots"]]
-        arena = np.zeros(cmd["arena_bytes"], np.uint8)
+        arena = np.zeros(cmd["arena_bytes"], np.uint8) if self.shm_arena is None \
+            else self.shm_arena[:cmd["arena_bytes"]]
         handle = await self.t.expect(tuple(cmd["peer"]), cmd["tid"], arena, slots,
                                      cmd.get("deadline", 10.0))
         self.reply({"id": cmd["id"], "event": "posted"})
@@ -107,8 +137,14 @@ async def serve() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    async with PageTransport(config_from_env(), f"peer-{os.getpid()}") as transport:
-        server = PeerServer(transport)
+    raw = json.loads(os.environ.get("DUALPATH_TEST_TRANSPORT", "{}"))
+    if raw.get("slow_copy_s"):
+        slow_down_copies(raw["slow_copy_s"])
+    shm_bytes = raw.get("shm_arena_bytes")
+    segment = ShmSegment.create(shm_bytes) if shm_bytes else None
+    arena = segment.array if segment is not None else None
+    async with PageTransport(config_from_env(), f"peer-{os.getpid()}", shm_arena=arena) as transport:
+        server = PeerServer(transport, arena)
         server.reply({"event": "ready", "address": list(transport.address), "pid": os.getpid()})
         while not server.done.is_set():
             line = await reader.readline()

@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import NoReturn
 
-from tools.vllm_engines import REPO, VLLM_PYTHON, kill_group, model_dir
+from tools.proc_group import end_group_blocking, group_segments
+from tools.vllm_engines import REPO, VLLM_PYTHON, model_dir
 from tests import helpers
 
 
@@ -42,8 +43,8 @@ def run_check(python: Path, *args: str, timeout: float = 1500,
                             env=env, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        kill_group(proc.pid)           # vLLM's engine processes outlive their parent otherwise
+    finally:                           # vLLM's engine processes outlive their parent otherwise
+        end_group_blocking(proc.pid, group_segments(proc.pid), grace_s=10.0)
         proc.wait()
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (

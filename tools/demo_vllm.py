@@ -1,9 +1,11 @@
 """``dualpath demo --engine vllm`` (``make demo-vllm``): real vLLM behind dualpath, in minutes.
 
-A local cluster — storage gateways on a directory, a PE receiver, a DE loader and the
-scheduler (policy ``dualpath``: it picks the read side) in this process; a vLLM prefill
-instance (DualPathConnector, kv_producer) and a decode instance (kv_consumer) as ``vllm
-serve`` processes on SmolLM2-135M (float32, docs/vllm.md); the OpenAI front — runs a few agents'
+``dualpath cluster up`` of a real-engine cluster file (``--config``, default
+``configs/vllm-1p1d.toml``, its fixed ports made free ones and its state in a temporary
+directory): storage gateways on a directory, a PE receiver, a DE loader and the scheduler
+(policy ``dualpath``: it picks the read side), a vLLM prefill instance (DualPathConnector,
+kv_producer) and a decode instance (kv_consumer) as vLLM OpenAI servers on SmolLM2-135M (float32,
+docs/vllm.md), and the OpenAI front — every one its own process — then a few agents'
 multi-turn conversations through the front. Every turn runs twice on the same prompt: through
 dualpath (the previous turns' KV loaded from storage by the side the scheduler chose) and with
 ``kv_loading: false`` (the same front sends it to the prefill instance without dualpath: vLLM
@@ -24,9 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.cluster.config import free_port
-from tools.vllm_serve import (ahttp, front, stop, tokenize, vllm_server,
-                              wait_healthy)
+from tools.vllm_serve import ahttp, tokenize
 
 GEN = 16
 APPEND = 40
@@ -39,10 +39,11 @@ def agent_text(agent: int) -> str:
                     for i in range(120))
 
 
-async def demo(agents: int, turns: int, first: int, out: Path) -> int:
-    from tools.cluster.inprocess import local_datapath
+async def demo(agents: int, turns: int, first: int, out: Path, config: str) -> int:
+    from tools.cluster.launcher import Launcher
+    from tools.cluster.real_engines import on_loopback
     from tools.tables import print_table
-    from tools.vllm_engines import PRESET, datapath_overrides, model_dir
+    from tools.vllm_engines import model_dir
 
     model = model_dir()
     if model is None:
@@ -52,29 +53,24 @@ async def demo(agents: int, turns: int, first: int, out: Path) -> int:
         return 2
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dualpath-demo-vllm-") as tmp_s:
-        tmp = Path(tmp_s)
-        overrides = datapath_overrides(tmp, scheduler={"model": PRESET, "policy": "dualpath"})
-        async with local_datapath(tmp, engines=False, overrides=overrides) as c:
-            ports = {"p0.e0": free_port(), "d0.e0": free_port()}
-            urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}
-            procs = []
-            try:
-                print(f"starting vLLM prefill ({urls['p0.e0']}) and decode ({urls['d0.e0']}) "
-                      f"on {model.name} ...", flush=True)
-                procs.append(await vllm_server(model, "prefill", str(tmp / "p0.sock"), "p0.e0",
-                                               ports["p0.e0"], tmp))
-                procs.append(await vllm_server(model, "decode", str(tmp / "d0.sock"), "d0.e0",
-                                               ports["d0.e0"], tmp))
-                await wait_healthy(urls.values())
-                front_proc, front_url = await front(model, c.scheduler.port, urls, tmp)
-                procs.append(front_proc)
-                print(f"front at {front_url}; {agents} agents x {turns} turns", flush=True)
-                texts = [await tokenize(urls["p0.e0"], str(model), agent_text(a))
-                         for a in range(agents)]
-                rows = await _conversations(front_url, texts, turns, first)
-            finally:
-                for p in procs:
-                    await stop(p)
+        launcher = Launcher(on_loopback(config, Path(tmp_s)), echo=print)
+        print(f"dualpath cluster up -c {config} (free ports, state in {tmp_s}); the vLLM "
+              f"instances load {model.name} ...", flush=True)
+        try:
+            state = await asyncio.to_thread(launcher.up)
+            front_url = str(state.proc("front").url)
+            prefill = next(str(p.url) for p in state.procs if p.service == "vllm"
+                           and launcher.cluster.spec.node(p.node).role == "prefill")
+            print(f"front at {front_url}; {agents} agents x {turns} turns", flush=True)
+            texts = [await tokenize(prefill, str(model), agent_text(a)) for a in range(agents)]
+            rows = await _conversations(front_url, texts, turns, first)
+        finally:
+            procs = {p.name: p for p in launcher.state.procs} if launcher.state else {}
+            await asyncio.to_thread(launcher.down)
+        left = [s for p in procs.values() for s in p.shm if Path(s).exists()]
+        if launcher.removed_segments:
+            print(f"removed {len(launcher.removed_segments)} /dev/shm segment(s) the vLLM "
+                  "instances left", flush=True)
     cols = ["turn", "agent", "prompt", "hit", "read side", "TTFT dualpath s",
             "TTFT recompute s", "ratio", "equal"]
     table = [dict(zip(cols, [r["turn"], r["agent"], r["prompt"],
@@ -90,6 +86,9 @@ async def demo(agents: int, turns: int, first: int, out: Path) -> int:
                "read_sides": {s: sum(r["side"] == s for r in later) for s in ("pe", "de")},
                "ttft_ratio_median_from_turn_2": statistics.median(
                    r["ttft_dp"] / r["ttft_rc"] for r in later) if later else None,
+               "processes": {name: p.pid for name, p in procs.items()},
+               "shm_segments_of_instances": sorted({s for p in procs.values() for s in p.shm}),
+               "shm_left_after_stop": left,
                "wall_s": time.monotonic() - t_start}
     print(f"\nfrom turn 2: hit rate {summary['hit_rate_from_turn_2']:.1%}, read sides "
           f"{summary['read_sides']}, median TTFT dualpath/recompute "
@@ -140,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-tokens", type=int, default=1000,
                    help="tokens of each agent's first prompt (max model length 2,048)")
     p.add_argument("--out", default="results/demo", help="demo-vllm.json goes here")
+    p.add_argument("--config", default="configs/vllm-1p1d.toml",
+                   help="a real-engine cluster file ([cluster] engine = \"vllm\")")
     a = p.parse_args(argv)
     if not (1 <= a.agents <= 8 and 1 <= a.turns <= 12 and 64 < a.first_tokens <= 1400):
         p.error("--agents 1..8, --turns 1..12, --first-tokens 65..1400 (the context stays "
@@ -147,4 +148,4 @@ def main(argv: list[str] | None = None) -> int:
     from common.logging import configure_logging
 
     configure_logging("warning", None)
-    return asyncio.run(demo(a.agents, a.turns, a.first_tokens, Path(a.out)))
+    return asyncio.run(demo(a.agents, a.turns, a.first_tokens, Path(a.out), a.config))

@@ -8,12 +8,12 @@ is shown when an instance dies.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import subprocess
 from pathlib import Path
+
+from tools.proc_group import end_group, group_segments
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -116,7 +116,9 @@ class Engine:
 
     async def stop(self) -> None:
         """EOF on stdin ends the instance; then its whole process group goes (vLLM's engine
-        core and worker outlive a killed parent otherwise)."""
+        core and worker outlive a killed parent otherwise) and the ``/dev/shm`` segments it
+        left (``tools.proc_group``)."""
+        segments = group_segments(self.proc.pid)
         if self.proc.returncode is None:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -124,7 +126,7 @@ class Engine:
                 await asyncio.wait_for(self.proc.wait(), 60)
             except TimeoutError:
                 pass
-        kill_group(self.proc.pid)
+        await end_group(self.proc.pid, segments)
         await self.proc.wait()
 
 
@@ -149,12 +151,6 @@ async def start_pd_plain(model: Path, root: Path) -> list[Engine]:
         (model, "prefill", root, ["--socket", str(root / "p0.sock"), "--engine-id", "p0.e0"]),
         (model, "decode", root, ["--socket", str(root / "d0.sock"), "--engine-id", "d0.e0"]),
         (model, "plain", root, [])])
-
-
-def kill_group(pgid: int) -> None:
-    """SIGKILL every process left in a group started with ``start_new_session``."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def _tree(root: int) -> list[int]:

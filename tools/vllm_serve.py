@@ -25,7 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, kill_group, omp_bind
+from tools.proc_group import end_group, group_segments
+from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, omp_bind
 
 
 def http(method: str, url: str, body: dict | bytes | None = None,
@@ -159,11 +160,14 @@ async def front(model: Path, scheduler_port: int, urls: dict[str, str], log_dir:
 
 
 async def stop(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM to the server, then its whole group and the ``/dev/shm`` it left
+    (``tools.proc_group.end_group``)."""
+    segments = group_segments(proc.pid)
     if proc.returncode is None:
         proc.terminate()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), 60)
-    kill_group(proc.pid)
+    await end_group(proc.pid, segments)
     await proc.wait()
 
 
@@ -188,7 +192,7 @@ async def tokenize(url: str, model: str, text: str) -> list[int]:
 # ----------------------------------------------------------------------- the operator's runbook
 
 RUNBOOK_CONFIG = "configs/vllm-1p1d.toml"
-VLLM_PORTS = {"prefill": 8001, "decode": 8002}
+VLLM_PORTS = {"prefill": 8001, "decode": 8002}   # a node without [[cluster.nodes]] engine_port
 FRONT_PORT = 8000
 MODEL_VAR = "$MODEL"
 
@@ -209,7 +213,7 @@ def runbook(config: str = RUNBOOK_CONFIG) -> str:
     urls: dict[str, str] = {}
     for n in spec.nodes:
         sock = str(spec.state_dir() / f"{n.id}.engine.sock")
-        engine, port = f"{n.id}.e0", VLLM_PORTS[n.role]
+        engine, port = f"{n.id}.e0", instance_port(n)
         urls[engine] = f"http://127.0.0.1:{port}"
         env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": ".",
                "VLLM_CPU_OMP_THREADS_BIND": CORES[n.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -219,6 +223,11 @@ def runbook(config: str = RUNBOOK_CONFIG) -> str:
     lines.append("PYTHONPATH=. " + " ".join(map(_quote, front_argv(py, MODEL_VAR, scheduler,
                                                                      urls, port=FRONT_PORT))))
     return "\n".join(lines) + "\n"
+
+
+def instance_port(node: Any) -> int:
+    """The port of a node's (first) vLLM instance: its ``engine_port``, else the role's."""
+    return int(node.engine_port) or VLLM_PORTS[node.role]
 
 
 def _quote(word: str) -> str:
@@ -240,7 +249,7 @@ def unit_env(node_id: str, config: str = RUNBOOK_CONFIG, root: str = "/var/lib/d
         raise SystemExit(f"{config}: no node {node_id!r}")
     sock = str(Path(root) / spec.state_dir() / f"{node.id}.engine.sock")
     ktc = json.dumps(kv_transfer_config(node.role, sock, f"{node.id}.e0"))
-    env = {"DUALPATH_MODEL": model, "VLLM_PORT": str(VLLM_PORTS[node.role]),
+    env = {"DUALPATH_MODEL": model, "VLLM_PORT": str(instance_port(node)),
            "KV_TRANSFER_CONFIG": ktc, "VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB,
            "VLLM_CPU_OMP_THREADS_BIND": CORES[node.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     head = (f"# /etc/dualpath/vllm-{node.id}.env: dualpath-vllm@{node.id}.service "
@@ -258,7 +267,7 @@ def front_env(config: str = RUNBOOK_CONFIG,
     from tools.cluster.config import load_cluster
 
     spec = load_cluster(REPO / config, environ={}).spec
-    engines = " ".join(f"--engine {n.id}.e0=http://127.0.0.1:{VLLM_PORTS[n.role]}"
+    engines = " ".join(f"--engine {n.id}.e0=http://127.0.0.1:{instance_port(n)}"
                        for n in spec.nodes)
     return ("# /etc/dualpath/front.env: dualpath-front.service "
             "(`python -m tools.vllm_serve --front-env`)\n"

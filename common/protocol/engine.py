@@ -100,10 +100,14 @@ class NextRequest(Message, tag="engine.next", frozen=True):
 
 class ClaimRequest(Message, tag="engine.claim", frozen=True):
     """The request ``request_id`` once it is assigned here (waits up to ``timeout_s``;
-    NOT_FOUND after that, INVALID_ARGUMENT at once if another engine holds it)."""
+    NOT_FOUND after that, INVALID_ARGUMENT at once if another engine holds it). With
+    ``attempt``, only that attempt: a frontend re-plans by sending the request to the engine
+    again, and the engine's request of an earlier attempt (still ending) must not take the new
+    one — a claim of a superseded attempt is CANCELLED at once."""
 
     request_id: str
     timeout_s: float
+    attempt: int | None = None
 
 
 class PrefillAssigned(Message, tag="engine.prefill", frozen=True):
@@ -223,6 +227,7 @@ class AbandonRequest(Message, tag="engine.abandon", frozen=True):
     request_id: str
     reason: str = ""
     timeout_s: float = 30.0
+    attempt: int | None = None      # only this attempt (an earlier one's give-up is a no-op)
 
 
 class ReportCounters(Message, tag="engine.counters", frozen=True):

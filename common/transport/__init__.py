@@ -8,6 +8,16 @@ message with its tag. Completion of the posted receives is the "data arrived" si
 per-page control message. The API is "these local ranges into those remote slots", so a
 one-sided RMA backend can replace tags later.
 
+Same host, one copy (``transport.same_host = "shm"``, the default): when the receiver's arena
+lies in a ``/dev/shm`` segment it advertised in its hello and the sender could map it, the
+sender copies every page straight into the receiver's slots in a worker thread and one COMMIT
+completes the transfer; the receiver's READY (sent by ``expect``) says per transfer whether it
+goes that way and with which slots, and a per-transfer file lock (the fence) keeps a sender
+from writing into slots a receiver gave up. Only the links' endpoints (error handling on)
+carry the two control messages, so a peer that dies mid-copy cannot abort the survivor.
+Everything else (old peers, other hosts, private or device arenas) takes the tag path
+(:mod:`common.transport.shm_transfers`, docs/datapath.md "Same host: one copy").
+
 Settings (measured, docs/performance.md):
 
 * One UCX context + worker per transport, options from ``cfg.traffic_classes[cfg.kv_class]``;
@@ -27,8 +37,9 @@ Settings (measured, docs/performance.md):
   by :class:`~common.transport.links.Links`, until UCX completed it; whatever is still
   pending at ``stop()`` is kept for the life of the process (``requests_orphaned``). Freed
   earlier, a late write would land in reused heap memory: a crash far from its cause.
-* Single copy (same host): a link is the listener/``create_endpoint`` endpoint pair (error
-  handling on: liveness, handshake, receives, aborts). Under error handling UCX never picks
+* Single copy (same host, UCX's cma; opt-in, and not the one-copy path above): a link is
+  the listener/``create_endpoint`` endpoint pair (error handling on: liveness, handshake,
+  receives, aborts). Under error handling UCX never picks
   ``cma`` for rendezvous, so bytes would cross as sysv fragments, copied in by the sender and
   out by the receiver. When both hellos carry a worker address and the same host id, the
   sender instead sends its messages over a second endpoint made from the peer's worker
@@ -57,7 +68,12 @@ Objects (composed, none inherits another):
   parked buffers of requests given up on.
 * :class:`~common.transport.transfers.Transfers` (``transfers``) — given the ``Links``: posted
   receives and their staging, sends, and what a failure part-way does (abort the link, settle,
-  type the error).
+  type the error); a transfer on a link whose receiver advertised a segment goes through
+* :class:`~common.transport.shm_transfers.ShmTransfers` (``shm_transfers``) — given the
+  ``Links`` and the progress driver: the one-copy protocol (READY/COMMIT on one tag, their
+  receives kept posted through a link, the copy thread, the fence on give-up). ``Links`` maps
+  the peers' segments at link setup; ``shm_path`` holds the parts without UCX or asyncio
+  (segments, fence locks, control messages, the copy).
 
 The modules beside them: ``plan`` (pure: message plan, tags, transfer ids,
 hello, staging pool), ``staging`` (pure: FIFO order of packed receives), ``ucx`` (the lazy

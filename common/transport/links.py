@@ -1,5 +1,6 @@
 """The endpoints of one page transport: links to peers, their handshake, the single-copy
-endpoints, and the parking of buffers that ucxx requests may still point into.
+endpoints, the peers' shm segments this side copies into, and the parking of buffers that
+ucxx requests may still point into.
 
 :class:`Links` owns all of that state. :class:`~common.transport.transfers.Transfers` is given
 a ``Links`` and asks it for a usable link to a peer (connecting on first use), the endpoint to
@@ -12,15 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import structlog
 
 from common.config import TransportConfig
-from common.errors import DeadlineExceeded, PeerFailed, ProtocolError, Unavailable
+from common.errors import (DeadlineExceeded, InvalidArgument, PeerFailed, ProtocolError,
+                           Unavailable)
+from common.shm import SHM_DIR, ShmUnavailable
 from common.transport.plan import (HELLO_BYTES, HELLO_VERSION, TransferHello, check_same_plan,
-                                   decode_hello, encode_hello, fit_hello, single_copy_link)
+                                   decode_hello, encode_hello, fit_hello, shm_link,
+                                   single_copy_link)
+from common.transport.shm_path import LocalSegment, PeerSegment, PeerSegments
 from common.transport.ucx import Link, Peer, claim_progress, ucxx
 from common.transport.ucx_env import (WorkerProgress, local_host_id, local_process_id,
                                       process_gone)
@@ -40,7 +46,8 @@ class Links:
     """
 
     def __init__(self, cfg: TransportConfig, node_id: str, ctx: Any, progress: WorkerProgress,
-                 single_copy: bool) -> None:
+                 single_copy: bool, segment: LocalSegment | None = None,
+                 shm_nonce: int = 0) -> None:
         self.node_id = node_id
         self.state = "running"
         # our worker's address, sent in the hello when single copy is allowed here (else b"")
@@ -48,7 +55,12 @@ class Links:
         self.counts: collections.Counter[str] = collections.Counter()
         self._cfg, self._ctx, self._progress = cfg, ctx, progress
         self._loop = asyncio.get_running_loop()
-        self._host_id = local_host_id() if single_copy else ""
+        self._host_id = local_host_id()
+        # the one-copy path: whether we speak it, the segment we receive into, our name
+        self._shm, self._segment, self._shm_nonce = cfg.same_host == "shm", segment, shm_nonce
+        self._peer_segments = PeerSegments(SHM_DIR)          # the peers' we send into
+        self.down_hooks: list[Callable[[Link], None]] = []  # a link went down (shm waits)
+        self.up_hooks: list[Callable[[], None]] = []         # a link registered (shm control)
         self._process_id = local_process_id()
         self._listener: Any = None
         self._links: dict[Peer, Link] = {}
@@ -99,6 +111,7 @@ class Links:
         for ep in self._data_eps.values():
             ep.abort()
         self._data_eps.clear()
+        self._peer_segments.close()
         if self._listener is not None:
             self._listener.close()
         self._listener = self._ctx = None
@@ -171,9 +184,11 @@ class Links:
                     await self._send_hello(ep)
                     hello = await self._recv_hello(ep)
                     self._check_hello(hello)
+                    out, shm_in, _ = await self._shm_handshake(ep, hello, answer_now=True)
         except (TimeoutError, ProtocolError, u.Error, OSError, RuntimeError) as e:
             if ep is not None:
                 ep.abort()
+            self._prune_segments()
             if isinstance(e, ProtocolError):
                 raise
             if loop.time() >= deadline_at:
@@ -181,7 +196,7 @@ class Links:
             raise Unavailable(f"cannot connect to page transport {peer[0]}:{peer[1]} "
                               f"({type(e).__name__}: {e}) — is the peer started?") from e
         self.counts["connects"] += 1
-        link = self._register(self._new_link(peer, ep, hello))
+        link = self._register(self._new_link(peer, ep, hello, out, shm_in))
         await self._open_data_ep(link)
         return link
 
@@ -196,20 +211,72 @@ class Links:
                     hello = await self._recv_hello(ep)
                     await self._send_hello(ep)  # ours first: the client reports a mismatch
                     self._check_hello(hello)
-            link = self._register(self._new_link((hello.host, hello.port), ep, hello))
+                    out, shm_in, answer = await self._shm_handshake(ep, hello, answer_now=False)
+            link = self._register(self._new_link((hello.host, hello.port), ep, hello, out,
+                                                 shm_in))
+            if answer is not None:  # only now: the connecting side is done when it has it, and
+                await self._send_shm_answer(ep, answer)  # may send at once, on this link
             await self._open_data_ep(link)
             self.counts["accepts"] += 1
         except (TimeoutError, ProtocolError, Unavailable, ucxx().Error) as e:
             log.warning("peer_handshake_failed", error=repr(e))
             ep.abort()
+            self._prune_segments()
         finally:
             self._handshaking.discard(ep)
 
-    def _new_link(self, addr: Peer, ep: Any, hello: TransferHello) -> Link:
+    def _new_link(self, addr: Peer, ep: Any, hello: TransferHello,
+                  shm_out: PeerSegment | None = None, shm_in: bool = False) -> Link:
         single = single_copy_link(self._hello(), hello)
+        if shm_out is not None and shm_out.closing:  # let go while this handshake ran
+            shm_out = self._map_peer(hello)
         return Link(addr, ep, hello.node_id, single_copy=single,
                     peer_worker_address=hello.worker_address if single else b"",
-                    peer_process=hello.process)
+                    peer_process=hello.process, shm_out=shm_out, shm_in=shm_in,
+                    peer_nonce=hello.shm_nonce)
+
+    async def _shm_handshake(self, ep: Any, hello: TransferHello, answer_now: bool
+                             ) -> tuple[PeerSegment | None, bool, np.ndarray | None]:
+        """(the peer's segment mapped here, whether the peer mapped ours, our answer if not
+        sent yet): each side maps the other's advertised segment and says whether it could,
+        so both know per direction whether pages may come by copy. Only between peers that
+        both speak it (an old peer or one with ``same_host = "ucx"`` sends no answer, and
+        none is awaited). The connecting side answers first; the accepting side answers
+        after it registered the link (:meth:`_send_shm_answer`)."""
+        if not shm_link(self._hello(), hello):
+            return None, False, None
+        out = self._map_peer(hello) if hello.shm_segment else None
+        u = ucxx()
+        mine = np.array([1 if out is not None else 0], np.uint64).view(np.uint8)
+        theirs = np.zeros(8, np.uint8)
+        if answer_now:
+            await self._send_shm_answer(ep, mine)
+        await self._wait_one(ep._ep.tag_recv(u.Array(theirs), u.Tag(ep._tags["msg_recv"]),
+                                             u.Mask), theirs)
+        shm_in = bool(theirs.view(np.uint64)[0]) and self._segment is not None
+        return out, shm_in, None if answer_now else mine
+
+    async def _send_shm_answer(self, ep: Any, mine: np.ndarray) -> None:
+        u = ucxx()
+        await self._wait_one(ep._ep.tag_send(u.Array(mine), u.Tag(ep._tags["msg_send"])), mine)
+
+    def _map_peer(self, hello: TransferHello) -> PeerSegment | None:
+        try:
+            return self._peer_segments.map(hello.shm_segment, hello.shm_bytes)
+        except (ShmUnavailable, InvalidArgument, OSError) as e:  # e.g. another /dev/shm
+            log.info("shm_peer_segment_unavailable", peer=hello.node_id, error=str(e))
+            return None
+
+    def _prune_segments(self) -> None:
+        """Unmap the peers' segments no usable link sends into (a link went down, or a
+        handshake that mapped one failed)."""
+        self._peer_segments.keep_only({link.shm_out.name for link in self._all_links
+                                       if link.usable and link.shm_out is not None})
+
+    def _link_down(self, link: Link) -> None:
+        for hook in self.down_hooks:
+            hook(link)
+        self._prune_segments()
 
     async def _open_data_ep(self, link: Link) -> None:
         """Make the single-copy endpoint to the link's peer worker now (see the package doc)."""
@@ -264,8 +331,25 @@ class Links:
         current = self._links.get(link.addr)
         if current is None or not current.usable:
             self._links[link.addr] = link
-        log.debug("endpoint_registered", peer=link.addr, node_id=link.node_id)
+        log.debug("endpoint_registered", peer=link.addr, node_id=link.node_id,
+                  send_path="shm" if link.shm_out else "tag",
+                  receive_path="shm" if link.shm_in else "tag")
+        for hook in self.up_hooks:
+            hook()
         return link
+
+    def paths(self) -> list[dict[str, Any]]:
+        """Per usable link: the peer and how pages go each way (``shm`` or ``tag``)."""
+        return [{"peer": f"{link.addr[0]}:{link.addr[1]}", "node_id": link.node_id,
+                 "send": "shm" if link.shm_out else "tag",
+                 "receive": "shm" if link.shm_in else "tag",
+                 "single_copy": link.single_copy}
+                for link in self._all_links if link.usable]
+
+    def usable_link(self) -> Link | None:
+        """Any usable link (the shm control receives are posted through one: see
+        ``ShmTransfers``), or None."""
+        return next((link for link in self._all_links if link.usable), None)
 
     def _on_link_closed(self, link: Link) -> None:
         if link.failure is None:
@@ -274,6 +358,7 @@ class Links:
             del self._links[link.addr]
         if link.single_copy:  # not inside UCX's callback
             self._loop.call_soon_threadsafe(self._forget_if_gone, link)
+        self._loop.call_soon_threadsafe(self._link_down, link)
         self._progress.kick()
 
     def abort(self, link: Link, reason: str) -> None:
@@ -285,6 +370,7 @@ class Links:
             del self._links[link.addr]
         self._all_links.discard(link)
         self._forget_if_gone(link)
+        self._link_down(link)
         if link.ep._ep is not None:
             self.counts["endpoint_aborts"] += 1
             log.info("endpoint_aborted", peer=link.addr, reason=reason)
@@ -294,10 +380,13 @@ class Links:
 
     def _hello(self) -> TransferHello:
         cfg = self._cfg
+        seg = self._segment
         return fit_hello(TransferHello(HELLO_VERSION, self.node_id, cfg.host,
                                        int(self._listener.port), cfg.max_message_bytes,
                                        cfg.pack_below_bytes, self.worker_address,
-                                       self._host_id, self._process_id))
+                                       self._host_id, self._process_id, self._shm,
+                                       seg.name if seg else "", seg.nbytes if seg else 0,
+                                       self._shm_nonce))
 
     async def _send_hello(self, ep: Any) -> None:
         u, buf = ucxx(), encode_hello(self._hello())
@@ -333,4 +422,7 @@ class Links:
         out["single_copy_links"] = float(sum(1 for link in self._all_links
                                              if link.usable and link.single_copy))
         out["single_copy_endpoints_open"] = float(len(self._data_eps))
+        out["shm_links"] = float(sum(1 for link in self._all_links
+                                     if link.usable and (link.shm_out or link.shm_in)))
+        out["shm_segments_mapped"] = float(len(self._peer_segments))
         return out

@@ -21,6 +21,8 @@ from common.config import TransportConfig
 from common.errors import ConfigError, Unavailable
 from common.transport.links import Links
 from common.transport.plan import TransferIdSource
+from common.transport.shm_path import LocalSegment
+from common.transport.shm_transfers import ShmTransfers
 from common.transport.staging import STAGING_ALIGN, staged_bytes
 from common.transport.transfers import Transfers
 from common.transport.ucx import Peer, ReceiveHandle, claim_progress, create_context
@@ -42,13 +44,19 @@ _STATS = (
     "sends_abandoned", "requests_parked", "requests_orphaned", "requests_parked_now",
     "staging_in_use_bytes", "staging_peak_bytes", "staging_capacity_bytes", "endpoints",
     "single_copy_links", "single_copy_endpoints_open", "transfers_active",
-    "ucx_options_skipped")
+    "ucx_options_skipped", "shm_links", "shm_segments_mapped", "shm_transfers_sent",
+    "shm_transfers_received", "shm_bytes_sent", "shm_bytes_received", "shm_pieces_copied",
+    "shm_transfers_tag_fallback", "shm_commits_dropped", "shm_ready_dropped", "shm_fences",
+    "shm_fences_not_settled", "shm_sends_refused", "shm_ready_waiting", "shm_fences_held")
 
 
 class PageTransport:
     """UCX page transport of one process (one context/worker for the KV traffic class)."""
 
-    def __init__(self, cfg: TransportConfig, node_id: str) -> None:
+    def __init__(self, cfg: TransportConfig, node_id: str, shm_arena: Any = None) -> None:
+        """``shm_arena``: the arena this transport receives into, when it lies in a
+        ``/dev/shm`` segment (``PagePool(shm=True)``): same-host peers then copy pages
+        straight into it (``cfg.same_host = "shm"``, docs/datapath.md)."""
         if cfg.kv_class not in cfg.traffic_classes:
             raise ConfigError(f"transport.kv_class {cfg.kv_class!r} is not one of "
                               f"transport.traffic_classes {sorted(cfg.traffic_classes)}")
@@ -65,6 +73,8 @@ class PageTransport:
         self._progress: WorkerProgress | None = None
         self._links: Links | None = None
         self._transfers: Transfers | None = None
+        self._shm: ShmTransfers | None = None
+        self._shm_arena = shm_arena if cfg.same_host == "shm" else None
         self._n: collections.Counter[str] = collections.Counter()   # requests_orphaned
         self.single_copy_reason = ""
         self.skipped_options: list[str] = []
@@ -106,40 +116,53 @@ class PageTransport:
             self._options = list(options)
             single, self.single_copy_reason = single_copy_supported(options.get("TLS"))
             progress = WorkerProgress(ctx.worker, loop)
+            segment = LocalSegment.of(self._shm_arena)
+            if self._shm_arena is not None and segment is None:
+                log.info("shm_arena_not_shared", node_id=self.node_id,
+                         reason="not in a /dev/shm segment: same-host peers send over UCX")
+            nonce = ShmTransfers.new_nonce()
             try:
-                links = Links(cfg, self.node_id, ctx, progress, single_copy=single)
-                transfers = Transfers(cfg, links, progress)
+                links = Links(cfg, self.node_id, ctx, progress, single_copy=single,
+                              segment=segment, shm_nonce=nonce)
+                shm = ShmTransfers(links, progress, segment, nonce)
+                transfers = Transfers(cfg, links, progress, shm)
                 links.listen()
             except BaseException:
                 progress.close()
+                if segment is not None:
+                    segment.close()
                 raise
             self._progress, self._links, self._transfers = progress, links, transfers
+            self._shm = shm
             log.info("transport_started", node_id=self.node_id, host=cfg.host,
                      port=links.address[1], traffic_class=cfg.kv_class,
                      options=options, skipped=self.skipped_options, env_set=env,
                      single_copy=bool(links.worker_address),
-                     single_copy_reason=self.single_copy_reason)
+                     single_copy_reason=self.single_copy_reason, same_host=cfg.same_host,
+                     shm_segment=segment.name if segment else "")
 
     async def stop(self) -> None:
         """Stop accepting, cancel transfers, close endpoints, release UCX (idempotent)."""
         async with self._lock:
             links, transfers, progress = self._links, self._transfers, self._progress
-            if links is None or transfers is None or progress is None or not links.running:
+            shm = self._shm
+            if links is None or transfers is None or progress is None or shm is None \
+                    or not links.running:
                 self._stopped = True
                 return
             links.begin_close("transport stopping")   # before any await: no new link
             transfers.cancel_receives()
             await self._drain(links, transfers, progress, self._cfg.connect_timeout_s)
-            self._orphan_unsettled(links, transfers)
+            self._orphan_unsettled(links, transfers, shm.close())
             links.close()
             progress.close()
             transfers.close()
             log.info("transport_stopped", node_id=self.node_id,
                      **(links.counts + transfers.counts + self._n))
 
-    def _orphan_unsettled(self, links: Links, transfers: Transfers) -> None:
+    def _orphan_unsettled(self, links: Links, transfers: Transfers, control: list[Any]) -> None:
         """At stop: keep alive every buffer a request may still write into or read from."""
-        parked, unsettled = links.take_parked(), transfers.unsettled()  # (the drain timed out)
+        parked, unsettled = links.take_parked() + control, transfers.unsettled()
         if parked or unsettled:
             _ORPHANED.append([*parked, *unsettled, transfers.staging_pool])
             self._n["requests_orphaned"] += len(parked) + len(unsettled)

@@ -236,8 +236,10 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     ``worker_address`` (the UCX worker address, empty when single copy is off on that side)
     and ``host_id`` (boot id + pid/ipc namespaces) decide whether the link moves data over a
     single-copy endpoint (:func:`single_copy_link`); ``process`` (``pid:start time``) lets a
-    peer tell later whether this process still exists. Trailing fields with defaults: a peer
-    without them decodes ours (msgspec ignores extra trailing fields) and vice versa.
+    peer tell later whether this process still exists. ``shm*``: whether the link may move
+    pages by one memcpy into the receiver's ``/dev/shm`` arena (:func:`shm_link`,
+    :mod:`common.transport.shm_path`). Trailing fields with defaults: a peer without them
+    decodes ours (msgspec ignores extra trailing fields) and vice versa.
     """
 
     version: int
@@ -249,6 +251,10 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     worker_address: bytes = b""
     host_id: str = ""
     process: str = ""
+    shm: bool = False        # speaks the one-copy protocol (transport.same_host = "shm")
+    shm_segment: str = ""    # the /dev/shm segment it receives into ("" = none)
+    shm_bytes: int = 0
+    shm_nonce: int = 0       # names this transport in shm control messages
 
 
 def encode_hello(hello: TransferHello) -> np.ndarray:
@@ -275,6 +281,15 @@ def single_copy_link(mine: TransferHello, theirs: TransferHello) -> bool:
     link compute the same answer from the same two hellos."""
     return bool(mine.worker_address and theirs.worker_address and mine.host_id
                 and mine.host_id == theirs.host_id)
+
+
+def shm_link(mine: TransferHello, theirs: TransferHello) -> bool:
+    """Whether the two ends of a link run the shm handshake: both speak it, on the same
+    host, pid and ipc namespaces, and at least one receives into a segment. Symmetric, like
+    :func:`single_copy_link`; whether pages then go by shm in a direction also needs the
+    sender to have mapped the receiver's segment."""
+    return bool(mine.shm and theirs.shm and mine.host_id and mine.host_id == theirs.host_id
+                and (mine.shm_segment or theirs.shm_segment))
 
 
 def decode_hello(buf: np.ndarray) -> TransferHello:

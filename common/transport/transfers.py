@@ -23,6 +23,8 @@ from common.config import TransportConfig
 from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InvalidArgument,
                            PeerFailed, ProtocolError)
 from common.transport.links import Links
+from common.transport.shm_path import PATH_SHM
+from common.transport.shm_transfers import ShmTransfers
 from common.transport.plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
                                    SourceMap, StagingPool, check_flat_bytes, check_transfer_id,
                                    is_device_array, plan_messages)
@@ -42,9 +44,10 @@ class Transfers:
     Made by a starting transport; :meth:`cancel_receives` and :meth:`close` end it.
     """
 
-    def __init__(self, cfg: TransportConfig, links: Links, progress: WorkerProgress) -> None:
+    def __init__(self, cfg: TransportConfig, links: Links, progress: WorkerProgress,
+                 shm: ShmTransfers) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
-        self._cfg, self._links, self._progress = cfg, links, progress
+        self._cfg, self._links, self._progress, self._shm = cfg, links, progress, shm
         self._staging_pool: StagingPool | None = StagingPool(
             cfg.staging_bytes, align=STAGING_ALIGN, on_free=progress.kick)
         # packed receives waiting for staging (FIFO across transfers)
@@ -120,13 +123,18 @@ class Transfers:
                       collections.deque(), collections.deque(), arena, keep=arena)
         self._receiving[transfer_id] = rx
         self._active.add(rx)
+        by_shm = link.shm_in and self._shm.takes(arena)
         try:
-            self._post_receives(rx)
+            if not by_shm:
+                self._post_receives(rx)
+            if link.shm_in:   # the sender waits for our word on how this transfer travels
+                self._shm.announce(rx, arena, slots, by_shm)
         except BaseException as e:
             self._receiving.pop(transfer_id, None)
             self._active.discard(rx)
             raise await self._fail(rx, e, "receive", deadline_s) from e
-        rx.task = loop.create_task(self._receive(rx, deadline_at, deadline_s))
+        receive = self._receive_shm if by_shm else self._receive
+        rx.task = loop.create_task(receive(rx, deadline_at, deadline_s))
         handle = ReceiveHandle(transfer_id, link.addr, rx.nbytes, rx.task)
         try:  # let the task reach its first await: from then on, cancelling it cleans up
             await asyncio.sleep(0)
@@ -198,6 +206,26 @@ class Transfers:
             self._active.discard(rx)
             self._staging_queue.remove(rx)
 
+    async def _receive_shm(self, rx: Transfer, deadline_at: float, deadline_s: float) -> None:
+        """A transfer the sender copies into our segment: done at its COMMIT; a failure
+        returns only once no copy into the slots can run (``ShmTransfers.give_up``)."""
+        try:
+            async with asyncio.timeout_at(deadline_at):
+                await self._shm.receive(rx)
+            self.counts["transfers_received_ok"] += 1
+            self.counts["bytes_received"] += rx.nbytes
+        except BaseException as e:
+            self.counts["transfers_received_failed"] += 1
+            err = self._classify(rx, e, "receive", deadline_s)
+            self._retire(rx.transfer_id)
+            await _to_the_end(self._shm.give_up(rx))
+            log.warning("transfer_failed", side="receive", transfer_id=rx.transfer_id,
+                        peer=rx.link.addr, path="shm", error=err.code.value, detail=err.message)
+            raise err from e
+        finally:
+            self._receiving.pop(rx.transfer_id, None)
+            self._active.discard(rx)
+
     async def _receive_loop(self, rx: Transfer) -> None:
         posted, deferred, staging = rx.posted, rx.deferred, self._staging
         while posted or deferred:
@@ -265,6 +293,13 @@ class Transfers:
         self._active.add(tx)
         try:
             async with asyncio.timeout_at(deadline_at):
+                if link.shm_out is not None:   # the receiver says how (shm_transfers)
+                    ready = await self._shm.ready(link, transfer_id)
+                    if ready.path == PATH_SHM:
+                        await self._shm.send(tx, src, slots, ready)
+                        self.counts["transfers_sent_ok"] += 1
+                        self.counts["bytes_sent"] += total
+                        return
                 device = any(is_device_array(v) for v in src)
                 ep = link.ep if device else await self._links.data_ep(link)
                 await self._send_loop(tx, ep, source, device,
@@ -429,4 +464,19 @@ class Transfers:
         out["staging_peak_bytes"] = float(staging.peak if staging else 0)
         out["staging_capacity_bytes"] = float(staging.capacity if staging else 0)
         out["transfers_active"] = float(len(self._active))
+        out.update(self._shm.stats())
         return out
+
+
+async def _to_the_end(coro: Any) -> None:
+    """Run ``coro`` to its end even if the caller is cancelled meanwhile (then re-raised)."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError

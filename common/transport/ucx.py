@@ -151,7 +151,8 @@ class Link:
     ``ep`` (error handling on) carries hellos, receives, commits and liveness; on a
     ``single_copy`` link the sender's messages go over the transport's endpoint to the peer's
     worker (kept by :class:`~common.transport.links.Links`), made without error handling
-    (cma single copy).
+    (cma single copy). ``shm_out``/``shm_in``: the one-copy path in each direction
+    (:mod:`common.transport.shm_transfers`).
     """
 
     addr: Peer
@@ -161,6 +162,9 @@ class Link:
     single_copy: bool = False
     peer_worker_address: bytes = b""
     peer_process: str = ""
+    shm_out: Any = None           # the peer's segment, mapped here: sends copy into it
+    shm_in: bool = False          # the peer mapped ours: receives may come by copy
+    peer_nonce: int = 0           # the peer's name in shm control messages
 
     @property
     def usable(self) -> bool:

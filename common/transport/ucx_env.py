@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 UCX_PREFIX = "UCX_"
@@ -170,6 +170,7 @@ class WorkerProgress:
         self._scheduled = self._closed = False
         self._waiter: asyncio.Future | None = None
         self._busy = 0
+        self.hooks: list[Callable[[], None]] = []   # run after each round (shm control)
         self._timer = loop.call_later(self.IDLE_S, self._on_timer)
         self.kick()
 
@@ -201,6 +202,8 @@ class WorkerProgress:
         if self._closed:
             return
         self._worker.progress()
+        for hook in self.hooks:
+            hook()
         self._wake()
         if not self._worker.arm():
             self.kick()

@@ -76,26 +76,28 @@ class EngineSource:
         return hit
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float, stop: Stop = lambda: False) -> SyncPrefillHandle:
+                     timeout_s: float, stop: Stop = lambda: False,
+                     attempt: int | None = None) -> SyncPrefillHandle:
         """The claimed request's handle, used by the connector as it is."""
         return self._checked(self._claim_or_detach("claim_prefill", request_id, timeout_s,
-                                                   stop), token_ids)
+                                                   stop, attempt), token_ids)
 
     def open_decode(self, request_id: str, token_ids: Sequence[int], timeout_s: float,
-                    stop: Stop = lambda: False) -> SyncDecodeRequest:
+                    stop: Stop = lambda: False,
+                    attempt: int | None = None) -> SyncDecodeRequest:
         return self._checked(self._claim_or_detach("claim_decode", request_id, timeout_s,
-                                                   stop), token_ids)
+                                                   stop, attempt), token_ids)
 
-    def abandon(self, request_id: str, reason: str) -> None:
-        """Tell the node this engine will not claim ``request_id`` (best effort: a node that
-        is gone or never had the plan has nothing to fail)."""
+    def abandon(self, request_id: str, reason: str, attempt: int | None = None) -> None:
+        """Tell the node this engine will not claim ``request_id`` (``attempt``, when given;
+        best effort: a node that is gone or never had the plan has nothing to fail)."""
         try:
-            self.client().abandon(request_id, reason, ABANDON_WAIT_S)
+            self.client().abandon(request_id, reason, ABANDON_WAIT_S, attempt)
         except (DualpathError, OSError) as e:
             log.info("dualpath_abandon_unacknowledged", request_id=request_id, error=str(e))
 
     def _claim_or_detach(self, method: str, request_id: str, timeout_s: float,
-                         stop: Stop) -> Any:
+                         stop: Stop, attempt: int | None = None) -> Any:
         """Claim through the attachment. When the node is gone — its service died, stopped or
         restarted (PeerFailed, Unavailable, no answer, a socket error) — drop the attachment:
         a restarted node service is re-attached without restarting vLLM. An attachment that
@@ -106,7 +108,8 @@ class EngineSource:
             stale = self._client is not None
             client = self.client()
             try:
-                return self._claim(getattr(client, method), request_id, timeout_s, stop)
+                return self._claim(getattr(client, method), request_id, timeout_s, stop,
+                                   attempt)
             except (PeerFailed, Unavailable, DeadlineExceeded, OSError) as e:
                 self._drop(client)
                 if retry or not stale or isinstance(e, DeadlineExceeded):
@@ -114,7 +117,8 @@ class EngineSource:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _claim(claim: Any, request_id: str, timeout_s: float, stop: Stop) -> Any:
+    def _claim(claim: Any, request_id: str, timeout_s: float, stop: Stop,
+               attempt: int | None = None) -> Any:
         """Claim, asking again in rounds until ``timeout_s`` (a decode claim legitimately
         waits for a whole prefill); ClaimStopped once ``stop()`` says vLLM gave it up."""
         deadline = time.monotonic() + timeout_s
@@ -123,7 +127,8 @@ class EngineSource:
                 raise ClaimStopped(f"request {request_id!r} ended in vLLM before its claim")
             try:
                 return claim(request_id,
-                             max(0.1, min(deadline - time.monotonic(), CLAIM_ROUND_S)))
+                             max(0.1, min(deadline - time.monotonic(), CLAIM_ROUND_S)),
+                             attempt)
             except NotFound:
                 if time.monotonic() >= deadline:
                     raise

@@ -36,7 +36,7 @@ import aiohttp
 import msgspec
 import structlog
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from common.errors import DualpathError
 from common.auth import load_secret
@@ -102,6 +102,8 @@ class Metrics:
                                      registry=self.registry)
         self.hit_tokens = Counter("dualpath_front_hit_tokens", "prompt tokens loaded by dualpath",
                                   registry=self.registry)
+        self.in_flight = Gauge("dualpath_front_requests_in_flight",
+                               "generation requests being answered now", registry=self.registry)
 
 
 class Front:
@@ -224,8 +226,9 @@ class Front:
                 await out.write(sse(api.chunk(call.rid, self.cfg.model_name, True,
                                               call.created, role=True, text="")))
         try:
-            result = (await self._run(call, out) if call.body.kv_loading
-                      else await self._recompute(call, out))
+            with self.metrics.in_flight.track_inprogress():
+                result = (await self._run(call, out) if call.body.kv_loading
+                          else await self._recompute(call, out))
         except DualpathError as e:               # dualpath (scheduler, nodes, engines) failed
             self.metrics.requests.labels("failed").inc()
             log.warning("front_request_failed", request_id=call.rid, error=str(e))
@@ -246,8 +249,7 @@ class Front:
         await out.write(sse({**last, "dualpath": result["dualpath"]}))
         if call.body.stream_options is not None and call.body.stream_options.include_usage:
             await out.write(sse(api.usage_chunk(call.rid, model, call.chat, call.created,
-                                                usage["prompt_tokens"],
-                                                usage["completion_tokens"])))
+                                                usage)))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -302,7 +304,7 @@ class Front:
         """The OpenAI-shaped body, with the ``dualpath`` object (placement, token ids, TTFT)."""
         body = api.response(call.rid, self.cfg.model_name, call.chat, decoded.text,
                             decoded.finish_reason, len(call.ids), len(decoded.token_ids),
-                            call.created)
+                            call.created, cached_tokens=dualpath["hit_tokens"])
         body["dualpath"] = {"request_id": call.rid, **dualpath, "token_ids": decoded.token_ids,
                             "ttft_s": decoded.ttft_s, "e2e_s": time.monotonic() - call.arrival}
         return body
@@ -317,11 +319,14 @@ class Front:
     async def _attempt(self, p: RequestPlaced, call: Call, out: web.StreamResponse | None,
                        sent: Sent) -> Decoded:
         """Prefill (max_tokens=1) and decode on the placed pair; stream the decode's tokens."""
-        plan = {"request_id": p.request_id, "hit_tokens": p.hit_tokens}
+        # the attempt scopes the engines' claims: this attempt's vLLM requests claim this
+        # attempt's plan, never an earlier attempt's request still ending in vLLM
+        plan = {"request_id": p.request_id, "hit_tokens": p.hit_tokens, "attempt": p.attempt}
         prefill = asyncio.create_task(self._post(self._url(p.pe_engine), call, plan))
         try:
             decoded = await self._relay(self._url(p.de_engine), call,
-                                        {"request_id": p.request_id}, out, sent, p.request_id)
+                                        {"request_id": p.request_id, "attempt": p.attempt},
+                                        out, sent, p.request_id)
             await prefill
         finally:
             prefill.cancel()

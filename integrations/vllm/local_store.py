@@ -67,8 +67,8 @@ class LocalKVStore:
         return blocks
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float, stop: Callable[[], bool] = lambda: False
-                     ) -> SyncPrefillHandle:
+                     timeout_s: float, stop: Callable[[], bool] = lambda: False,
+                     attempt: int | None = None) -> SyncPrefillHandle:
         keys = block_keys_from_tokens(token_ids, self._spec.block_tokens)
         hit_blocks = min(self._stored_prefix(keys, len(token_ids)),
                          planned_hit // self._spec.block_tokens)
@@ -79,7 +79,7 @@ class LocalKVStore:
         return Blocking(LocalPrefillSession(self, request_id, keys, hit_blocks, len(token_ids)),
                         portal)
 
-    def abandon(self, request_id: str, reason: str) -> None:
+    def abandon(self, request_id: str, reason: str, attempt: int | None = None) -> None:
         """Nothing waits for a claim here: no node to tell."""
 
     def read_blocks(self, keys: Sequence[str], out: np.ndarray) -> None:

@@ -25,6 +25,7 @@ class OpenRequest:
     dualpath_id: str
     token_ids: list[int]
     planned_hit: int
+    attempt: int | None = None       # the plan's attempt (the front sends it with the plan)
 
 
 @dataclass

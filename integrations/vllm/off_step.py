@@ -131,7 +131,7 @@ class OffStep:
             # attempt still waits for this engine — tell it (a node that failed it already
             # answered Cancelled: nothing to tell)
             if isinstance(e, (LayoutRefused, NotFound, ClaimStopped)):
-                self._source.abandon(op.dualpath_id, f"not opened by vLLM: {e}")
+                self._source.abandon(op.dualpath_id, f"not opened by vLLM: {e}", op.attempt)
         else:
             hit = self._usable_hit(op, session)
         with self._cond:
@@ -156,10 +156,10 @@ class OffStep:
             from integrations.vllm.decode_session import DecodeSession
 
             return DecodeSession(self._source.open_decode(  # type: ignore[attr-defined]
-                op.dualpath_id, op.token_ids, self._claim_timeout_s, stop), op.token_ids,
-                self._post)
+                op.dualpath_id, op.token_ids, self._claim_timeout_s, stop, op.attempt),
+                op.token_ids, self._post)
         return self._source.open_prefill(op.dualpath_id, op.token_ids, op.planned_hit,
-                                         self._claim_timeout_s, stop)
+                                         self._claim_timeout_s, stop, op.attempt)
 
     def _usable_hit(self, op: OpenRequest, session: Any) -> int | None:
         """The claimed hit vLLM will load, or None (the session failed: recompute). The node

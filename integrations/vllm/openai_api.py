@@ -169,20 +169,28 @@ def chat_token_ids(rendered: Any) -> list[int]:
     return list(ids)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` (``prompt_tokens_details``, as OpenAI reports
+    prompt caching): the prompt tokens dualpath loaded instead of computing — what clients
+    such as AIPerf read as the prompt-cache hit."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def response(rid: str, model: str, chat: bool, text: str, finish_reason: str,
-             prompt_tokens: int, completion_tokens: int, created: int) -> dict[str, Any]:
+             prompt_tokens: int, completion_tokens: int, created: int,
+             cached_tokens: int | None = None) -> dict[str, Any]:
     """The whole (non-streamed) completion body."""
     choice: dict[str, Any] = ({"message": {"role": "assistant", "content": text}} if chat
                               else {"text": text, "logprobs": None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model,
             "choices": [{"index": 0, **choice, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chunk(rid: str, model: str, chat: bool, created: int, *, text: str | None = None,
@@ -203,12 +211,11 @@ def chunk(rid: str, model: str, chat: bool, created: int, *, text: str | None = 
             "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(rid: str, model: str, chat: bool, created: int,
+                usage_object: dict[str, Any]) -> dict[str, Any]:
     """``stream_options.include_usage``: the last chunk, no choices, the usage."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "created": created, "model": model, "choices": [], "usage": usage_object}
 
 
 def error_body(status: int, message: str, code: str) -> dict[str, Any]:

@@ -80,8 +80,10 @@ class SchedulerHalf:
             ids = list(request.prompt_token_ids or [])
             req = self._reqs[rid] = _SchedReq(dict(params), ids,
                                               self._source.planned_hit(params, ids))
+            attempt = params.get("attempt")
             self._opens.append(OpenRequest(rid, str(params.get("request_id", rid)), ids,
-                                           req.planned_hit))
+                                           req.planned_hit,
+                                           attempt if isinstance(attempt, int) else None))
             return None, False
         if req.refused or req.loaded:
             return 0, False

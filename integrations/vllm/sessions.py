@@ -33,13 +33,17 @@ class KVSource(Protocol):
         ...
 
     def open_prefill(self, request_id: str, token_ids: Sequence[int], planned_hit: int,
-                     timeout_s: float, stop: Callable[[], bool] = ...) -> SyncPrefillHandle:
+                     timeout_s: float, stop: Callable[[], bool] = ...,
+                     attempt: int | None = None) -> SyncPrefillHandle:
         """Claim the request (off vLLM's step: it may wait for the plan); ``stop()`` turns
-        true when vLLM gave the request up meanwhile."""
+        true when vLLM gave the request up meanwhile; ``attempt`` (the plan's, when the
+        frontend sent it): only that attempt — a re-plan sends the request to vLLM again, and
+        the earlier attempt's vLLM request must not take the new plan."""
         ...
 
-    def abandon(self, request_id: str, reason: str) -> None:
-        """This engine will not claim ``request_id``: whoever waits for the claim stops."""
+    def abandon(self, request_id: str, reason: str, attempt: int | None = None) -> None:
+        """This engine will not claim ``request_id`` (``attempt``, when given): whoever waits
+        for the claim stops."""
         ...
 
     def close(self) -> None: ...

@@ -141,22 +141,27 @@ class EngineClient:
         got = await self._next(timeout_s, 1)
         return got[0] if got else None
 
-    async def claim_prefill(self, request_id: str, timeout_s: float) -> RemotePrefillHandle:
-        """The prefill request ``request_id`` once assigned here (NotFound after
-        ``timeout_s``; InvalidArgument at once if another engine has it)."""
+    async def claim_prefill(self, request_id: str, timeout_s: float,
+                            attempt: int | None = None) -> RemotePrefillHandle:
+        """The prefill request ``request_id`` (its attempt ``attempt``, when given) once
+        assigned here (NotFound after ``timeout_s``; InvalidArgument at once if another engine
+        has it; Cancelled at once if that attempt was superseded)."""
         self._check_role("prefill")
-        return (await self._claim(request_id, timeout_s))[0]
+        return (await self._claim(request_id, timeout_s, attempt))[0]
 
-    async def claim_decode(self, request_id: str, timeout_s: float) -> RemoteDecodeRequest:
+    async def claim_decode(self, request_id: str, timeout_s: float,
+                           attempt: int | None = None) -> RemoteDecodeRequest:
         """The decode request ``request_id`` once its full prompt KV is in the DE buffer."""
         self._check_role("decode")
-        return (await self._claim(request_id, timeout_s))[0]
+        return (await self._claim(request_id, timeout_s, attempt))[0]
 
-    async def abandon(self, request_id: str, reason: str, timeout_s: float = 30.0) -> None:
+    async def abandon(self, request_id: str, reason: str, timeout_s: float = 30.0,
+                      attempt: int | None = None) -> None:
         """This engine will not claim ``request_id`` (it could not open it and computes it
-        alone): the node fails the attempt assigned here now, instead of at its deadline.
-        Waits up to ``timeout_s`` for a plan not yet at the node (NotFound after that)."""
-        await self.call(AbandonRequest(request_id, reason[:300], timeout_s), timeout_s)
+        alone): the node fails the attempt assigned here now (only ``attempt``, when given),
+        instead of at its deadline. Waits up to ``timeout_s`` for a plan not yet at the node
+        (NotFound after that)."""
+        await self.call(AbandonRequest(request_id, reason[:300], timeout_s, attempt), timeout_s)
 
     def _check_role(self, role: str) -> None:
         if role != self.role:
@@ -168,9 +173,10 @@ class EngineClient:
         reply: Assigned = await self.call(NextRequest(wait, max_items), wait)
         return self._wrap(reply)
 
-    async def _claim(self, request_id: str, timeout_s: float) -> list[Any]:
+    async def _claim(self, request_id: str, timeout_s: float,
+                     attempt: int | None = None) -> list[Any]:
         wait = min(timeout_s, self.max_wait_s)
-        reply: Assigned = await self.call(ClaimRequest(request_id, wait), wait)
+        reply: Assigned = await self.call(ClaimRequest(request_id, wait, attempt), wait)
         got = self._wrap(reply)
         if len(got) != 1:
             raise ProtocolError(f"claim of {request_id!r} answered with {len(got)} requests")

@@ -22,9 +22,17 @@ from common.errors import Cancelled
 from .collectives import Collectives
 
 
+class _Info(Protocol):
+    @property
+    def attempt(self) -> int: ...
+
+
 class _Request(Protocol):
     @property
     def request_id(self) -> str: ...
+
+    @property
+    def info(self) -> _Info: ...
 
 
 R = TypeVar("R", bound=_Request)
@@ -73,11 +81,17 @@ class RequestQueue(Generic[R]):
         self._taken_back(item)
         return True
 
-    def take(self, request_id: str) -> R | None:
-        """Remove and return the queued live request ``request_id`` (None: not queued here,
-        yet or any more)."""
+    def attempts_of(self, request_id: str) -> list[int]:
+        """The attempts of ``request_id`` queued here and live."""
+        return [item.info.attempt for item in self._queue
+                if item.request_id == request_id and self._live(item)]
+
+    def take(self, request_id: str, attempt: int | None = None) -> R | None:
+        """Remove and return the queued live request ``request_id`` (its attempt ``attempt``
+        when given; None: not queued here, yet or any more)."""
         for item in self._queue:
-            if item.request_id == request_id and self._live(item):
+            if item.request_id == request_id and self._live(item) and (
+                    attempt is None or item.info.attempt == attempt):
                 self._queue.remove(item)
                 return item
         return None

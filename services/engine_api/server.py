@@ -81,7 +81,8 @@ class EngineApiServer:
                  ports: dict[str, Any], arena: Any, arena_name: str | None,
                  owner_of: Callable[[str], str | None],
                  failure_of: Callable[[str], str | None] = lambda rid: None,
-                 abandon: Callable[[str, str, DualpathError], bool] = lambda rid, e, err: False,
+                 abandon: Callable[[str, str, DualpathError, int | None], bool] = (
+                     lambda rid, e, err, attempt: False),
                  allowed_uids: Sequence[int] = ()) -> None:
         self.node_id, self.role, self.spec = node_id, role, spec
         self.ports = ports
@@ -90,7 +91,8 @@ class EngineApiServer:
         self._arena_base = arena.ctypes.data if isinstance(arena, np.ndarray) else 0
         self.owner_of = owner_of
         self.failure_of = failure_of      # why a request with no live attempt here failed
-        # (request id, engine id, error) -> the node failed that engine's live attempt of it
+        # (request id, engine id, error, attempt or None) -> the node failed that engine's live
+        # attempt of it
         self.abandon = abandon
         self.sessions: dict[str, EngineSession] = {}        # engine id → session
         self._by_conn: dict[int, EngineSession] = {}
@@ -293,19 +295,25 @@ class EngineApiServer:
         unknown_at = loop.time() + UNKNOWN_GRACE_S
         self.claims_waiting[rid] += 1
         try:
-            return await self._claim_loop(sess, port, rid, timeout, end, unknown_at)
+            return await self._claim_loop(sess, port, rid, timeout, end, unknown_at,
+                                          msg.attempt)
         finally:
             self.claims_waiting[rid] -= 1
             if not self.claims_waiting[rid]:
                 del self.claims_waiting[rid]
 
     async def _claim_loop(self, sess: EngineSession, port: Any, rid: str, timeout: float,
-                          end: float, unknown_at: float) -> Assigned:
-        """Wait for ``rid`` on ``sess``'s port: handed, refused, or not found by ``end``."""
+                          end: float, unknown_at: float, attempt: int | None) -> Assigned:
+        """Wait for ``rid`` (its attempt ``attempt``, when given) on ``sess``'s port: handed,
+        refused, or not found by ``end``."""
         loop = asyncio.get_running_loop()
         while not sess.closed:
-            if (item := port.take(rid)) is not None:
+            if (item := port.take(rid, attempt)) is not None:
                 return self._assign(sess, [item])
+            if attempt is not None and any(a > attempt for a in port.attempts_of(rid)):
+                self.counters["claims_superseded"] += 1
+                raise Cancelled(f"attempt {attempt} of request {rid!r} was superseded by a "
+                                f"re-plan on {self.node_id}; its own request claims the new one")
             owner = self.owner_of(rid)
             if owner is not None and owner != sess.engine_id:
                 raise InvalidArgument(f"request {rid!r} is assigned to engine {owner}, not "
@@ -452,14 +460,16 @@ class EngineApiServer:
         loop = asyncio.get_running_loop()
         end = loop.time() + min(_timeout(msg.timeout_s), UNKNOWN_GRACE_S)
         while not sess.closed:
-            if (item := port.take(rid)) is not None:
+            if (item := port.take(rid, msg.attempt)) is not None:
                 await item.fail(err)
                 return self._abandoned(sess, rid, "queued")
+            if msg.attempt is not None and any(a > msg.attempt for a in port.attempts_of(rid)):
+                return EngineOk(rid)       # an earlier attempt's give-up: the new one stands
             owner = self.owner_of(rid)
             if owner is not None and owner != sess.engine_id:
                 raise InvalidArgument(f"request {rid!r} is assigned to engine {owner}, not "
                                       f"{sess.engine_id}")
-            if owner is not None and self.abandon(rid, sess.engine_id, err):
+            if owner is not None and self.abandon(rid, sess.engine_id, err, msg.attempt):
                 return self._abandoned(sess, rid, "preparing")
             if owner is None and self.failure_of(rid) is not None:
                 return EngineOk(rid)                    # failed already: nothing to do

@@ -72,9 +72,10 @@ class NodeBase(Service):
         if n <= 0:
             raise InvalidArgument(f"a node needs at least one engine, got {n}")
         self.engine_ids = [f"{node_id}.e{i}" for i in range(n)]
-        shm = (cfg.gateway.shm and bool(settings.gateway_port)) or bool(settings.engine_socket)
+        shm = (cfg.gateway.shm and bool(settings.gateway_port)) or bool(settings.engine_socket) \
+            or cfg.transport.same_host == "shm"
         self.pool = PagePool(settings.page_bytes, settings.num_pages, settings.device, pool_name,
-                             shm=shm)      # same-host reads, engines in other processes
+                             shm=shm)  # same-host reads and transfers, engines in other processes
         self.regions = RegionPool(self.pool)
         self.arbiter = EgressArbiter(cfg.arbiter)
         # engines' announced collectives hold the arbiter's KV cap (the ports get this)
@@ -103,7 +104,7 @@ class NodeBase(Service):
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
         s = self.settings
-        self.transport = PageTransport(self.cfg.transport, self.node_id)
+        self.transport = PageTransport(self.cfg.transport, self.node_id, shm_arena=self.pool.arena)
         await self.transport.start()
         self.gateways = NodeGateways(
             self.cfg.rpc, self.transport, self.pool.arena, self.spec, node_id=self.node_id,
@@ -165,12 +166,15 @@ class NodeBase(Service):
                 return att.engine_id
         return None
 
-    def _abandon(self, request_id: str, engine_id: str, err: DualpathError) -> bool:
-        """Engine ``engine_id`` will not claim ``request_id``: fail its live attempts of it now
-        (each reports ``failed``, retryable), so the scheduler re-plans at once."""
+    def _abandon(self, request_id: str, engine_id: str, err: DualpathError,
+                 attempt: int | None = None) -> bool:
+        """Engine ``engine_id`` will not claim ``request_id`` (its attempt ``attempt``, when
+        given): fail its live attempts of it now (each reports ``failed``, retryable), so the
+        scheduler re-plans at once."""
         found = False
-        for (rid, _), att in list(self.attempts.items()):
-            if rid == request_id and att.engine_id == engine_id and not att.dropped():
+        for (rid, number), att in list(self.attempts.items()):
+            if rid == request_id and att.engine_id == engine_id and not att.dropped() and (
+                    attempt is None or number == attempt):
                 self.counters["attempts_abandoned_by_engine"] += 1
                 att.engine_gave_up(err)
                 found = True

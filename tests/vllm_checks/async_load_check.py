@@ -61,13 +61,14 @@ class FakeSource:
         assert isinstance(out, FakeSession)
         return out
 
-    def open_prefill(self, rid, token_ids, planned_hit, timeout_s, stop=lambda: False):
+    def open_prefill(self, rid, token_ids, planned_hit, timeout_s, stop=lambda: False,
+                     attempt=None):
         return self._claim(rid, stop)
 
-    def open_decode(self, rid, token_ids, timeout_s, stop=lambda: False):
+    def open_decode(self, rid, token_ids, timeout_s, stop=lambda: False, attempt=None):
         return self._claim(rid, stop)
 
-    def abandon(self, rid: str, reason: str) -> None:
+    def abandon(self, rid: str, reason: str, attempt=None) -> None:
         self.abandoned.append(rid)
 
 

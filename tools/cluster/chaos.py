@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -49,6 +50,7 @@ from common.rpc import RpcClient
 from .chaos_cases import DEADLINE_S, LATE_S, CaseResult, Fault, Submission
 from .config import Cluster, load_cluster
 from .launcher import Launcher, Proc, alive, tail
+from .real_engines import Command
 
 # Detection in seconds, not tens of seconds: a paused service loses its lease after 2 s.
 CHAOS_SETTINGS: dict[str, dict[str, Any]] = {
@@ -75,20 +77,20 @@ class ChaosLauncher(Launcher):
 
     def __init__(self, cluster: Cluster, **kw: Any) -> None:
         super().__init__(cluster, **kw)
-        self.argvs: dict[str, tuple[str, list[str]]] = {}
+        self.commands: dict[str, Command] = {}
 
     def fp_file(self, name: str) -> Path:
         return self.state_dir / f"failpoints-{name.replace(':', '-')}"
 
-    def _spawn(self, name: str, service: str, argv: list[str]) -> Proc:
-        self.argvs[name] = (service, list(argv))
-        path = self.fp_file(name)
+    def _spawn(self, cmd: Command) -> Proc:
+        self.commands[cmd.name] = cmd
+        path = self.fp_file(cmd.name)
         path.write_text("")
         saved = {k: os.environ.get(k) for k in (FILE_ENV, ENV)}
         os.environ[FILE_ENV] = str(path)          # inherited by this child only: restored
         os.environ.pop(ENV, None)
         try:
-            return super()._spawn(name, service, argv)
+            return super()._spawn(cmd)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -104,7 +106,9 @@ class ChaosLauncher(Launcher):
 
     def restart(self, name: str) -> Proc:
         """Start ``name`` again (SIGKILL first if it still runs); gateways and the scheduler
-        keep their port (nodes and frontends dial it: a restart at the same address)."""
+        keep their port (nodes and frontends dial it: a restart at the same address), node
+        services get new ones (a new process: new ports, new epoch — unlike
+        ``Launcher.restart``, a supervisor's restart in place)."""
         old = self.state.proc(name)
         if alive(old):
             os.kill(old.pid, signal.SIGKILL)
@@ -112,10 +116,11 @@ class ChaosLauncher(Launcher):
         if p is not None:
             p.wait(timeout=10)
         self.state.procs.remove(old)
-        service, argv = self.argvs[name]
-        if service in ("gateway", "scheduler") and "--port" not in argv:
+        cmd = self.commands[name]
+        argv = cmd.argv
+        if cmd.service in ("gateway", "scheduler") and "--port" not in argv:
             argv = argv + ["--port", str(old.rpc_port)]   # node services were given this port
-        self._wave([(name, service, argv)])
+        self._wave([dataclasses.replace(cmd, argv=argv)])
         return self.state.proc(name)
 
     def arm(self, name: str, spec: str) -> None:

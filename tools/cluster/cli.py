@@ -4,7 +4,9 @@
   endpoints and returns; the services keep running. Exit 2: bad config (one message, nothing
   started); exit 1: a service failed to start (the others are stopped, its log tail printed).
 * ``down`` stops the services recorded in the state file (SIGTERM, SIGKILL after the grace).
-* ``status`` prints the endpoints and asks the scheduler which nodes hold leases.
+* ``status`` prints the endpoints and asks the scheduler which nodes hold leases; for services
+  started by hand (no state file: the runbook, systemd) it asks the scheduler at the config's
+  fixed ``scheduler_port`` which of the config's nodes hold a lease.
 * ``check`` validates the config (and ports, memory, the P/D window) without starting anything.
 """
 
@@ -67,29 +69,47 @@ def _down(launcher: Launcher) -> int:
     stopped = launcher.down()
     print(f"stopped {len(stopped)} service(s)" + (f": {', '.join(stopped)}" if stopped else
                                                   " (none running)"))
+    if launcher.removed_segments:
+        print(f"removed {len(launcher.removed_segments)} /dev/shm segment(s) the vLLM "
+              f"instances left: {', '.join(launcher.removed_segments)}")
     return 0
 
 
 def _status(launcher: Launcher) -> int:
     state = load_state_or_none(launcher.cluster)
-    if state is None:
-        print(f"cluster {launcher.cluster.spec.name} is not running")
+    spec = launcher.cluster.spec
+    if state is None and not spec.scheduler_port:
+        print(f"cluster {spec.name} is not running")
         return 3
-    print(endpoints_table(state))
-    dead = [p.name for p in state.procs if not alive(p)]
-    if dead:
-        print(f"not running: {', '.join(dead)}")
-        return 1
+    if state is None:           # started by hand: the config names where the scheduler is
+        host, port = spec.scheduler_host or spec.host, spec.scheduler_port
+        print(f"cluster {spec.name}: no state file (not started by `cluster up`); asking the "
+              f"scheduler at {host}:{port}")
+    else:
+        print(endpoints_table(state))
+        dead = [p.name for p in state.procs if not alive(p)]
+        if dead:
+            print(f"not running: {', '.join(dead)}")
+            return 1
+        host, port = state.scheduler
     from services.scheduler.client.client import SyncSchedulerClient
-    host, port = state.scheduler
-    with SyncSchedulerClient(host, port, client_id="status") as client:
-        st = client.cluster_status(timeout=5.0)
+    try:
+        with SyncSchedulerClient(host, port, rpc=launcher.cluster.cfg.rpc,
+                                 client_id="status") as client:
+            st = client.cluster_status(timeout=5.0)
+    except (DualpathError, OSError) as e:
+        print(f"cluster {spec.name}: the scheduler at {host}:{port} does not answer ({e})")
+        return 3 if state is None else 1
+    missing = [] if state is not None else sorted(
+        {n.id for n in spec.nodes} - {n.node_id for n in st.nodes})
+    if missing:
+        print(f"nodes without a lease: {', '.join(missing)}")
     print(f"scheduler policy {st.policy}; leases: "
           + ", ".join(f"{n.node_id}/{n.service}" for n in st.nodes)
           + f"; queues {st.queues}; requests {st.requests}")
     for key, what in sorted(st.discovery.items()):      # etcd mode: registered keys
         print(f"etcd {key}: {what}")
-    return 0
+    return 1 if missing else 0
 
 
 def _check(launcher: Launcher) -> int:

@@ -219,11 +219,17 @@ def check_ports_free(cluster: Cluster, hosts: set[str] | None = None) -> None:
         want.append((sched_host, c.scheduler_port, "cluster.scheduler_port"))
     if c.scheduler_metrics_port:
         want.append((sched_host, c.scheduler_metrics_port, "cluster.scheduler_metrics_port"))
+    if c.engine == "vllm" and c.front_port:
+        want.append((c.host, c.front_port, "cluster.front_port"))
     for i, n in enumerate(c.nodes):
         for f in ("gateway_port", "rpc_port", "metrics_port", "gateway_metrics_port"):
             port = getattr(n, f)
             if port:
                 want.append((c.node_host(n), port, f"cluster.nodes[{i}].{f} ({n.id})"))
+        if c.engine == "vllm" and n.engine_port:
+            want += [(c.node_host(n), n.engine_port + e,
+                      f"cluster.nodes[{i}].engine_port + {e} ({n.id}.e{e})")
+                     for e in range(c.engines(n))]
     taken = [f"{what} = {port} on {host}" for host, port, what in want
              if (hosts is None or host in hosts) and not port_free(host, port)]
     if taken:

@@ -111,7 +111,7 @@ class FailoverHarness(ChaosHarness):
         self.etcd.start()
         t = super().up()
         p = self.launcher.state.proc("scheduler")
-        self.leader = Replica(p, None, list(self.launcher.argvs["scheduler"][1]))
+        self.leader = Replica(p, None, list(self.launcher.commands["scheduler"].argv))
         self.standby = self._spawn_standby(self.leader.argv)
         return t
 

@@ -8,15 +8,18 @@ in three waves, each waited for before the next (a ready file per service, proce
 2. the scheduler, its hit lookup given every gateway (asked in turn, the next on a failure);
 3. per node the PE receiver / DE loader with its emulated engines, given the scheduler's and
    its gateway's ports (with ``[cluster] remote_engines`` the engines run in a fourth wave,
-   one ``dualpath serve engine_sim`` process per node attached over the node's engine socket);
+   one ``dualpath serve engine_sim`` process per node attached over the node's engine socket;
+   with ``[cluster] engine = "vllm"`` instead a vLLM OpenAI server per engine, and once every
+   node holds a lease the OpenAI front: :mod:`.real_engines`);
 
-and finally polls the scheduler until every node service holds a lease. The state file
+and polls the scheduler until every node service holds a lease. The state file
 (``state.json``: pids with their kernel start times, ports, log paths) is rewritten after each
 wave, so ``down`` can stop a half-started cluster. A service that fails to start makes ``up``
 stop the others and raise :class:`LaunchError` carrying that service's log tail.
 
-``down``: SIGTERM every live pid of the state file (node services, scheduler, gateways), wait
-``stop_grace_s``, SIGKILL what is left, remove the state file. A pid whose start time differs
+``down``: SIGTERM every live pid of the state file (front, vLLM instances — their whole process
+group —, node services, scheduler, gateways), wait ``stop_grace_s``, SIGKILL what is left,
+unlink the ``/dev/shm`` segments the vLLM instances left, remove the state file. A pid whose start time differs
 from the recorded one belongs to someone else now and is left alone.
 """
 
@@ -34,6 +37,9 @@ from typing import Any
 
 from common.errors import ConfigError, DualpathError
 
+from tools.proc_group import group_pids, group_segments, remove_segments
+
+from . import real_engines
 from .config import (ROLE_SERVICE, Cluster, check_local_resources, check_ports_free,
                      pd_warning)
 from .toml_write import dumps
@@ -66,6 +72,8 @@ class Proc:
     ucx_port: int | None = None
     metrics_port: int | None = None
     engines: list[str] = field(default_factory=list)
+    url: str | None = None                  # a vLLM instance's / the front's HTTP endpoint
+    shm: list[str] = field(default_factory=list)   # /dev/shm files its group mapped (vLLM)
 
 
 @dataclass
@@ -154,6 +162,7 @@ class Launcher:
         self.state_dir = c.state_dir().resolve()
         self.log_dir = self.state_dir / "logs"
         self._popen: dict[str, subprocess.Popen] = {}
+        self.removed_segments: list[str] = []   # /dev/shm files `down` unlinked (vLLM's)
         self.state: State | None = None
 
     def is_local(self) -> bool:
@@ -193,15 +202,67 @@ class Launcher:
                                     "--gateway-port",
                                     str(self.state.proc(f"gateway:{n.id}").rpc_port)])
                         for n in c.nodes])
-            if c.remote_engines:          # each node's emulated engines in their own process
-                self._wave([self._argv("engine_sim", n.id) for n in c.nodes])
-            self._wait_registered()
+            if c.engine == "vllm":        # real engines on the nodes' sockets, then the front
+                model = real_engines.resolve_model(self.cluster)
+                self._wave(real_engines.instance_commands(self.cluster, model),
+                           c.engine_start_timeout_s)
+                self._wait_registered()
+                urls = {p.name.split(":", 1)[1]: str(p.url) for p in self.state.procs
+                        if p.service == "vllm"}
+                self._wave([real_engines.front_command(self.cluster, model,
+                                                       self.state.scheduler, urls)])
+            else:
+                if c.remote_engines:      # each node's emulated engines in their own process
+                    self._wave([self._argv("engine_sim", n.id) for n in c.nodes])
+                self._wait_registered()
         except BaseException:
             self.down()
             raise
         self.state.ready = True
         self.state.save()
         return self.state
+
+    def restart(self, name: str) -> Proc:
+        """Start service ``name`` of the running cluster again after it died (or was killed),
+        on the port it had — what a supervisor (systemd, Kubernetes) does: its peers find it
+        where they knew it. Node services re-register; a vLLM instance loads again."""
+        state = self.state = self.state or State.load(self.state_dir)
+        if state is None:
+            raise ConfigError(f"cluster {self.cluster.spec.name} is not running")
+        old = state.proc(name)
+        if _running(old):
+            raise ConfigError(f"{name} is still running (pid {old.pid}): stop it first")
+        state.procs.remove(old)
+        cmd = self._command_again(old)
+        self._wave([cmd], self.cluster.spec.engine_start_timeout_s
+                   if old.service == "vllm" else None)
+        if old.service in ("pe_receiver", "de_loader", "scheduler"):
+            self._wait_registered()
+        return state.proc(name)
+
+    def _command_again(self, old: Proc) -> real_engines.Command:
+        state = self.state
+        assert state is not None
+        if old.service in GROUPS:
+            model = real_engines.resolve_model(self.cluster)
+            if old.service == "front":
+                urls = {p.name.split(":", 1)[1]: str(p.url) for p in state.procs
+                        if p.service == "vllm"}
+                return real_engines.front_command(self.cluster, model, state.scheduler, urls,
+                                                  port=real_engines.url_port(str(old.url)))
+            engine = old.name.split(":", 1)[1]
+            return next(c for c in real_engines.instance_commands(
+                self.cluster, model, {engine: real_engines.url_port(str(old.url))})
+                if c.name == old.name)
+        port = ["--port", str(old.rpc_port)]
+        if old.service == "scheduler":
+            return self._argv("scheduler", None, self._lookup_gateways() + port)
+        if old.service in ("gateway", "engine_sim"):
+            return self._argv(old.service, old.node, port if old.service == "gateway" else [])
+        sched = state.proc("scheduler")
+        return self._argv(old.service, old.node,
+                          ["--scheduler", f"{sched.host}:{sched.rpc_port}", "--gateway-port",
+                           str(state.proc(f"gateway:{old.node}").rpc_port)] + port)
 
     def _lookup_gateways(self) -> list[str]:
         """``--lookup-gateway`` for every gateway started: the scheduler's hit lookup asks any
@@ -227,7 +288,7 @@ class Launcher:
         return path
 
     def _argv(self, service: str, node: str | None, extra: list[str] | None = None
-              ) -> tuple[str, str, list[str]]:
+              ) -> real_engines.Command:
         c = self.cluster.spec
         name = service if node is None else f"{service}:{node}"
         argv = [self.python, "-m", "tools.cluster.serve", service, "-c", self.state.config]
@@ -238,43 +299,50 @@ class Launcher:
             # picked here and bound there can be taken in between (seen: a de_loader exited
             # "Address already in use" while another test started services)
             argv += ["--metrics-port", "0"]
-        return name, service, argv + (extra or [])
+        return real_engines.Command(name, service, node or "scheduler", argv + (extra or []),
+                                    {}, None)
 
-    def _wave(self, items: list[tuple[str, str, list[str]]]) -> None:
-        started = [self._spawn(name, service, argv) for name, service, argv in items]
+    def _wave(self, items: list[real_engines.Command], timeout_s: float | None = None) -> None:
+        started = [self._spawn(cmd) for cmd in items]
         self.state.save()
-        deadline = time.monotonic() + self.cluster.spec.start_timeout_s
+        timeout_s = timeout_s or self.cluster.spec.start_timeout_s
+        deadline = time.monotonic() + timeout_s
         pending = list(started)
         while pending:
             for p in list(pending):
                 if self._ready(p):
                     pending.remove(p)
-                    self.echo(f"  {p.name:<22} pid {p.pid:<7} rpc {p.host}:{p.rpc_port}"
-                              + (f"  metrics :{p.metrics_port}" if p.metrics_port else ""))
+                    self.echo(f"  {p.name:<22} pid {p.pid:<7} " + (
+                        p.url if p.url else f"rpc {p.host}:{p.rpc_port}")
+                        + (f"  metrics :{p.metrics_port}" if p.metrics_port else ""))
             if pending and time.monotonic() > deadline:
                 p = pending[0]
                 raise LaunchError(f"{p.name} did not become ready within "
-                                  f"{self.cluster.spec.start_timeout_s:.0f} s (log: {p.log})",
-                                  tail(p.log))
+                                  f"{timeout_s:.0f} s (log: {p.log})", tail(p.log))
             if pending:
-                time.sleep(0.05)
+                time.sleep(0.05 if all(p.ready_file for p in pending) else 0.5)
         self.state.save()
 
-    def _spawn(self, name: str, service: str, argv: list[str]) -> Proc:
+    def _spawn(self, cmd: real_engines.Command) -> Proc:
+        """Start ``cmd`` in its own session, its output appended to its log. Our services are
+        told a ready file; a vLLM instance or the front is ready when its URL answers."""
+        name, argv = cmd.name, cmd.argv
         safe = name.replace(":", "-")
         log = self.log_dir / f"{safe}.log"
-        ready = self.state_dir / f"{safe}.ready"
-        ready.unlink(missing_ok=True)
-        argv = argv + ["--ready-file", str(ready)]
+        ready = self.state_dir / f"{safe}.ready" if cmd.service in SERVICES else None
+        env = dict(os.environ, **cmd.env) if cmd.env else None
+        if ready is not None:
+            ready.unlink(missing_ok=True)
+            argv = argv + ["--ready-file", str(ready)]
         with open(log, "ab") as out:
             out.write(f"\n==== {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
             out.flush()
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                    start_new_session=True, cwd=os.getcwd())
+                                    start_new_session=True, cwd=os.getcwd(), env=env)
         self._popen[name] = proc
         ticks = proc_start_ticks(proc.pid) or 0
-        node = name.split(":", 1)[1] if ":" in name else "scheduler"
-        p = Proc(name, service, node, proc.pid, ticks, str(log), str(ready))
+        p = Proc(name, cmd.service, cmd.node, proc.pid, ticks, str(log),
+                 str(ready) if ready else "", url=cmd.url)
         self.state.procs.append(p)
         return p
 
@@ -283,6 +351,12 @@ class Launcher:
         if popen is not None and popen.poll() is not None:
             raise LaunchError(f"{p.name} exited with status {popen.returncode} while starting "
                               f"(log: {p.log})", tail(p.log))
+        if p.service == "vllm":
+            from tools.vllm_serve import healthy
+            return healthy(str(p.url))
+        if p.service == "front":
+            p.url = real_engines.front_url(p.log)
+            return p.url is not None
         try:
             info = json.loads(Path(p.ready_file).read_text())
         except (FileNotFoundError, ValueError):
@@ -293,9 +367,12 @@ class Launcher:
         return True
 
     def _wait_registered(self) -> None:
-        """Poll the scheduler until every PE receiver / DE loader holds a lease."""
+        """Poll the scheduler until every PE receiver / DE loader holds a lease (on a restart,
+        every one that runs: another may be down, waiting for its own restart)."""
         from services.scheduler.client.client import SyncSchedulerClient
-        want = {p.node for p in self.state.procs if p.service in ("pe_receiver", "de_loader")}
+        nodes = [p for p in self.state.procs if p.service in ("pe_receiver", "de_loader")
+                 and (not self.state.ready or alive(p))]
+        want = {p.node for p in nodes}
         host, port = self.state.scheduler
         deadline = time.monotonic() + self.cluster.spec.start_timeout_s
         with SyncSchedulerClient(host, port, rpc=self.cluster.cfg.rpc,
@@ -305,7 +382,7 @@ class Launcher:
                 have = {n.node_id for n in status.nodes if n.engines}
                 if want <= have:
                     return
-                for p in self.state.procs:
+                for p in nodes:
                     self._ready(p)               # a node that died while registering
                 if time.monotonic() > deadline:
                     missing = sorted(want - have)
@@ -320,42 +397,63 @@ class Launcher:
         state = self.state or State.load(self.state_dir)
         if state is None:
             return []
+        engines = [e for e in state.procs if e.service in GROUPS and alive(e)]
+        for e in engines:                # what vLLM maps now, to unlink what it leaves
+            e.shm = sorted(group_segments(e.pid))
         stopped = stop_procs(state.procs, self.cluster.spec.stop_grace_s)
+        self.removed_segments = remove_segments({s for e in engines for s in e.shm})
         for p in self._popen.values():
             if p.poll() is None:      # pragma: no cover - stop_procs killed it already
                 p.kill()
             p.wait()
         (Path(state.state_dir) / STATE_FILE).unlink(missing_ok=True)
-        for p in state.procs:
-            Path(p.ready_file).unlink(missing_ok=True)
+        for proc in state.procs:
+            if proc.ready_file:
+                Path(proc.ready_file).unlink(missing_ok=True)
         self.state = None
         return stopped
 
 
-_STOP_ORDER = {"engine_sim": -1, "pe_receiver": 0, "de_loader": 0, "scheduler": 1,
-               "gateway": 2}
+_STOP_ORDER = {"front": -3, "vllm": -2, "engine_sim": -1, "pe_receiver": 0, "de_loader": 0,
+               "scheduler": 1, "gateway": 2}
+SERVICES = {"gateway", "scheduler", "pe_receiver", "de_loader", "engine_sim"}  # dualpath serve
+GROUPS = {"vllm", "front"}      # signalled as a process group: vLLM's engine core is a child
+ENGINE_GRACE_S = 30.0           # vLLM's graceful shutdown (engine core, its shm queues)
 
 
 def stop_procs(procs: list[Proc], grace_s: float) -> list[str]:
-    """SIGTERM in order (node services, scheduler, gateways), SIGKILL after ``grace_s``."""
+    """SIGTERM in order (front, vLLM instances, node services, scheduler, gateways), SIGKILL
+    after ``grace_s`` (vLLM's own shutdown gets at least ``ENGINE_GRACE_S``). A vLLM instance or
+    the front is stopped when no process of its group is left (its engine core included)."""
     live = [p for p in sorted(procs, key=lambda p: _STOP_ORDER.get(p.service, 3)) if alive(p)]
     for p in live:
         _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while any(alive(p) for p in live) and time.monotonic() < deadline:
+    grace = {p.name: max(grace_s, ENGINE_GRACE_S) if p.service in GROUPS else grace_s
+             for p in live}
+    start = time.monotonic()
+    while True:
+        running = [p for p in live if _running(p)]
+        for p in running:
+            if time.monotonic() - start > grace[p.name]:
+                _signal(p, signal.SIGKILL)
+        if not running or time.monotonic() - start > max(grace.values(), default=0) + 5.0:
+            break
         time.sleep(0.05)
-    for p in live:
-        if alive(p):
-            _signal(p, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    while any(alive(p) for p in live) and time.monotonic() < deadline:
-        time.sleep(0.02)
     return [p.name for p in live]
+
+
+def _running(p: Proc) -> bool:
+    if p.service in GROUPS:
+        return alive(p) or bool(group_pids(p.pid))
+    return alive(p)
 
 
 def _signal(p: Proc, sig: signal.Signals) -> None:
     try:
-        os.kill(p.pid, sig)
+        if p.service in GROUPS:       # its own session (start_new_session): the group is ours
+            os.killpg(p.pid, sig)
+        else:
+            os.kill(p.pid, sig)
     except ProcessLookupError:
         pass
 
@@ -379,7 +477,11 @@ def endpoints_table(state: State) -> str:
             f"state {Path(state.state_dir) / STATE_FILE}; storage {state.storage_root}"]
     for p in state.procs:
         extra = f" metrics http://{p.host}:{p.metrics_port}/metrics" if p.metrics_port else ""
-        rows.append(f"  {p.name:<22} pid {p.pid:<7} {p.host}:{p.rpc_port}{extra}")
+        where = p.url or f"{p.host}:{p.rpc_port}"
+        rows.append(f"  {p.name:<22} pid {p.pid:<7} {where}{extra}")
     host, port = state.scheduler
     rows.append(f"frontend RPC: {host}:{port}  (services.scheduler.client.client.SchedulerClient)")
+    front = next((p for p in state.procs if p.service == "front"), None)
+    if front is not None:
+        rows.append(f"OpenAI API: {front.url}/v1  (completions, chat; docs/vllm.md)")
     return "\n".join(rows)

@@ -33,6 +33,8 @@ class NodeSpec(Section):
     rpc_port: Port = 0                                   # the PE receiver's / DE loader's port
     metrics_port: Port | None = None                     # node service's Prometheus endpoint
     gateway_metrics_port: Port | None = None
+    engine_port: Port = 0                                # [cluster] engine = "vllm": engine i's
+                                                         # OpenAI server on engine_port + i (0: free)
 
 
 class ClusterSection(Section):
@@ -56,6 +58,12 @@ class ClusterSection(Section):
     start_timeout_s: PositiveFloat = 60.0
     stop_grace_s: NonNegFloat = 5.0
     sim_config: str | None = None                # simulator config mirroring this cluster
+    engine: Literal["emulator", "vllm"] = "emulator"  # vllm: `cluster up` starts a vLLM OpenAI
+                                                 # server per engine socket + the front
+                                                 # (tools/cluster/real_engines.py; docs/vllm.md)
+    model: str = ""                              # engine = "vllm": "" = what make vllm-model made
+    front_port: Port = 0                         # engine = "vllm": the OpenAI front (0: free)
+    engine_start_timeout_s: PositiveFloat = 900.0  # a vLLM instance's load (1-2 min on 2 cores)
     nodes: list[NodeSpec] = msgspec.field(default_factory=lambda: [
         NodeSpec(id="p0", role="prefill"), NodeSpec(id="d0", role="decode"),
         NodeSpec(id="d1", role="decode")])
@@ -67,6 +75,9 @@ class ClusterSection(Section):
             raise ValueError(f"cluster.name {self.name!r} must be 1-64 characters of "
                              "letters, digits, '_', '.', '-'")
         self._check_nodes()
+        if self.engine == "vllm" and not self.remote_engines:
+            raise ValueError("cluster.engine = \"vllm\" needs cluster.remote_engines = true: "
+                             "each vLLM instance attaches to its node's engine socket")
 
     def _check_nodes(self) -> None:
         seen: set[str] = set()

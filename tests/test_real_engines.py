@@ -1,0 +1,183 @@
+"""``dualpath cluster up`` of a real-engine cluster file, the parts that need no vLLM: the config
+(``[cluster] engine = "vllm"``), the command lines the launcher starts (one vLLM OpenAI server
+per engine on its node's socket, then the front), the front's READY line, ``cluster status`` of
+services started by hand, and stopping a process group so that nothing is left in
+``/dev/shm`` (tools/proc_group.py). The whole cluster with real vLLM instances runs in
+tests/test_vllm_demo.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from common.errors import ConfigError
+from tests.helpers import wait_until
+from tools.cluster import cli
+from tools.cluster.config import free_port, load_data, read_toml
+from tools.cluster.real_engines import (front_command, front_url, instance_commands,
+                                        on_loopback)
+from tools.proc_group import end_group_blocking, group_pids, group_segments
+from tools.vllm_engines import REPO, VLLM_PYTHON
+from tools.vllm_serve import instance_port, runbook
+
+CONFIG_1P2D = REPO / "configs" / "vllm-1p2d.toml"
+
+
+def test_a_real_engine_cluster_needs_engine_sockets():
+    data = read_toml(CONFIG_1P2D, "cluster config")
+    data["cluster"]["remote_engines"] = False
+    with pytest.raises(ConfigError, match="remote_engines"):
+        load_data(data, "x.toml", environ={})
+
+
+def test_one_vllm_instance_per_engine_on_its_nodes_socket_then_the_front(tmp_path):
+    cluster = load_data(read_toml(CONFIG_1P2D, "cluster config"), str(CONFIG_1P2D), environ={})
+    model = tmp_path / "model"
+    cmds = instance_commands(cluster, model)
+    assert [c.name for c in cmds] == ["vllm:p0.e0", "vllm:d0.e0", "vllm:d1.e0"]
+    for cmd, node, role, port in zip(cmds, ("p0", "d0", "d1"), ("producer", "consumer",
+                                                                   "consumer"), (8001, 8002, 8003)):
+        argv = cmd.argv
+        assert argv[:3] == [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        assert argv[argv.index("--port") + 1] == str(port) and cmd.url.endswith(f":{port}")
+        ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert ktc["kv_role"] == f"kv_{role}"
+        extra = ktc["kv_connector_extra_config"]
+        assert extra["engine_id"] == f"{node}.e0"
+        assert extra["engine_socket"].endswith(f"/vllm-1p2d/{node}.engine.sock")
+        assert cmd.env["PYTHONPATH"] == str(REPO)
+    front = front_command(cluster, model, ("127.0.0.1", 7000),
+                          {c.name.split(":")[1]: str(c.url) for c in cmds})
+    argv = front.argv
+    assert argv[argv.index("--port") + 1] == "8000"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--engine"] == [
+        "p0.e0=http://127.0.0.1:8001", "d0.e0=http://127.0.0.1:8002",
+        "d1.e0=http://127.0.0.1:8003"]
+    assert argv[argv.index("--scheduler") + 1] == "127.0.0.1:7000"
+
+
+def test_the_runbook_serves_each_instance_on_its_configured_port():
+    spec = load_data(read_toml(CONFIG_1P2D, "cluster config"), "x", environ={}).spec
+    assert [instance_port(n) for n in spec.nodes] == [8001, 8002, 8003]
+    text = runbook("configs/vllm-1p2d.toml")
+    for port in (8001, 8002, 8003):
+        assert f"--port {port}" in text
+
+
+def test_the_loopback_copy_frees_every_fixed_port(tmp_path):
+    cluster = on_loopback(CONFIG_1P2D, tmp_path)
+    spec = cluster.spec
+    assert spec.engine == "vllm" and spec.shape == "1P2D"
+    assert spec.scheduler_port == 0 and spec.front_port == 0 and not spec.scheduler_metrics_port
+    for n in spec.nodes:
+        assert (n.gateway_port, n.rpc_port, n.engine_port, n.metrics_port) == (0, 0, 0, None)
+    assert Path(spec.data_dir) == tmp_path / "cluster"
+    ports = {int(c.argv[c.argv.index("--port") + 1]) for c in instance_commands(cluster, tmp_path)}
+    assert len(ports) == 3 and 0 not in ports
+
+
+def test_a_fixed_engine_port_in_use_is_refused_before_anything_starts(tmp_path):
+    import socket
+
+    from tools.cluster.config import check_ports_free
+
+    data = read_toml(CONFIG_1P2D, "cluster config")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        data["cluster"]["nodes"][2]["engine_port"] = held.getsockname()[1]
+        cluster = load_data(data, "x.toml", environ={})
+        with pytest.raises(ConfigError, match=r"engine_port \+ 0 \(d1\.e0\)"):
+            check_ports_free(cluster)
+
+
+def test_the_fronts_url_is_its_latest_ready_line(tmp_path):
+    log = tmp_path / "front.log"
+    assert front_url(log) is None
+    log.write_text("==== start 1\nREADY http://127.0.0.1:1234\n\n==== start 2\nloading\n")
+    assert front_url(log) is None                         # the latest run is not ready yet
+    log.write_text(log.read_text() + "READY http://127.0.0.1:5678\n")
+    assert front_url(log) == "http://127.0.0.1:5678"
+
+
+# a group like a vLLM server's: the leader and a child that maps a /dev/shm segment it created;
+# the child outlives the leader unless the group is killed
+_GROUP = textwrap.dedent("""
+    import mmap, os, sys, time
+    name = sys.argv[1]
+    if os.fork() == 0:
+        fd = os.open(name, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 1 << 20)
+        m = mmap.mmap(fd, 1 << 20)
+        m[:5] = b"hello"
+        print("MAPPED", flush=True)
+        time.sleep(600)
+    else:
+        time.sleep(600)
+""")
+
+
+def test_ending_a_group_kills_its_children_and_unlinks_what_it_mapped(tmp_path):
+    name = f"/dev/shm/psm_dualpath_test_{os.getpid()}_{time.monotonic_ns()}"
+    other = Path(f"{name}_not_mapped")
+    other.write_bytes(b"x")               # ours, but not the group's: left alone
+    proc = subprocess.Popen([sys.executable, "-c", _GROUP, name], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "MAPPED"
+        assert len(group_pids(proc.pid)) == 2
+        segments = group_segments(proc.pid)
+        assert name in segments
+        proc.terminate()                  # the leader goes; its child would stay
+        proc.wait(timeout=10)
+        wait_until(lambda: len(group_pids(proc.pid)) == 1, 10, "the leader gone, its child left")
+        removed = end_group_blocking(proc.pid, segments, grace_s=0.5)
+        assert removed == [name] and not Path(name).exists()
+        assert group_pids(proc.pid) == [] and other.exists()
+    finally:
+        end_group_blocking(proc.pid, set(), grace_s=0)
+        Path(name).unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
+
+
+def test_status_of_services_started_by_hand_asks_the_configured_scheduler(tmp_path, capsys):
+    """No state file (the runbook, systemd): ``cluster status`` asks the scheduler at the
+    config's fixed port, naming the nodes that hold no lease."""
+    port = free_port()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(textwrap.dedent(f"""
+        [cluster]
+        name = "byhand"
+        data_dir = "{tmp_path / 'cluster'}"
+        storage_root = "{tmp_path / 'storage'}"
+        scheduler_port = {port}
+        engines_per_node = 1
+        [[cluster.nodes]]
+        id = "p0"
+        role = "prefill"
+        [[cluster.nodes]]
+        id = "d0"
+        role = "decode"
+    """))
+    assert cli.main(["status", "-c", str(cfg)]) == 3             # nobody answers there
+    assert "does not answer" in capsys.readouterr().out
+    sched = subprocess.Popen([sys.executable, "-m", "tools.cluster.serve", "scheduler", "-c",
+                              str(cfg), "--ready-file", str(tmp_path / "ready")],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (tmp_path / "ready").exists() or sched.poll() is not None, 60,
+                   "the scheduler ready")
+        assert sched.poll() is None
+        assert cli.main(["status", "-c", str(cfg)]) == 1         # no node holds a lease
+        out = capsys.readouterr().out
+        assert "no state file" in out and "nodes without a lease: d0, p0" in out
+    finally:
+        sched.terminate()
+        sched.wait(timeout=30)

@@ -1,0 +1,362 @@
+"""The one-copy same-host path (``common.transport.shm_transfers``, docs/datapath.md "Same
+host: one copy"): byte-exact transfers into a ``/dev/shm`` arena, which path a link and a
+transfer take, the COMMIT checks, and peers killed mid-copy (real child processes).
+
+Nothing here asserts a speed (``dualpath bench kvpath`` measures it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from common.buffers import PagePool
+from common.config import TransportConfig
+from common.errors import DeadlineExceeded, PeerFailed, Unavailable
+from common.transport import PageTransport
+from common.transport.plan import (HELLO_BYTES, TransferHello, decode_hello, encode_hello,
+                                   shm_link)
+from common.transport.shm_path import COMMIT, Control, Fence, copy_stream, slots_digest
+from tests.helpers import until
+from tests.test_transport import PeerProc, gapped
+from tests.transport_peer import gather, pattern, split_views
+
+KIB, MIB = 1024, 1024 * 1024
+LAYER_BLOCK = 41_984
+CFG = {"staging_bytes": 32 * MIB}
+PAGE = 64 * KIB
+
+
+@pytest.fixture
+def pools():
+    made = [PagePool(PAGE, 256, shm=True, name=f"p{i}") for i in range(2)]
+    assert all(p.shm is not None for p in made), "no /dev/shm here"
+    try:
+        yield made
+    finally:
+        for p in made:
+            assert p.counters()[f"{p.name}_allocations_live"] == 0, "pages leaked"
+            p.close()
+
+
+@contextlib.asynccontextmanager
+async def shm_pair(pools, cfg_a: dict | None = None):
+    a = PageTransport(TransportConfig(**{**CFG, **(cfg_a or {})}), "a", shm_arena=pools[0].arena)
+    b = PageTransport(TransportConfig(**CFG), "b", shm_arena=pools[1].arena)
+    async with a, b:
+        yield a, b
+
+
+async def move(rx: PageTransport, tx: PageTransport, arena: np.ndarray, slots, seed: int,
+               split: int = 1) -> None:
+    data = pattern(seed, sum(n for _, n in slots))
+    tid = rx.new_transfer_id()
+    handle = await rx.expect(tx.address, tid, arena, slots, 10.0)
+    await tx.send(rx.address, tid, split_views(data, split), slots, 10.0)
+    await handle.wait()
+    assert np.array_equal(gather(arena, slots), data)
+
+
+# ---------------------------------------------------------------- pure parts
+
+def test_fence_excludes_a_copy_and_a_give_up_across_open_files(tmp_path):
+    """Two opens of one file (two transports, even in one process) exclude each other."""
+    path = tmp_path / "seg"
+    path.write_bytes(b"\0" * 4096)
+    sender, receiver = (Fence(os.open(path, os.O_RDWR)) for _ in range(2))
+    try:
+        tid = (1 << 43) + 5                   # far beyond the end of the file
+        assert sender.try_share(tid)          # copying
+        assert not receiver.try_exclusive(tid)
+        sender.release(tid)
+        assert receiver.try_exclusive(tid)    # given up: no copy may start now
+        assert not sender.try_share(tid)
+        assert sender.try_share(tid + 1)      # other transfers are not affected
+        sender.close()                        # a closed (dead) sender holds nothing
+        assert receiver.try_exclusive(tid + 1)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_copy_stream_places_pieces_and_stops_between_them():
+    src = pattern(1, 10_000)
+    views = split_views(src, 4)
+    slots = [(9000, 3000), (0, 5000), (20_000, 2000)]
+    dst = np.zeros(30_000, np.uint8)
+    pieces = copy_stream(views, dst, slots, threading.Event())
+    assert np.array_equal(gather(dst, slots), src) and pieces >= 3
+    stop = threading.Event()
+    stop.set()
+    assert copy_stream(views, np.zeros(30_000, np.uint8), slots, stop) == 0
+    assert slots_digest(slots) == slots_digest([*slots[:1], (5, 0), *slots[1:]])
+    assert slots_digest(slots) != slots_digest(slots[::-1])
+
+
+# ---------------------------------------------------------------- in one process
+
+async def test_shm_transfers_are_byte_exact_in_one_copy(pools):
+    async with shm_pair(pools) as (a, b):
+        arena = pools[0].arena
+        cases = [([(0, 3 * MIB)], 1), (gapped(200, LAYER_BLOCK), 1), (gapped(6, MIB // 2), 5)]
+        for i, (slots, split) in enumerate(cases):
+            await move(a, b, arena, slots, seed=i, split=split)
+        sa, sb = a.stats(), b.stats()
+        assert sa["shm_transfers_received"] == 3 == sb["shm_transfers_sent"]
+        assert sa["shm_links"] == 1 == sb["shm_links"]
+        (path,) = a.links.paths()
+        assert (path["send"], path["receive"], path["node_id"]) == ("shm", "shm", "b")
+        # no UCX message carried a page, nothing was packed, gathered or staged
+        assert sa["messages_received"] == 0 and sa["packed_messages"] == 0
+        assert sa["staging_peak_bytes"] == 0 and sb["gathered_bytes"] == 0
+        assert sb["shm_pieces_copied"] >= 1 + 200 + 6
+        assert sa["transfers_received_ok"] == 3 and sa["bytes_received"] == sb["shm_bytes_sent"]
+
+
+async def test_many_transfers_in_flight_both_ways(pools):
+    async with shm_pair(pools) as (a, b):
+        allocs, jobs = [], []
+        for i in range(24):
+            rx, tx, pool = (a, b, pools[0]) if i % 2 else (b, a, pools[1])
+            alloc = pool.alloc(3 * PAGE + 1000 * i, f"t{i}")
+            slots = alloc.slots()[::-1] if i % 3 == 0 else alloc.slots()
+            allocs.append(alloc)
+            data = pattern(100 + i, sum(n for _, n in slots))
+            tid = rx.new_transfer_id()
+            handle = await rx.expect(tx.address, tid, pool.arena, slots, 20.0)
+            jobs.append((rx, tx, tid, pool, slots, data, handle))
+        await asyncio.gather(*(tx.send(rx.address, tid, split_views(data, 3), slots, 20.0)
+                               for rx, tx, tid, _, slots, data, _ in jobs))
+        for _, _, _, pool, slots, data, handle in jobs:
+            await handle.wait()
+            assert np.array_equal(gather(pool.arena, slots), data)
+        assert a.stats()["shm_transfers_received"] + b.stats()["shm_transfers_received"] == 24
+        for alloc in allocs:
+            alloc.free()
+
+
+async def test_private_arena_takes_the_tag_path(pools):
+    async with shm_pair(pools) as (a, b):
+        arena = np.zeros(4 * MIB, np.uint8)
+        await move(a, b, arena, gapped(10, 100 * KIB), seed=5)
+        sa = a.stats()
+        assert sa["shm_transfers_tag_fallback"] == 1 and sa["shm_transfers_received"] == 0
+        assert sa["messages_received"] >= 1
+
+
+async def test_a_peer_without_shm_takes_the_tag_path(pools):
+    async with shm_pair(pools, {"same_host": "ucx"}) as (a, b):
+        await move(a, b, pools[0].arena, [(0, 2 * MIB)], seed=6)   # a's arena is shm, yet
+        await move(b, a, pools[1].arena, [(0, 2 * MIB)], seed=7)
+        for t in (a, b):
+            s = t.stats()
+            assert s["shm_links"] == 0 and s["shm_transfers_received"] == 0
+            assert s["shm_transfers_sent"] == 0 and s["messages_received"] >= 1
+
+
+def test_an_old_hello_decodes_without_shm():
+    class OldHello(msgspec.Struct, array_like=True, frozen=True):  # before the shm fields
+        version: int
+        node_id: str
+        host: str
+        port: int
+        max_message_bytes: int
+        pack_below_bytes: int
+        worker_address: bytes = b""
+        host_id: str = ""
+        process: str = ""
+
+    body = msgspec.msgpack.encode(OldHello(1, "old", "h", 1, 2, 3, b"", "host", "1:2"))
+    frame = np.zeros(HELLO_BYTES, np.uint8)
+    frame[:2] = np.frombuffer(len(body).to_bytes(2, "little"), np.uint8)
+    frame[2:2 + len(body)] = np.frombuffer(body, np.uint8)
+    old = decode_hello(frame)
+    assert (old.shm, old.shm_segment, old.shm_nonce) == (False, "", 0)
+    new = TransferHello(1, "new", "h", 2, 2, 3, b"", "host", "1:3", True, "dualpath-x", 8, 9)
+    assert not shm_link(new, old) and not shm_link(old, new)
+    assert shm_link(new, msgspec.structs.replace(new, shm_segment=""))
+    assert decode_hello(encode_hello(new)) == new
+    assert not shm_link(new, msgspec.structs.replace(new, host_id="other"))
+
+
+async def test_commit_for_unknown_or_given_up_transfer_is_dropped(pools):
+    async with shm_pair(pools) as (a, b):
+        arena = pools[0].arena
+        await move(a, b, arena, [(0, PAGE)], seed=1)
+        link = await b.links.link_to(a.address, asyncio.get_running_loop().time() + 5)
+        shm = b.transfers._shm
+        stray = Control(COMMIT, a.new_transfer_id(), shm.nonce, PAGE, 0)
+        shm._send_control(link, stray)        # a transfer a never posted
+        await until(lambda: a.stats()["shm_commits_dropped"] == 1, 5.0, "stray commit dropped")
+
+        slots, tid = [(PAGE, PAGE)], a.new_transfer_id()
+        arena[PAGE:2 * PAGE] = 0
+        handle = await a.expect(b.address, tid, arena, slots, 10.0)
+        await handle.cancel()                 # given up: the fence is a's now
+        assert a.stats()["shm_fences"] == 1 and a.stats()["shm_fences_held"] == 1
+        with pytest.raises(PeerFailed, match="gave it up"):
+            await b.send(a.address, tid, [pattern(2, PAGE)], slots, 5.0)
+        assert not arena[PAGE:2 * PAGE].any(), "a sender wrote into given-up slots"
+        assert b.stats()["shm_sends_refused"] == 1
+        shm._send_control(link, Control(COMMIT, tid, shm.nonce, PAGE, 0))
+        await until(lambda: a.stats()["shm_commits_dropped"] == 2, 5.0, "late commit dropped")
+
+        tid = a.new_transfer_id()             # a receiver's deadline: typed, fenced
+        handle = await a.expect(b.address, tid, arena, slots, 0.2)
+        with pytest.raises(DeadlineExceeded):
+            await handle.wait()
+        assert a.stats()["shm_fences"] == 2
+        await move(a, b, arena, [(3 * PAGE, PAGE)], seed=3)    # the link lived through it all
+        assert a.stats()["endpoint_aborts"] == 0 == b.stats()["endpoint_aborts"]
+
+
+# ---------------------------------------------------------------- real child processes
+
+async def test_sender_killed_mid_copy_leaves_the_survivor_serving(pools):
+    """The sender pauses between slots; killed after its first slot landed, the receiver's
+    transfer fails typed, its fence comes free (the kernel dropped the dead sender's lock),
+    its pages go back, and it receives the next transfer from another peer."""
+    pool = pools[0]
+    async with PageTransport(TransportConfig(**CFG), "survivor", shm_arena=pool.arena) as t:
+        peer = PeerProc({**CFG, "slow_copy_s": 0.05})
+        try:
+            alloc = pool.alloc(64 * PAGE, "doomed")
+            slots = [(off, n) for off, n in alloc.slots()]
+            slots = [(slots[0][0] + i * PAGE, PAGE) for i in range(64)]
+            pool.arena[slots[0][0]:slots[0][0] + PAGE] = 0
+            tid = t.new_transfer_id()
+            handle = await t.expect(peer.address, tid, pool.arena, slots, 30.0)
+            peer.call("send", peer=list(t.address), tid=tid, slots=slots, seed=9, deadline=30.0)
+            first = pool.arena[slots[0][0]:slots[0][0] + PAGE]
+            await until(lambda: first.any(), 20.0, "the sender's copy started")
+            os.kill(peer.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(PeerFailed):  # the link's endpoint saw it die (not the deadline)
+                await handle.wait()
+            assert time.monotonic() - t0 < 20.0
+            assert t.stats()["shm_fences"] == 1 and t.stats()["shm_fences_not_settled"] == 0
+            alloc.free()
+        finally:
+            peer.kill()
+        other = PeerProc(CFG)
+        try:
+            alloc = pool.alloc(5 * PAGE, "next")
+            slots = alloc.slots()
+            tid = t.new_transfer_id()
+            handle = await t.expect(other.address, tid, pool.arena, slots, 20.0)
+            reply = await other.request("send", peer=list(t.address), tid=tid, slots=slots,
+                                        seed=10, deadline=20.0)
+            assert reply["ok"], reply
+            await handle.wait()
+            assert np.array_equal(gather(pool.arena, slots), pattern(10, 5 * PAGE))
+            alloc.free()
+        finally:
+            other.close()
+        assert t.stats()["shm_transfers_received"] == 1
+
+
+async def test_receiver_giving_up_mid_copy_stops_the_sender(pools):
+    """A receive cancelled while the (slowed) sender copies: the cancel returns only once the
+    copy stopped (the fence), no slot after that is written, and the sender fails typed."""
+    pool = pools[0]
+    async with PageTransport(TransportConfig(**CFG), "receiver", shm_arena=pool.arena) as t:
+        peer = PeerProc({**CFG, "slow_copy_s": 0.05})
+        try:
+            alloc = pool.alloc(64 * PAGE, "cancelled")
+            base = alloc.slots()[0][0]
+            slots = [(base + i * PAGE, PAGE) for i in range(64)]
+            pool.arena[base:base + 64 * PAGE] = 0
+            tid = t.new_transfer_id()
+            handle = await t.expect(peer.address, tid, pool.arena, slots, 30.0)
+            sent = peer.call("send", peer=list(t.address), tid=tid, slots=slots, seed=11,
+                             deadline=30.0)
+            first = pool.arena[base:base + PAGE]
+            await until(lambda: first.any(), 20.0, "the sender's copy started")
+            await handle.cancel()
+            assert t.stats()["shm_fences"] == 1 and t.stats()["shm_fences_not_settled"] == 0
+            after = pool.arena[base:base + 64 * PAGE].copy()
+            reply = await asyncio.wrap_future(sent["done"])
+            assert not reply["ok"] and reply["error"] == "PeerFailed", reply
+            assert np.array_equal(pool.arena[base:base + 64 * PAGE], after), \
+                "the sender wrote after the receiver's cancel returned"
+            assert not pool.arena[base + 63 * PAGE:base + 64 * PAGE].any()
+            alloc.free()
+        finally:
+            peer.close()
+
+
+async def test_receiver_killed_fails_the_send_typed(pools):
+    """A receiver that dies after posting: the survivor's send fails typed, the dead peer's
+    segment is unmapped, and the survivor sends to the next peer."""
+    async with PageTransport(TransportConfig(**CFG), "survivor", shm_arena=pools[0].arena) as t:
+        peer = PeerProc({**CFG, "shm_arena_bytes": 8 * MIB})
+        try:
+            slots = [(0, MIB), (2 * MIB, MIB)]
+            reply = await peer.request("new_id")
+            posted = peer.call("expect", peer=list(t.address), tid=reply["tid"],
+                               arena_bytes=4 * MIB, slots=slots, deadline=30.0)
+            await asyncio.wrap_future(posted["posted"])
+            assert t.stats()["shm_segments_mapped"] == 1
+            os.kill(peer.pid, signal.SIGKILL)
+            await until(lambda: t.stats()["shm_segments_mapped"] == 0, 20.0,
+                        "the dead peer's segment unmapped")
+            with pytest.raises((PeerFailed, Unavailable)):  # (the reconnect is refused)
+                await t.send(peer.address, reply["tid"], [pattern(3, 2 * MIB)], slots, 5.0)
+        finally:
+            peer.kill()
+        other = PeerProc({**CFG, "shm_arena_bytes": 8 * MIB})
+        try:
+            slots = gapped(5, 300 * KIB)
+            tid = (await other.request("new_id"))["tid"]
+            futs = other.call("expect", peer=list(t.address), tid=tid, arena_bytes=4 * MIB,
+                              slots=slots, deadline=20.0)
+            await asyncio.wrap_future(futs["posted"])
+            data = pattern(4, sum(n for _, n in slots))
+            await t.send(other.address, tid, [data], slots, 20.0)
+            done = await asyncio.wrap_future(futs["done"])
+            assert done["ok"], done
+            assert done["digest"] == hashlib.sha256(data.tobytes()).hexdigest()
+            assert t.stats()["shm_transfers_sent"] == 1
+        finally:
+            other.close()
+
+
+# ---------------------------------------------------------------- write-backs
+
+async def test_write_back_to_a_same_host_gateway_is_one_copy(tmp_path):
+    """A node's write goes straight into the gateway's /dev/shm staging (no UCX message, no
+    gather), and what it stored reads back byte for byte."""
+    from storage_gateway.client import GatewayClient, block_slots
+    from storage_gateway.service import GatewayService
+    from tests.test_gateway_service import BB, SPEC, TCFG, blocks, chain, node_cfg
+
+    cfg = node_cfg(tmp_path)
+    async with GatewayService(cfg, "gw0", spec=SPEC) as gw, PageTransport(TCFG, "req") as tr:
+        arena = np.zeros(8 * MIB, np.uint8)
+        client = GatewayClient.connect(cfg.rpc, "127.0.0.1", gw.rpc_port, tr, arena, SPEC,
+                                       node_id="req")
+        try:
+            keys, data = chain(6), blocks(6)
+            parts = [[b[:BB // 3], b[BB // 3:]] for b in data]   # a block from two slices
+            done = await client.write_blocks("w1", keys, parts, 10.0)
+            assert done.written == 6
+            stats = gw.counters()
+            assert stats["transport_shm_bytes_received"] == 6 * BB
+            assert stats["transport_messages_received"] == 0
+            assert tr.stats()["gathered_bytes"] == 0 and tr.stats()["shm_transfers_sent"] == 1
+            reply = await client.read_blocks("r1", keys, block_slots(0, BB, 6), 10.0)
+            assert reply.found == [True] * 6
+            for i in range(6):
+                assert np.array_equal(arena[i * BB:(i + 1) * BB], data[i])
+        finally:
+            await client.close()
+        assert gw.staging.pool.used_pages == 0, "staging leaked"

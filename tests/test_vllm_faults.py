@@ -1,0 +1,185 @@
+"""Real vLLM engines through dualpath while its services are SIGKILLed mid-request.
+
+``dualpath cluster up`` of ``configs/vllm-1p2d.toml`` (free ports, temporary state): gateways,
+scheduler, a PE receiver, two DE loaders, three vLLM OpenAI servers with the connector and the
+front — every one its own process. Agents' conversations go through the front; each fault is a
+real SIGKILL at a chosen step of a request (a failpoint armed in the victim over SIGUSR1,
+``common.faults``) or from outside while a request is in flight:
+
+1. a DE loader dies while assembling a request's prompt KV and stays dead: the request is
+   re-planned onto the other decode node (or fails typed) — never held to a deadline; the
+   node is then restarted in place and its vLLM instance re-attaches;
+2. the PE receiver dies while sending a prefilled layer to the DE, and is restarted;
+3. a storage gateway dies while reading a hit; restarted;
+4. the scheduler is killed with a request in flight and restarted on its port (no etcd
+   standby here: tests/test_failover_burst.py covers the standby).
+
+Every answered request's greedy output equals plain vLLM (the front with ``kv_loading: false``
+on the same prompt); a failed one is a typed OpenAI error (503/500 with a code), within a
+deadline far below the front's 900 s. Afterwards every session's next turn, which loads what
+the faults' turns stored, still equals plain vLLM: nothing wrong was stored (a wrong block
+would change the greedy output of the turns that load it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from common.faults import FILE_ENV
+from tests.vllm_env import require_vllm
+from tools.cluster.launcher import Launcher, State, alive
+from tools.cluster.real_engines import on_loopback
+from tools.vllm_serve import ahttp, tokenize
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "vllm-1p2d.toml"
+GEN = 12
+FIRST = 600
+APPEND = 40
+ANSWER_S = 240.0        # a request's answer (output or typed error) within this, faults included
+
+
+class Agents:
+    """Multi-turn sessions through the front, each turn checked against plain vLLM."""
+
+    def __init__(self, front: str, texts: list[list[int]]) -> None:
+        self.front, self.texts = front, texts
+        self.prompts = [t[:FIRST] for t in texts]
+        self.cursor = [FIRST] * len(texts)
+        self.outcomes: list[dict] = []
+
+    async def turn(self, a: int) -> dict:
+        """One turn of agent ``a``: through dualpath, then the same prompt recomputed; the
+        conversation moves on only when dualpath answered."""
+        body = {"model": "smollm2", "prompt": self.prompts[a], "max_tokens": GEN,
+                "session_id": f"agent-{a}"}
+        t0 = time.monotonic()
+        status, raw = await ahttp("POST", f"{self.front}/v1/completions", body, ANSWER_S)
+        took = time.monotonic() - t0
+        ref_status, ref_raw = await ahttp("POST", f"{self.front}/v1/completions",
+                                          {**body, "kv_loading": False}, ANSWER_S)
+        assert ref_status == 200, ref_raw
+        ref = json.loads(ref_raw)["dualpath"]["token_ids"]
+        out = {"agent": a, "status": status, "took_s": took}
+        if status == 200:
+            dp = json.loads(raw)["dualpath"]
+            out.update(hit=dp["hit_tokens"], equal=dp["token_ids"] == ref)
+            self.prompts[a] = (self.prompts[a] + dp["token_ids"]
+                               + self.texts[a][self.cursor[a]:self.cursor[a] + APPEND])
+            self.cursor[a] += APPEND
+        else:                                  # a typed OpenAI error, never a bare failure
+            out["error"] = json.loads(raw)["error"]
+        self.outcomes.append(out)
+        return out
+
+
+def check_answered(out: dict) -> None:
+    assert out["took_s"] < ANSWER_S, out
+    if out["status"] == 200:
+        assert out["equal"], f"output after a fault != plain vLLM: {out}"
+    else:
+        assert out["status"] in (500, 503) and out["error"].get("code"), out
+
+
+async def kill_at(launcher: Launcher, victim: str, spec: str, agents: Agents,
+                  turns: list[int], fp_file: Path) -> list[dict]:
+    """Arm ``spec`` in ``victim`` (SIGKILL at that step), then run agents' turns — together,
+    round after round — until the victim died; every turn's outcome."""
+    state = launcher.state
+    assert state is not None
+    proc = state.proc(victim)
+    fp_file.write_text(spec)
+    os.kill(proc.pid, signal.SIGUSR1)
+    outs: list[dict] = []
+    for _ in range(4):                     # the scheduler places: the victim may not get one
+        outs += await asyncio.gather(*(agents.turn(a) for a in turns))
+        if not alive(proc):
+            return outs
+    raise AssertionError(f"{victim} never reached {spec} in 4 rounds: {outs}")
+
+
+async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
+    python, model = require_vllm()
+    fp_file = tmp_path / "failpoints"
+    fp_file.write_text("")
+    monkeypatch.setenv(FILE_ENV, str(fp_file))     # every service re-arms from it on SIGUSR1
+    launcher = Launcher(on_loopback(CONFIG, tmp_path / "cluster"))
+    state: State = await asyncio.to_thread(launcher.up)
+    try:
+        front = str(state.proc("front").url)
+        prefill = str(state.proc("vllm:p0.e0").url)
+        text = " ".join(f"Step {i}: tool read_file('pkg/m{i}.py') gave {i * 7} lines; "
+                        f"call parse_{i}(limit={i * 3})." for i in range(260))
+        ids = await tokenize(prefill, str(model), text)
+        texts = [ids[k * 7:] for k in range(3)]        # three agents, different contexts
+        agents = Agents(front, texts)
+        for out in await asyncio.gather(*(agents.turn(a) for a in range(3))):
+            assert out["status"] == 200 and out["equal"], out            # turn 1: no fault
+
+        # 1. a DE loader dies while assembling a request's KV, and stays dead meanwhile
+        outs = await kill_at(launcher, "de_loader:d0", "de.assemble=kill", agents, [0, 1, 2],
+                             fp_file)
+        for out in outs:
+            check_answered(out)
+        await asyncio.to_thread(launcher.restart, "de_loader:d0")
+
+        # 2. the PE receiver dies sending a prefilled layer; a supervisor restarts it
+        victim = state.proc("pe_receiver:p0")
+        fp_file.write_text("pe.handoff.send=kill")
+        os.kill(victim.pid, signal.SIGUSR1)
+        turn = asyncio.create_task(agents.turn(1))
+        await asyncio.to_thread(_wait_dead, victim)
+        await asyncio.to_thread(launcher.restart, "pe_receiver:p0")
+        check_answered(await turn)
+
+        # 3. a storage gateway dies reading a hit
+        outs = await kill_at(launcher, "gateway:p0", "gw.read=kill", agents, [0, 2], fp_file)
+        for out in outs:
+            check_answered(out)
+        await asyncio.to_thread(launcher.restart, "gateway:p0")
+
+        # 4. the scheduler dies with a request in flight; restarted on its port
+        sched = state.proc("scheduler")
+        turn = asyncio.create_task(agents.turn(0))
+        await _in_flight(front)
+        os.kill(sched.pid, signal.SIGKILL)
+        await asyncio.to_thread(_wait_dead, sched)
+        await asyncio.to_thread(launcher.restart, "scheduler")
+        check_answered(await turn)
+
+        # afterwards: every agent's next turn loads what the faults' turns stored
+        for out in await asyncio.gather(*(agents.turn(a) for a in range(3))):
+            assert out["status"] == 200 and out["equal"], out
+        hits = [o["hit"] for o in agents.outcomes[-3:]]
+        assert all(h > 0 for h in hits), agents.outcomes
+        print("outcomes:", json.dumps(agents.outcomes))
+    finally:
+        await asyncio.to_thread(launcher.down)
+
+
+def _wait_dead(proc, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while alive(proc):
+        assert time.monotonic() < deadline, f"{proc.name} did not die"
+        time.sleep(0.05)
+
+
+async def _in_flight(front: str, timeout_s: float = 60.0) -> None:
+    """Until the front has a request running (its in-flight gauge)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, raw = await ahttp("GET", f"{front}/metrics", None, 10)
+        if status == 200 and any(line.startswith("dualpath_front_requests_in_flight ")
+                                 and float(line.split()[-1]) >= 1
+                                 for line in raw.decode().splitlines()):
+            return
+        assert time.monotonic() < deadline, "no request in flight at the front"
+        await asyncio.sleep(0.05)

@@ -10,7 +10,8 @@ instance is tests/test_vllm_dualpath.py's reference); from turn 2 the dualpath h
 of the prompt. The instances run vLLM's defaults (prefix caching on) with chunked prefill at a
 512-token budget: the reference requests, and a ``kv_loading: false`` turn sent first at turn
 2, leave the prefill instance a local hit larger than the dualpath hit. Bad requests get
-OpenAI-shaped 4xx errors and the front keeps serving.
+OpenAI-shaped 4xx errors and the front keeps serving. Then, on the same cluster, many agent
+sessions at once (tests/test_vllm_agents.py's concurrent phase: its 1P1D shape).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.test_vllm_agents import agents
 from tests.vllm_env import require_vllm, run_check
 from tools.cluster.inprocess import local_datapath
 from tools.vllm_engines import PRESET, datapath_overrides
@@ -65,6 +67,8 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
                                           script="openai_client_check.py", timeout=900)
             assert got["stop"]["text"] and got["refused"] == {"n=2": "unsupported_parameter"}
             await conversation(front_url, urls["p0.e0"], str(model))
+            # many agents at once on the same 1P1D cluster (tests/test_vllm_agents.py)
+            await agents(c, front_url, urls, str(model))
             await connector_metrics(urls)
         finally:
             for p in procs:

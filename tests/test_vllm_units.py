@@ -1,13 +1,20 @@
 """The torch-free parts of integrations/vllm, in the main venv (no vLLM needed): the local
-Full Block store, the KV-spec check, the plan checks of the engine source."""
+Full Block store, the KV-spec check, the plan checks of the engine source, a decode session's
+notices to its node."""
 
 from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from common.errors import InvalidArgument, KVSpecMismatch
 from common.kv import PRESETS, KVSpec, block_keys_from_tokens
+from integrations.vllm.decode_session import DecodeSession
 from integrations.vllm.engine_source import EngineSource
 from integrations.vllm.kv_spec import check_same_layout
 from integrations.vllm.local_store import LocalKVStore
@@ -151,3 +158,48 @@ def test_step_rows_over_chunks_gather_each_row_once_and_load_in_the_first_chunk_
                      prompt=1000)[1] == (812, 1000)
     with pytest.raises(ValueError, match="external"):
         step_rows(hit=256, saved=0, computed=100, scheduled=10, external=200, prompt=1000)
+
+
+class NoticeRecorder:
+    """A decode request whose ``second_token`` answers only once ``answer`` is set (a node
+    busy with another request's KV)."""
+
+    request_id = "r"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.answer = threading.Event()
+        self.info = SimpleNamespace(block_tokens=BT)
+
+    def took_kv(self) -> None:
+        self.calls.append("took_kv")
+
+    def second_token(self) -> None:
+        assert self.answer.wait(10.0)
+        self.calls.append("second_token")
+
+    def finish(self, output_ids: list[int]) -> None:
+        self.calls.append("finish")
+
+
+def test_decode_steps_never_wait_for_the_nodes_answer_and_finish_follows_the_notices():
+    """What a decode request tells its node inside vLLM's step (pages back, second token)
+    is posted, not waited for: a slow node answer never holds the instance's batch (issue
+    #24 item 3: up to 100 ms per step with four agents at once); finish waits for them."""
+    req = NoticeRecorder()
+    with ThreadPoolExecutor(max_workers=1) as notices:
+        session = DecodeSession(req, list(range(10)), notices.submit)
+        t0 = time.monotonic()
+        session.after_step()          # first forward: vLLM held the whole prompt, pages back
+        session.after_step()          # second forward: the second token, not answered yet
+        session.after_step()
+        assert time.monotonic() - t0 < 1.0 and "second_token" not in req.calls
+        finished = notices.submit(lambda: None)      # queued behind the unanswered notice
+        closing = threading.Thread(target=session.finish, args=([5, 6, 7], None))
+        closing.start()
+        closing.join(0.2)
+        assert closing.is_alive() and "finish" not in req.calls   # finish waits for them
+        req.answer.set()
+        closing.join(10.0)
+        finished.result(10.0)
+    assert req.calls == ["took_kv", "second_token", "finish"]

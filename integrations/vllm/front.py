@@ -241,8 +241,12 @@ class Front:
         if out is None:
             return web.json_response(result)
         model, usage = self.cfg.model_name, result["usage"]
-        await out.write(sse(api.chunk(call.rid, model, call.chat, call.created,
-                                      finish_reason=result["choices"][0]["finish_reason"])))
+        # the closing chunk carries the ``dualpath`` object too (placement, hit, TTFT), as the
+        # unstreamed body does: a streaming client (the many-agents test timing each token)
+        # learns what served it without a second request
+        last = api.chunk(call.rid, model, call.chat, call.created,
+                         finish_reason=result["choices"][0]["finish_reason"])
+        await out.write(sse({**last, "dualpath": result["dualpath"]}))
         if call.body.stream_options is not None and call.body.stream_options.include_usage:
             await out.write(sse(api.usage_chunk(call.rid, model, call.chat, call.created,
                                                 usage)))

@@ -24,6 +24,7 @@ import torch
 
 from common.errors import Cancelled, NotFound
 from integrations.vllm.counters import ConnectorCounters
+from integrations.vllm.decode_session import Post, inline
 from integrations.vllm.metadata import AsyncLoad, OpenRequest
 from integrations.vllm.sessions import ClaimStopped, KVSource
 
@@ -62,13 +63,15 @@ class OffStep:
 
     def __init__(self, source: KVSource, sessions: Sessions, *, decode: bool,
                  claim_timeout_s: float, num_layers: int, check_layout: Callable[[], None],
-                 copy_hit: CopyHit, threads: int, counters: ConnectorCounters) -> None:
+                 copy_hit: CopyHit, threads: int, counters: ConnectorCounters,
+                 post: Post = inline) -> None:
         self._source, self._sessions, self._decode = source, sessions, decode
         self._counters = counters
         self._claim_timeout_s = claim_timeout_s
         self._num_layers = num_layers
         self._check_layout = check_layout
         self._copy_hit = copy_hit
+        self._post = post               # a decode session's notices, off the step
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dualpath-open")
         self._cond = threading.Condition()
         self._pending: set[str] = set()          # claims and loads in flight
@@ -154,7 +157,7 @@ class OffStep:
 
             return DecodeSession(self._source.open_decode(  # type: ignore[attr-defined]
                 op.dualpath_id, op.token_ids, self._claim_timeout_s, stop, op.attempt),
-                op.token_ids)
+                op.token_ids, self._post)
         return self._source.open_prefill(op.dualpath_id, op.token_ids, op.planned_hit,
                                          self._claim_timeout_s, stop, op.attempt)
 

@@ -74,6 +74,7 @@ class WorkerHalf:
         self._finishing: dict[str, Future[None]] = {}
         self._done_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._notices: ThreadPoolExecutor | None = None
         self.counters = ConnectorCounters()     # read by the connector's get_kv_connector_stats
 
     # ------------------------------------------------------------------ caches
@@ -93,11 +94,14 @@ class WorkerHalf:
                              f"{self._geom.token_bytes} B/token; the KV source expects "
                              f"{spec.describe()}")
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dualpath-finish")
+        # one thread: a decode request's notices (second token, pages back) reach the node
+        # in the order its steps posted them
+        self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dualpath-notice")
         self._off = OffStep(self._source, self._sessions, decode=self._decode,
                             claim_timeout_s=self._claim_timeout_s,
                             num_layers=len(self._caches), check_layout=self._check_layout,
                             copy_hit=self._copy_hit, threads=self._open_threads,
-                            counters=self.counters)
+                            counters=self.counters, post=self._notices.submit)
         connect = getattr(self._source, "client", None)
         if connect is not None:
             connect()        # attach to the node now: it places requests on attached engines
@@ -229,12 +233,12 @@ class WorkerHalf:
     def end_step(self) -> None:
         """vLLM's ``wait_for_save``: decode sessions count their forwards (TTST). A decode
         request whose whole hit vLLM held locally (prefix caching) had no load: its first
-        forward hands the node's pages back (``loaded`` is once per request)."""
+        forward hands the node's pages back. What they tell the node goes out on the notice
+        thread, never waited for here (decode_session.py)."""
         if self._decode and self._prepared is not None:
             for step in self._prepared.steps:
                 if (session := self._sessions.get(step.req_id)) is not None:
                     try:
-                        session.loaded()
                         session.after_step()
                     except Exception as e:  # noqa: BLE001 -- the KV is in vLLM already
                         log.warning("dualpath_decode_report_failed", request_id=step.req_id,
@@ -302,3 +306,5 @@ class WorkerHalf:
             self._off.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._notices is not None:
+            self._notices.shutdown(wait=True)

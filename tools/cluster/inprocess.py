@@ -202,9 +202,14 @@ def _cfg(data: dict[str, Any], **sections: dict[str, Any]) -> DualpathConfig:
 @contextlib.asynccontextmanager
 async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
                          decode: Sequence[str] = ("d0",), scheduler: bool = True,
-                         engines: bool = True, overrides: dict[str, Any] | None = None
+                         engines: bool = True, overrides: dict[str, Any] | None = None,
+                         node_overrides: dict[str, dict[str, Any]] | None = None
                          ) -> AsyncIterator[InProcessCluster]:
-    """Start the cluster; stop everything (engines, nodes, scheduler, gateways) on exit."""
+    """Start the cluster; stop everything (engines, nodes, scheduler, gateways) on exit.
+
+    ``node_overrides`` (node id → values of its role's section) sets what differs between
+    the nodes of one role: two decode nodes each with their own ``engine_socket`` for a vLLM
+    instance (tests/test_vllm_agents.py's 1P2D)."""
     data = base_config(root, overrides)
     cfg = _cfg(data)
     c = InProcessCluster(cfg, spec_from_config(cfg.kv))
@@ -221,7 +226,8 @@ async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
         for role, nodes in (("de_loader", decode), ("pe_receiver", prefill)):
             for node in nodes:
                 node_cfg = _cfg(data, **{role: {"scheduler_port": sched_port,
-                                                "gateway_port": c.gateways[node].rpc_port}})
+                                                "gateway_port": c.gateways[node].rpc_port,
+                                                **(node_overrides or {}).get(node, {})}})
                 c.add_node(await NODE_APPS[role].start(stack, node_cfg, node, spec=c.spec))
         if engines:
             for name, svc in {**c.de, **c.pe}.items():

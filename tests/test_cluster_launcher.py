@@ -42,6 +42,18 @@ def small_cluster(tmp: Path, **extra) -> dict:
     return d
 
 
+def two_turns_second_hits(sched: SyncSchedulerClient, prefix: str) -> None:
+    """Two turns of one session; the second hits what the first wrote back: prompt +
+    output[:-1], in full blocks."""
+    toks = list(range(200))
+    first = sched.run(f"{prefix}0", "s", len(toks), 70, token_ids=toks, deadline_s=30)
+    assert isinstance(first, RequestFinished), first
+    toks = toks + first.output_token_ids + list(range(500, 530))
+    second = sched.run(f"{prefix}1", "s", len(toks), 8, token_ids=toks, deadline_s=30)
+    assert isinstance(second, RequestFinished), second
+    assert second.hit_tokens == (200 + 70 - 1) // 64 * 64
+
+
 def scrape(p) -> str:
     """The service's /metrics page."""
     with urllib.request.urlopen(f"http://{p.host}:{p.metrics_port}/metrics", timeout=5) as r:
@@ -90,14 +102,7 @@ def test_up_serves_two_turns_and_down_leaves_no_process(tmp_path, capsys):
         assert cli.main(["up", "-c", str(cfg)]) == 2          # already running: refused
         assert "already running" in capsys.readouterr().err
         with SyncSchedulerClient(*state.scheduler) as sched:
-            toks = list(range(200))
-            first = sched.run("t0", "s", len(toks), 70, token_ids=toks, deadline_s=30)
-            assert isinstance(first, RequestFinished), first
-            toks = toks + first.output_token_ids + list(range(500, 530))
-            second = sched.run("t1", "s", len(toks), 8, token_ids=toks, deadline_s=30)
-            assert isinstance(second, RequestFinished), second
-            # the second turn hits what the first wrote back: prompt + output[:-1], full blocks
-            assert second.hit_tokens == (200 + 70 - 1) // 64 * 64
+            two_turns_second_hits(sched, "t")
         assert cli.main(["status", "-c", str(cfg)]) == 0
         # services refresh their snapshot each second: poll until it shows both turns
         wait_until(lambda: shows(state.proc("scheduler"), "dualpath_ttft_seconds_count", 2.0),
@@ -164,13 +169,7 @@ def test_a_killed_service_restarts_where_it_was_and_the_cluster_serves_again(tmp
         with SyncSchedulerClient(*launcher.state.scheduler) as sched:
             wait_until(lambda: {n.node_id for n in sched.cluster_status(timeout=5.0).nodes
                                 if n.engines} == {"p0", "d0"}, 30, "both nodes leased again")
-            toks = list(range(200))
-            first = sched.run("k0", "s", len(toks), 70, token_ids=toks, deadline_s=30)
-            assert isinstance(first, RequestFinished), first
-            toks = toks + first.output_token_ids + list(range(500, 530))
-            second = sched.run("k1", "s", len(toks), 8, token_ids=toks, deadline_s=30)
-            assert isinstance(second, RequestFinished), second
-            assert second.hit_tokens == (200 + 70 - 1) // 64 * 64
+            two_turns_second_hits(sched, "k")
     finally:
         launcher.down()
 

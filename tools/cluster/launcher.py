@@ -101,6 +101,10 @@ class State:
     def gateways(self) -> dict[str, tuple[str, int]]:
         return {p.node: (p.host, int(p.rpc_port)) for p in self.procs if p.service == "gateway"}
 
+    def instance_urls(self) -> dict[str, str]:
+        """Engine id -> URL of every vLLM instance (what the front is given)."""
+        return {p.name.split(":", 1)[1]: str(p.url) for p in self.procs if p.service == "vllm"}
+
     def node_services(self) -> dict[str, tuple[str, int]]:
         return {p.node: (p.host, int(p.rpc_port)) for p in self.procs
                 if p.service in ("pe_receiver", "de_loader")}
@@ -207,10 +211,9 @@ class Launcher:
                 self._wave(real_engines.instance_commands(self.cluster, model),
                            c.engine_start_timeout_s)
                 self._wait_registered()
-                urls = {p.name.split(":", 1)[1]: str(p.url) for p in self.state.procs
-                        if p.service == "vllm"}
                 self._wave([real_engines.front_command(self.cluster, model,
-                                                       self.state.scheduler, urls)])
+                                                       self.state.scheduler,
+                                                       self.state.instance_urls())])
             else:
                 if c.remote_engines:      # each node's emulated engines in their own process
                     self._wave([self._argv("engine_sim", n.id) for n in c.nodes])
@@ -246,9 +249,8 @@ class Launcher:
         if old.service in GROUPS:
             model = real_engines.resolve_model(self.cluster)
             if old.service == "front":
-                urls = {p.name.split(":", 1)[1]: str(p.url) for p in state.procs
-                        if p.service == "vllm"}
-                return real_engines.front_command(self.cluster, model, state.scheduler, urls,
+                return real_engines.front_command(self.cluster, model, state.scheduler,
+                                                  state.instance_urls(),
                                                   port=real_engines.url_port(str(old.url)))
             engine = old.name.split(":", 1)[1]
             return next(c for c in real_engines.instance_commands(

@@ -1,9 +1,10 @@
 """The OpenAI-compatible front over a real dualpath cluster and real vLLM servers.
 
-An in-process dualpath cluster with its scheduler (policy ``dualpath``: the scheduler chooses
-the read side), two ``vllm serve`` processes with the DualPathConnector (prefill attached to
-the PE receiver, decode to the DE loader) and the front (``python -m integrations.vllm.front``),
-all from .venv-vllm. A multi-turn agent conversation over HTTP: greedy output of every turn
+An in-process dualpath cluster of one prefill and two decode nodes with its scheduler (policy
+``dualpath``: the scheduler chooses the read side and the decode node), three ``vllm serve``
+processes with the DualPathConnector (the prefill instance attached to the PE receiver, one
+decode instance to each DE loader) and the front (``python -m integrations.vllm.front``), all
+from .venv-vllm. A multi-turn agent conversation over HTTP: greedy output of every turn
 equals the prefill server's own output for the same prompt without dualpath (a request without
 ``kv_transfer_params`` runs as plain vLLM there: connector idle — the strictly separate plain
 instance is tests/test_vllm_dualpath.py's reference); from turn 2 the dualpath hit is >= 90 %
@@ -11,7 +12,9 @@ of the prompt. The instances run vLLM's defaults (prefix caching on) with chunke
 512-token budget: the reference requests, and a ``kv_loading: false`` turn sent first at turn
 2, leave the prefill instance a local hit larger than the dualpath hit. Bad requests get
 OpenAI-shaped 4xx errors and the front keeps serving. Then, on the same cluster, many agent
-sessions at once (tests/test_vllm_agents.py's concurrent phase: its 1P1D shape).
+sessions at once (tests/vllm_agents.py's concurrent phase): on 1P2D both decode instances serve
+sessions, both read sides are used (the scheduler's per-side hit tokens) and every node's
+storage link is read (its gateway's bytes).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_vllm_agents import agents
+from tests.vllm_agents import agents
 from tests.vllm_env import require_vllm, run_check
 from tools.cluster.inprocess import local_datapath
 from tools.vllm_engines import PRESET, datapath_overrides
@@ -44,16 +47,17 @@ STEP = 512          # vLLM's tokens per step (--max-num-batched-tokens): FIRST t
 
 async def test_front_multi_turn_agent_over_http(tmp_path):
     python, model = require_vllm()
-    overrides = datapath_overrides(tmp_path,
+    roles = {"p0": "prefill", "d0": "decode", "d1": "decode"}
+    socks = {n: str(tmp_path / f"{n}.sock") for n in roles}
+    overrides = datapath_overrides(tmp_path, buffer_mib=384,
                                    scheduler={"model": PRESET, "policy": "dualpath"})
-    async with local_datapath(tmp_path, engines=False, overrides=overrides) as c:
-        ports = {"p0.e0": free_port(), "d0.e0": free_port()}
+    async with local_datapath(tmp_path, decode=("d0", "d1"), engines=False, overrides=overrides,
+                              node_overrides={"d1": {"engine_socket": socks["d1"]}}) as c:
+        ports = {f"{n}.e0": free_port() for n in roles}
         # chunked prefill at a 512-token budget: the first turn's 1,250-token prompt is
         # prefilled (and saved to the PE) over three chunks
-        procs = [await vllm_server(model, "prefill", str(tmp_path / "p0.sock"), "p0.e0",
-                                   ports["p0.e0"], tmp_path, step=STEP),
-                 await vllm_server(model, "decode", str(tmp_path / "d0.sock"), "d0.e0",
-                                   ports["d0.e0"], tmp_path, step=STEP)]
+        procs = [await vllm_server(model, roles[n], socks[n], f"{n}.e0", ports[f"{n}.e0"],
+                                   tmp_path, step=STEP) for n in roles]
         try:
             urls = {e: f"http://127.0.0.1:{p}" for e, p in ports.items()}
             await wait_healthy(urls.values())
@@ -67,12 +71,17 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
                                           script="openai_client_check.py", timeout=900)
             assert got["stop"]["text"] and got["refused"] == {"n=2": "unsupported_parameter"}
             await conversation(front_url, urls["p0.e0"], str(model))
-            # many agents at once on the same 1P1D cluster (tests/test_vllm_agents.py)
-            await agents(c, front_url, urls, str(model))
+            # many agents at once on the same cluster (tests/vllm_agents.py)
+            phase = await agents(c, front_url, urls, str(model))
             await connector_metrics(urls)
         finally:
             for p in procs:
                 await stop(p)
+    served = {t.dualpath["de_engine"] for t in phase["turns"]}
+    assert served == {"d0.e0", "d1.e0"}, served
+    sides = {k: v for k, v in c.scheduler.stats().items() if k.startswith("read_side_tokens")}
+    assert sides["read_side_tokens:pe"] > 0 and sides["read_side_tokens:de"] > 0, sides
+    assert all(phase["read_bytes"][n] > 0 for n in roles), phase["read_bytes"]
 
 
 async def check_plain_endpoints(front: str) -> None:
@@ -163,8 +172,9 @@ async def connector_metrics(urls: dict[str, str]) -> None:
                 out[key] = out.get(key, 0.0) + s.value
         return out
 
-    want = {"p0.e0": "vllm:prompt_tokens_cached_by_source_total|disk",
-            "d0.e0": "vllm:prompt_tokens_cached_by_source_total|p2p"}
+    want = {"p": "vllm:prompt_tokens_cached_by_source_total|disk",
+            "d": "vllm:prompt_tokens_cached_by_source_total|p2p"}
+    per_role: dict[str, dict[str, float]] = {"p": {}, "d": {}}
     for engine, url in urls.items():
         got: dict[str, float] = {}
         for _ in range(50):
@@ -174,12 +184,17 @@ async def connector_metrics(urls: dict[str, str]) -> None:
             if got.get("dualpath_engine_load_bytes_total", 0) > 0:
                 break
             await asyncio.sleep(0.2)
+        assert got.get("dualpath_engine_load_errors_total", 0) == 0, (engine, got)
+        role = per_role[engine[0]]
+        for k, v in got.items():
+            role[k] = role.get(k, 0.0) + v
+    # per role (the decode instances together: the scheduler spreads the turns over them)
+    for r, got in per_role.items():
         hits = sum(v for k, v in got.items() if k.startswith("dualpath_engine_hit_tokens_total|"))
-        assert hits > 0 and got.get(want[engine], 0) > 0, (engine, got)
-        assert got["dualpath_engine_load_bytes_total"] > 0, (engine, got)
-        assert got["dualpath_engine_load_seconds_total"] > 0, (engine, got)
-        assert got["dualpath_engine_claim_waits_total"] >= TURNS, (engine, got)
-        assert got["dualpath_engine_load_errors_total"] == 0, (engine, got)
+        assert hits > 0 and got.get(want[r], 0) > 0, (r, got)
+        assert got["dualpath_engine_load_bytes_total"] > 0, (r, got)
+        assert got["dualpath_engine_load_seconds_total"] > 0, (r, got)
+        assert got["dualpath_engine_claim_waits_total"] >= TURNS, (r, got)
     # the prefill instance served turns from its own prefix cache too (the plain references
     # and the kv_loading: false turn left it more than the dualpath hit)
     status, body = await ahttp("GET", f"{urls['p0.e0']}/metrics")

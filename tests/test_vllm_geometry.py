@@ -4,12 +4,13 @@ The strong check (issue #15 part 2): KV that vLLM wrote for a prompt, gathered i
 ``[tokens, B]`` layout and stored as Full Blocks, is scattered into a *fresh* vLLM instance's
 paged cache, which then gives the same greedy output as plain vLLM (no connector, prefix caching
 off); and the stored bytes equal what the model computes for that prefix (transformers, fp32).
-Each vLLM instance starts once (one process per role, ~25-80 s to load here).
+Each vLLM instance starts once (one process per role, ~25-80 s to load here), two at a time.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -51,11 +52,15 @@ def engine_runs(tmp_path_factory):
     pfile = tmp / "prompts.json"
     pfile.write_text(json.dumps(prompts))
     store = tmp / "store"
-    m, p = ["--model", str(model)], ["--prompts", str(pfile)]
-    plain = run_check(python, "plain", *m, *p)
-    first = run_check(python, "run", *m, *p, "--store", str(store))     # misses, then a hit
-    fresh = run_check(python, "run", *m, *p, "--store", str(store))     # a fresh instance
-    hf = run_check(python, "hf_kv", *m, *p, "--store", str(store))
+    m, p, s = ["--model", str(model)], ["--prompts", str(pfile)], ["--store", str(store)]
+    # two at a time (a load is mostly one core's work): the reference beside the first
+    # instance (misses, then a hit), then a fresh instance beside the model's own KV, both
+    # reading what the first stored
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        plain, first = pool.map(lambda a: run_check(python, *a), [("plain", *m, *p),
+                                                                 ("run", *m, *p, *s)])
+        fresh, hf = pool.map(lambda a: run_check(python, *a), [("run", *m, *p, *s),
+                                                              ("hf_kv", *m, *p, *s)])
     return {"prompts": prompts, "plain": plain, "first": first, "fresh": fresh, "hf": hf,
             "store": store}
 

@@ -18,7 +18,7 @@ it is *posted* (``post``: the worker half's one notice thread, so a request's no
 node in order) and ``finish`` waits for them. Sent inline, every such round trip held every
 running request of the instance for as long as the node took to answer — up to 100 ms
 measured with four agent sessions at once, more when the node is busy with another request's
-KV (tests/test_vllm_agents.py, docs/vllm.md "Many agents at once").
+KV (tests/vllm_agents.py, docs/vllm.md "Many agents at once").
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
 
     ``node_overrides`` (node id → values of its role's section) sets what differs between
     the nodes of one role: two decode nodes each with their own ``engine_socket`` for a vLLM
-    instance (tests/test_vllm_agents.py's 1P2D)."""
+    instance (tests/test_vllm_front.py's 1P2D)."""
     data = base_config(root, overrides)
     cfg = _cfg(data)
     c = InProcessCluster(cfg, spec_from_config(cfg.kv))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.request
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from common.protocol import RequestFinished
 from tools.cluster import cli
 from tools.cluster.config import load_cluster
-from tools.cluster.launcher import (STATE_FILE, Launcher, LaunchError, State,
+from tools.cluster.launcher import (STATE_FILE, Launcher, LaunchError, State, alive,
                                        proc_cpu_seconds, proc_start_ticks)
 from tools.cluster.toml_write import dumps
 from services.scheduler.client.client import SyncSchedulerClient
@@ -186,3 +187,55 @@ def test_serve_refuses_bad_arguments(capsys):
     assert "needs --node" in capsys.readouterr().err
     assert serve.main(["pe_receiver", "--node", "d0"]) == 2     # d0 is a decode node
     assert "runs de_loader, not pe_receiver" in capsys.readouterr().err
+
+
+def test_reconfigure_restarts_named_services_on_the_new_config_and_keeps_the_rest(tmp_path):
+    """``Launcher.reconfigure``: another scheduler policy and storage-link rate for the
+    scheduler and the gateways (new processes on their old ports, the storage emptied while
+    they are down), the node services untouched; the gateways then shape at the new rate (their
+    metrics say so) and a conversation's second turn hits what its first stored. A config
+    with other nodes is refused before anything stops."""
+    from tools.cluster.config import load_data
+    launcher = Launcher(load_data(small_cluster(tmp_path), "c.toml", environ={}))
+    state = launcher.up()
+    try:
+        with SyncSchedulerClient(*state.scheduler) as sched:
+            two_turns_second_hits(sched, "a")
+        pids = {p.name: p.pid for p in state.procs}
+        ports = {p.name: p.rpc_port for p in state.procs}
+        storage = Path(launcher.cluster.spec.storage_dir())
+        assert any(storage.rglob("*")), "the first conversation stored nothing"
+        emptied: list[bool] = []
+
+        def empty() -> None:
+            for child in storage.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            emptied.append(True)
+
+        names = ["scheduler", "gateway:p0", "gateway:d0"]
+        changed = load_data(small_cluster(tmp_path, cluster={"storage_link_bytes_per_s": 20e6}),
+                            "c.toml", mode="basic", environ={})
+        launcher.reconfigure(changed, names, empty)
+        assert emptied == [True]
+        for p in launcher.state.procs:
+            assert p.rpc_port == ports[p.name], p.name
+            assert (p.pid != pids[p.name]) == (p.name in names), p.name
+        for name in ("gateway:p0", "gateway:d0"):
+            node = name.split(":")[1]
+            stat = ('dualpath_stat{name="link_rate_bytes_per_s",node="%s",'
+                    'service="storage_gateway"}' % node)
+            wait_until(lambda n=name, s=stat: shows(launcher.state.proc(n), s, 20e6),
+                       10, f"{name} at the new rate")
+        effective = load_cluster(launcher.state.config)
+        assert effective.cfg.scheduler.policy == "basic"
+        with SyncSchedulerClient(*launcher.state.scheduler) as sched:
+            wait_until(lambda: {n.node_id for n in sched.cluster_status(timeout=5.0).nodes
+                                if n.engines} == {"p0", "d0"}, 30, "both nodes leased again")
+            two_turns_second_hits(sched, "b")       # "b": nothing of "a" survived the emptying
+        other = small_cluster(tmp_path)
+        other["cluster"]["nodes"].append({"id": "d1", "role": "decode", "engines": 1})
+        with pytest.raises(Exception, match="keeps the nodes"):
+            launcher.reconfigure(load_data(other, "c.toml", environ={}), names)
+        assert all(alive(p) for p in launcher.state.procs)
+    finally:
+        launcher.down()

@@ -61,6 +61,7 @@ def test_key_from_flag_or_file_and_misconfiguration_is_refused(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_light
 def test_front_http_guards_v1_and_leaves_health_open(tmp_path):
     if not VLLM_PYTHON.exists():
         skip_or_fail(f"{VLLM_PYTHON} missing (the front's aiohttp lives there)")

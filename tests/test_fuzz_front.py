@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from tests.test_fuzz_decoders import FIELD_VALUES, HTTP_BODIES, JSON, json_text
 from tests.vllm_env import require_vllm, run_check
 
-pytestmark = [pytest.mark.vllm, pytest.mark.reliability]
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_light, pytest.mark.reliability]
 
 EXAMPLES = 300
 PATHS = ("/v1/completions", "/v1/chat/completions")

@@ -13,7 +13,7 @@ import pytest
 from tests.vllm_env import run_check, skip_or_fail
 from tools.vllm_engines import VLLM_PYTHON
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_light]
 
 # the connector's counters per scenario (claim wait seconds checked in the script): every claim
 # waits once; the claimed hit counts by read side; a request not opened, or whose load failed,

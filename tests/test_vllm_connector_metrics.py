@@ -12,7 +12,7 @@ import pytest
 from tests.vllm_env import run_check, skip_or_fail
 from tools.vllm_engines import VLLM_PYTHON
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_light]
 
 
 def test_connector_counters_reach_vllm_metrics_as_dualpath_families():

@@ -75,8 +75,7 @@ async def test_front_multi_turn_agent_over_http(tmp_path):
             phase = await agents(c, front_url, urls, str(model))
             await connector_metrics(urls)
         finally:
-            for p in procs:
-                await stop(p)
+            await asyncio.gather(*(stop(p) for p in procs))      # at once: seconds each
     served = {t.dualpath["de_engine"] for t in phase["turns"]}
     assert served == {"d0.e0", "d1.e0"}, served
     sides = {k: v for k, v in c.scheduler.stats().items() if k.startswith("read_side_tokens")}
@@ -202,6 +201,7 @@ async def connector_metrics(urls: dict[str, str]) -> None:
     assert local > 0, samples(body)
 
 
+@pytest.mark.vllm_light
 async def test_front_refuses_a_dead_or_wrong_scheduler(tmp_path):
     """--scheduler naming a port nobody listens on, or a server that is not a dualpath
     scheduler (it answers HTTP): the front exits with status 2 and says so; nothing served."""

@@ -114,6 +114,7 @@ def test_the_runbook_config_gives_each_node_an_engine_socket():
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_light
 @pytest.mark.slow
 def test_vllms_own_parser_accepts_the_runbooks_vllm_lines():
     """`python -m vllm.entrypoints.openai.api_server` with these arguments gets past argument

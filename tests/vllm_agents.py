@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import until
+from tools.stream_client import Streamed, stream_completion, timeline
 from tools.vllm_serve import ahttp, tokenize
 
 SESSIONS = 4
@@ -52,47 +50,14 @@ FIRST = 1000
 APPEND = 32
 
 
-@dataclass
-class Turn:
-    """One streamed turn as the client saw it (``time.monotonic`` seconds)."""
-
-    session: int
-    turn: int
-    prompt_tokens: int
-    sent_at: float
-    arrivals: list[float] = field(default_factory=list)     # one per chunk with tokens
-    tokens: list[int] = field(default_factory=list)
-    dualpath: dict[str, Any] = field(default_factory=dict)
-    done_at: float = 0.0
-
-    @property
-    def first_at(self) -> float:
-        return self.arrivals[0] if self.arrivals else self.done_at
-
-
-def stream_turn(front_url: str, session: int, turn: int, prompt: list[int]) -> Turn:
-    """One streamed completion through the front (blocking: run in a thread), each chunk's
-    arrival time recorded as it is read."""
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": GEN, "stream": True,
-            "temperature": 0.0, "session_id": f"agent-{session}"}
-    req = urllib.request.Request(f"{front_url}/v1/completions", data=json.dumps(body).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
-    got = Turn(session, turn, len(prompt), time.monotonic())
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, f"session {session} turn {turn}: {ev}"
-            new = ev["choices"][0].get("token_ids") or []
-            if new:
-                got.arrivals.append(time.monotonic())
-                got.tokens.extend(new)
-            got.dualpath = ev.get("dualpath", got.dualpath)
-    got.done_at = time.monotonic()
-    assert got.dualpath, f"session {session} turn {turn}: no dualpath object in the stream"
-    return got
+def stream_turn(front_url: str, session: int, turn: int, prompt: list[int]) -> Streamed:
+    """One streamed completion through the front (blocking: run in a thread)."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": GEN, "temperature": 0.0,
+            "session_id": f"agent-{session}"}
+    try:
+        return stream_completion(front_url, body)
+    except RuntimeError as e:
+        raise AssertionError(f"session {session} turn {turn}: {e}") from None
 
 
 async def reference(plain_url: str, model: str, prompt: list[int]) -> list[int]:
@@ -126,7 +91,7 @@ async def agents(c, front_url: str, urls: dict[str, str], model: str) -> dict[st
     before = bytes_read(c)
     counted = {e: await connector_counters(u) for e, u in urls.items()}
     loop = asyncio.get_running_loop()
-    turns: list[Turn] = []
+    turns: list[Streamed] = []
     with ThreadPoolExecutor(max_workers=SESSIONS) as pool:
         async def session(s: int) -> None:
             ids = texts[s]
@@ -200,35 +165,3 @@ async def connector_check(urls: dict[str, str], before: dict[str, dict[str, floa
             assert delta(now, bad, role) == 0, (role, bad, before, now)
 
 
-def timeline(turns: list[Turn]) -> dict[str, Any]:
-    """What overlapped: the most requests in flight at once, and the decode step gaps of
-    running requests (consecutive chunks of one request), overall and while another request
-    was loading (submitted, no token yet)."""
-    events = sorted([(t.sent_at, 1) for t in turns] + [(t.done_at, -1) for t in turns])
-    in_flight = peak = 0
-    for _, d in events:
-        in_flight += d
-        peak = max(peak, in_flight)
-    gaps, during = [], []
-    tokens_during = 0
-    for t in turns:
-        others = [(o.sent_at, o.first_at) for o in turns if o is not t]
-        for a, b in zip(t.arrivals, t.arrivals[1:]):
-            gaps.append(b - a)
-            if any(s < b and f > a for s, f in others):
-                during.append(b - a)
-        tokens_during += sum(1 for x in t.arrivals[1:] if any(s < x < f for s, f in others))
-    return {"max_in_flight": peak, "tokens_during_loads": tokens_during,
-            "step_gap_ms": pcts(gaps), "step_gap_during_loads_ms": pcts(during),
-            "ttft_ms": pcts([t.first_at - t.sent_at for t in turns])}
-
-
-def pcts(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"n": 0}
-    s = sorted(xs)
-
-    def at(q: float) -> float:
-        return round(s[min(len(s) - 1, int(q * len(s)))] * 1e3, 1)
-
-    return {"n": len(s), "p50": at(0.50), "p99": at(0.99), "max": round(s[-1] * 1e3, 1)}

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "chaos": "bench.chaos_bench",
     "overload": "bench.overload_bench",
     "engine_ipc": "bench.engine_ipc_bench",
+    "engine_agents": "bench.engine_agents_bench",
     "failover": "bench.failover_bench",
     "plan": "bench.plan_bench",
     "engine": "bench.engine_bench",

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# `make test`: the real-engine tests (marker `vllm`: ~23 min here, mostly vLLM starting and
-# computing) and every other test (~14 min beside them) run as two pytest processes at once, so the suite
-# takes about as long as its real-engine half instead of both halves in a row. Each process
-# hands out ports from its own band (DUALPATH_PORT_BAND, tools/cluster/config.free_port); the
-# real-engine half's output is printed after the rest's. Exit: the first failing half's status
-# (5 only when both collected nothing). Extra arguments go to both pytest runs.
+# `make test`: the real-engine tests that start vLLM instances (marker `vllm` and not
+# `vllm_light`: ~19 min here, mostly vLLM starting and computing) and every other test (~17 min
+# beside them, the `vllm_light` ones included: they only run the vLLM venv's Python) run as two
+# pytest processes at once, so the suite takes about as long as its real-engine half instead
+# of both halves in a row. Each process hands out ports from its own band (DUALPATH_PORT_BAND,
+# tools/cluster/config.free_port); the real-engine half's output is printed after the rest's.
+# Exit: the first failing half's status (5 only when both collected nothing). Extra arguments
+# go to both pytest runs.
 set -u
 PY=${PY:-.venv/bin/python}
 log=$(mktemp -t dualpath-vllm-tests.XXXXXX)
-DUALPATH_PORT_BAND=1/2 "$PY" -m pytest -q --durations=15 -m vllm "$@" >"$log" 2>&1 &
+DUALPATH_PORT_BAND=1/2 "$PY" -m pytest -q --durations=15 -m "vllm and not vllm_light" "$@" >"$log" 2>&1 &
 engine_pid=$!
 trap 'kill "$engine_pid" 2>/dev/null; rm -f "$log"' INT TERM
-echo "== make test: the real-engine tests (-m vllm) run beside the rest (pid $engine_pid); their output follows the rest's"
-DUALPATH_PORT_BAND=0/2 "$PY" -m pytest -q --durations=15 -m "not vllm" "$@"
+echo "== make test: the real-engine tests (-m \"vllm and not vllm_light\") run beside the rest (pid $engine_pid); their output follows the rest's"
+DUALPATH_PORT_BAND=0/2 "$PY" -m pytest -q --durations=15 -m "not vllm or vllm_light" "$@"
 rest=$?
 wait "$engine_pid"
 engine=$?
 echo
-echo "== the real-engine tests (-m vllm), run beside the rest:"
+echo "== the real-engine tests (-m \"vllm and not vllm_light\"), run beside the rest:"
 cat "$log"
 rm -f "$log"
 echo "== make test: the rest exited $rest, the real-engine tests $engine"

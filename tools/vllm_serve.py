@@ -106,12 +106,14 @@ def step_tokens(cfg: Any, max_model_len: int = 2048) -> int:
 
 def vllm_server_argv(python: str, model: str, role: str, sock: str, engine_id: str, port: int,
                      max_model_len: int = 2048, host: str = "127.0.0.1",
-                     step: int | None = None) -> list[str]:
+                     step: int | None = None, prefix_caching: bool = True) -> list[str]:
     """The OpenAI server's command line: fp32 (the preset's dtype), vLLM's default prefix
-    caching (on), chunked prefill with ``step`` tokens per step and per request's chunk
-    (None: ``max_model_len``, one step per prompt; the runbook's: :func:`step_tokens`)."""
+    caching (on; ``prefix_caching`` False turns it off: every hit then comes from dualpath),
+    chunked prefill with ``step`` tokens per step and per request's chunk (None:
+    ``max_model_len``, one step per prompt; the runbook's: :func:`step_tokens`)."""
     step = max_model_len if step is None else step
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            *([] if prefix_caching else ["--no-enable-prefix-caching"]),
             "--port", str(port), "--host", host, "--max-model-len", str(max_model_len),
             "--enforce-eager", "--dtype", DTYPE, "--enable-chunked-prefill",
             "--max-num-batched-tokens", str(step), "--long-prefill-token-threshold", str(step),
@@ -217,7 +219,8 @@ def runbook(config: str = RUNBOOK_CONFIG) -> str:
         urls[engine] = f"http://127.0.0.1:{port}"
         env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": ".",
                "VLLM_CPU_OMP_THREADS_BIND": CORES[n.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port, step=step)
+        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port, step=step,
+                                prefix_caching=spec.vllm_prefix_caching)
         lines.append(" ".join([*(f"{k}={v}" for k, v in env.items()), *map(_quote, argv)]))
     scheduler = f"{spec.scheduler_host or spec.host}:{spec.scheduler_port}"
     lines.append("PYTHONPATH=. " + " ".join(map(_quote, front_argv(py, MODEL_VAR, scheduler,

@@ -47,7 +47,8 @@ def vllm_container(cluster: Cluster, n: NodeSpec, opts: KubeOptions,
     """Node ``n``'s vLLM beside its node service, on the pod IP (the front dials it)."""
     port = VLLM_PORTS[n.role]
     sock = f"{STATE_MOUNT}/{cluster.spec.name}/{n.id}.engine.sock"   # the pods' data_dir
-    argv = vllm_server_argv(PYTHON, MODEL, n.role, sock, f"{n.id}.e0", port, host="$(POD_IP)")
+    argv = vllm_server_argv(PYTHON, MODEL, n.role, sock, f"{n.id}.e0", port, host="$(POD_IP)",
+                            prefix_caching=cluster.spec.vllm_prefix_caching)
     return {"name": "vllm", "image": opts.vllm_image, "workingDir": "/app",
             "command": argv[:1], "args": argv[1:],
             "env": [_POD_IP_ENV, KVCACHE_ENV],

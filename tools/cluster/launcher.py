@@ -243,6 +243,38 @@ class Launcher:
             self._wait_registered()
         return state.proc(name)
 
+    def reconfigure(self, cluster: Cluster, names: list[str],
+                    between: Any = None) -> None:
+        """Run services ``names`` of the running cluster on a changed config ``cluster`` —
+        another scheduler policy, another storage-link rate; the same nodes, ports and engines
+        (checked) — while the rest keeps running: the effective file every service reads is
+        rewritten, ``names`` are stopped (SIGTERM, SIGKILL after the grace), ``between()`` runs
+        while they are down (e.g. the storage emptied), then they start again where they were,
+        gateways first. How ``bench engine_agents`` switches modes without reloading its vLLM
+        instances."""
+        state = self.state = self.state or State.load(self.state_dir)
+        if state is None:
+            raise ConfigError(f"cluster {self.cluster.spec.name} is not running")
+        old, new = self.cluster.spec, cluster.spec
+        same = ([(n.id, n.role) for n in old.nodes] == [(n.id, n.role) for n in new.nodes]
+                and (old.engine, old.data_dir, old.storage_root)
+                == (new.engine, new.data_dir, new.storage_root))
+        if not same:
+            raise ConfigError(f"{cluster.source}: reconfigure keeps the nodes, engine and "
+                              "directories of the running cluster; run `cluster down` + `up`")
+        procs = [state.proc(name) for name in names]
+        self.cluster = cluster
+        self._write_effective()
+        stop_procs(procs, self.cluster.spec.stop_grace_s)
+        for p in procs:
+            popen = self._popen.get(p.name)
+            if popen is not None:
+                popen.wait()
+        if between is not None:
+            between()
+        for p in sorted(procs, key=lambda p: -_STOP_ORDER.get(p.service, 3)):
+            self.restart(p.name)
+
     def _command_again(self, old: Proc) -> real_engines.Command:
         state = self.state
         assert state is not None

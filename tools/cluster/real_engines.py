@@ -86,7 +86,8 @@ def instance_commands(cluster: Cluster, model: Path,
                                                  else free_port())
             host = spec.node_host(n)
             argv = vllm_server_argv(str(VLLM_PYTHON), str(model), n.role, sock, engine, port,
-                                    host=host, step=step)
+                                    host=host, step=step,
+                                    prefix_caching=spec.vllm_prefix_caching)
             env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": str(REPO),
                    **omp_bind(n.role)}
             out.append(Command(f"vllm:{engine}", "vllm", n.id, argv, env,
@@ -123,11 +124,13 @@ def front_url(log: str | Path) -> str | None:
     return found[-1] if found else None
 
 
-def on_loopback(config: str | Path, root: Path, **cluster: Any) -> Cluster:
+def on_loopback(config: str | Path, root: Path, mode: str | None = None,
+                **cluster: Any) -> Cluster:
     """``config`` (a real-engine cluster file) with every fixed port made 0 (any free port) and
-    its state and storage under ``root``, ``cluster`` set in its ``[cluster]`` section: the
-    demo's, the tests' and the tools' copy, which must not collide with an operator's cluster
-    (or another test) on the file's fixed ports."""
+    its state and storage under ``root``, ``cluster`` set in its ``[cluster]`` section and
+    ablation ``mode`` (the scheduler's policy, ``dualpath plan``'s modes) applied: the demo's,
+    the tests' and the benches' copy, which must not collide with an operator's cluster (or
+    another test) on the file's fixed ports."""
     from common.config import read_toml
 
     from .config import load_data
@@ -142,4 +145,4 @@ def on_loopback(config: str | Path, root: Path, **cluster: Any) -> Cluster:
             node.pop(key, None)
     sect["data_dir"], sect["storage_root"] = str(root / "cluster"), str(root / "storage")
     sect.update(cluster)
-    return load_data(data, str(config), environ={})
+    return load_data(data, str(config), mode=mode, environ={})

@@ -64,6 +64,9 @@ class ClusterSection(Section):
     model: str = ""                              # engine = "vllm": "" = what make vllm-model made
     front_port: Port = 0                         # engine = "vllm": the OpenAI front (0: free)
     engine_start_timeout_s: PositiveFloat = 900.0  # a vLLM instance's load (1-2 min on 2 cores)
+    vllm_prefix_caching: bool = True             # false: --no-enable-prefix-caching, every hit
+                                                 # comes from dualpath's storage (HBM holds no
+                                                 # context between turns: bench engine_agents)
     nodes: list[NodeSpec] = msgspec.field(default_factory=lambda: [
         NodeSpec(id="p0", role="prefill"), NodeSpec(id="d0", role="decode"),
         NodeSpec(id="d1", role="decode")])

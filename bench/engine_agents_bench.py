@@ -1,0 +1,314 @@
+"""``dualpath bench engine_agents``: the paper's experiment with a real engine — recorded agent
+sessions at once through the front on 1P2D real vLLM, every storage link shaped.
+
+One ``dualpath cluster up`` of ``configs/vllm-1p2d.toml`` (free ports, temporary storage):
+storage gateways, a PE receiver and two DE loaders, the scheduler, three vLLM OpenAI servers on
+SmolLM2-135M fp32 (one prefill, two decode instances) and the front, every one its own
+process. The vLLM instances run **without their own prefix cache**
+(``[cluster] vllm_prefix_caching = false``): the paper's regime, where an agent's context does
+not stay in HBM between turns (tool calls take seconds to minutes and many agents share the
+instance), so every hit comes from storage — here the instances' 1 GiB caches would otherwise
+hold the whole run, and vLLM would never read storage at all.
+
+The workload: the first ``--sessions`` conversations of ``--trace`` (default
+``../shared/traces/agentic``) with at least ``--turns`` turns that fit the instances' 2,048-token
+context, their first ``--turns`` turns each. Token scale 1/64: one token per 64-token trace
+block, its id derived deterministically from the block's hash id and the conversation
+(:func:`token_of`), so turns of one conversation share exactly the prefixes the trace records
+and conversations share nothing (turns of 250–1,700 tokens; the trace's own are 15k–110k).
+Sessions run at once, each turn right after the previous one's answer (no think time), 16
+tokens generated per turn, greedy (temperature 0), streamed. First every session's first turn
+runs (its whole prompt computed, its KV stored: not timed — a long agent session pays it once,
+and here with 3–5 turns it would otherwise weigh a third of the run); then the later turns are
+timed, every session at once: the JCT is the time until the last session's last turn ends.
+The first turns run once through dualpath (unshaped) and the storage they leave is kept as a
+snapshot; every KV mode starts its timed turns from that snapshot.
+
+Modes, one after another on the same instances (between steps the scheduler and the gateways
+restart on the step's config while the storage is emptied, copied or restored:
+``Launcher.reconfigure``):
+
+* ``recompute`` — the front's ``kv_loading: false``: each turn, first turns included, on the
+  prefill instance alone, every prompt token computed (the outputs every other mode is
+  compared with);
+* ``oracle`` — scheduler policy ``dualpath``, storage links unshaped (the disk's speed): the
+  bound where reading storage costs next to nothing;
+* ``basic`` — policy ``basic`` (every hit read by the prefill node, the paper's baseline),
+  links shaped to ``R``;
+* ``dualpath`` — policy ``dualpath`` (each hit read on the side the scheduler picks), links
+  shaped to ``R``.
+
+``R`` (per node, every link the same): half the rate at which the oracle run consumed hit
+bytes (its later turns' hit bytes ÷ its JCT), unless ``--link-mb-s`` sets it — so one storage
+link (basic's) carries half of what the engines can consume, the three links of 1P2D together
+one and a half times: storage binds the basic mode and not the dual path, the situation the
+paper measures.
+
+Headline ``engine_agents_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.5; also
+``dualpath_vs_oracle`` = JCT(dualpath) ÷ JCT(oracle), goal ≤ 1.15. Per mode, over the timed
+turns: JCT, TTFT p50/p99 from the request's arrival at the front (the front's own clock) and
+from the client's send, decode step-gap p99 (client side), hit share, read sides; over all
+turns: requests failed, and whether every output equals ``recompute``'s; the first turns'
+time. ``--quick``: 8 sessions x 3 turns (~7 min here); the default 8 x 5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.report import bench_parser, headline, print_table, write_results
+
+GOAL = 1.5
+ORACLE_GOAL = 1.15
+CONFIG = "configs/vllm-1p2d.toml"
+GEN = 16
+MAX_CONTEXT = 2048                  # the instances' --max-model-len
+MIN_FIRST = 256                     # a first prompt of at least 4 of our 64-token blocks
+TOKEN_LO, TOKEN_HI = 1000, 49000    # ordinary tokens of SmolLM2's 49,152 (no special ids)
+# mode -> (scheduler mode of the cluster config, storage links shaped?, kv_loading)
+MODES: dict[str, tuple[str, bool, bool]] = {
+    "recompute": ("dualpath", False, False),
+    "oracle": ("dualpath", False, True),
+    "basic": ("basic", True, True),
+    "dualpath": ("dualpath", True, True),
+}
+
+
+@dataclass
+class Session:
+    """One conversation of the trace: its id and each turn's prompt token ids."""
+
+    sid: str
+    prompts: list[list[int]]
+
+
+def token_of(scope: str, hash_id: int) -> int:
+    """The token standing for trace block ``hash_id`` of conversation ``scope``."""
+    digest = hashlib.blake2b(f"{scope}:{hash_id}".encode(), digest_size=8).digest()
+    return TOKEN_LO + int.from_bytes(digest, "little") % (TOKEN_HI - TOKEN_LO)
+
+
+def sessions_from_trace(trace: Path, count: int, turns: int) -> list[Session]:
+    """The first ``count`` conversations (by file name) whose first ``turns`` turns fit the
+    context at one token per trace block (module docstring); ValueError if too few do."""
+    from sim.recorded import load_workload
+
+    out = []
+    for s in sorted(load_workload(trace).sessions, key=lambda s: s.sid):
+        prompts = [[token_of(s.scope, h) for h in t.hash_ids] for t in s.turns[:turns]]
+        if (len(prompts) == turns and len(prompts[0]) >= MIN_FIRST
+                and max(map(len, prompts)) + GEN <= MAX_CONTEXT):
+            out.append(Session(s.sid, prompts))
+        if len(out) == count:
+            return out
+    raise ValueError(f"{trace}: only {len(out)} conversations have {turns} turns that fit "
+                     f"{MAX_CONTEXT} tokens at one token per trace block (need {count})")
+
+
+async def run_turns(front_url: str, sessions: list[Session], mode: str, kv_loading: bool,
+                    first: bool) -> dict[str, Any]:
+    """Every session at once: its first turn (``first``), or its later turns one after
+    another; the turns as the client saw them and the time until the last one ended."""
+    from tools.stream_client import stream_completion
+
+    loop = asyncio.get_running_loop()
+    turns: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(max_workers=len(sessions)) as pool:
+        async def session(s: Session) -> None:
+            for k in range(1) if first else range(1, len(s.prompts)):
+                prompt = s.prompts[k]
+                body = {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
+                        "temperature": 0.0, "session_id": f"{mode}-{s.sid}",
+                        "kv_loading": kv_loading}
+                row: dict[str, Any] = {"session": s.sid, "turn": k, "prompt": len(prompt)}
+                try:
+                    row["got"] = await loop.run_in_executor(pool, stream_completion,
+                                                            front_url, body)
+                except Exception as e:  # noqa: BLE001 -- a failed turn is counted, not fatal
+                    row["error"] = f"{type(e).__name__}: {e}"
+                turns.append(row)
+
+        start = time.monotonic()
+        await asyncio.gather(*(session(s) for s in sessions))
+    return {"turns": turns, "elapsed_s": time.monotonic() - start}
+
+
+def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], list[int]]
+            ) -> dict[str, Any]:
+    """One mode's row of the results (module docstring)."""
+    from tools.stream_client import pcts, timeline
+
+    ok = [t for t in run["turns"] if "got" in t]
+    later = [t for t in ok if t["turn"] > 0]
+    hit = sum(t["got"].dualpath.get("hit_tokens", 0) for t in later)
+    sides: dict[str, int] = {}
+    for t in ok:
+        side = t["got"].dualpath.get("read_side", "?")
+        sides[side] = sides.get(side, 0) + 1
+    timed = [t["got"] for t in later]         # what the JCT times: the later turns
+    seen = timeline(timed)
+    front_ttft = [t.dualpath["ttft_s"] for t in timed if t.dualpath.get("ttft_s") is not None]
+    equal = all(reference.get((t["session"], t["turn"])) == t["got"].tokens for t in ok)
+    return {"mode": mode, "jct_s": round(run["jct_s"], 2),
+            "first_turns_s": round(run["first_turns_s"], 2), "requests": len(run["turns"]),
+            "failed": len(run["turns"]) - len(ok),
+            "errors": [t["error"] for t in run["turns"] if "error" in t][:5],
+            "ttft_from_arrival_ms": pcts(front_ttft), "ttft_client_ms": seen["ttft_ms"],
+            "step_gap_ms": seen["step_gap_ms"], "max_in_flight": seen["max_in_flight"],
+            "hit_share_from_turn_2": round(hit / max(1, sum(t["prompt"] for t in later)), 3),
+            "hit_tokens": hit, "read_sides": sides,
+            "outputs_equal": bool(ok) and len(ok) == len(run["turns"]) and equal}
+
+
+async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
+                echo: Any) -> dict[str, Any]:
+    from common.kv import spec_from_config
+    from tools.cluster.launcher import Launcher
+    from tools.cluster.real_engines import on_loopback
+
+    def config(sched_mode: str, rate: float):
+        return on_loopback(CONFIG, root, mode=sched_mode, storage_link_bytes_per_s=rate,
+                           vllm_prefix_caching=False)
+
+    launcher = Launcher(config("dualpath", 0.0), echo=echo)
+    storage = launcher.cluster.spec.storage_dir().resolve()
+    kv = spec_from_config(launcher.cluster.cfg.kv)
+    bytes_per_token = kv.full_block_bytes / kv.block_tokens
+
+    def empty_storage() -> None:
+        for child in storage.iterdir():
+            (shutil.rmtree if child.is_dir() else Path.unlink)(child)
+
+    def restore(snapshot: Path) -> None:
+        empty_storage()
+        shutil.copytree(snapshot, storage, dirs_exist_ok=True)
+
+    rows: dict[str, dict[str, Any]] = {}
+    reference: dict[tuple[str, int], list[int]] = {}
+    rate = 0.0
+    t_up = time.monotonic()
+    state = await asyncio.to_thread(launcher.up)
+    up_s = time.monotonic() - t_up
+    try:
+        front_url = str(state.proc("front").url)
+        restart = ["scheduler", *(f"gateway:{n.id}" for n in launcher.cluster.spec.nodes)]
+
+        async def timed(mode: str, first: dict[str, Any] | None) -> None:
+            sched_mode, shaped, kv_loading = MODES[mode]
+            echo(f"mode {mode}: {len(sessions)} sessions, turns 2-{len(sessions[0].prompts)}"
+                 + (f", storage links {rate / 1e6:.1f} MB/s" if shaped else ""))
+            run = await run_turns(front_url, sessions, mode, kv_loading, first=False)
+            if first is not None:
+                run = {"turns": first["turns"] + run["turns"], "jct_s": run["elapsed_s"],
+                       "first_turns_s": first["elapsed_s"]}
+            else:
+                run = {"turns": run["turns"], "jct_s": run["elapsed_s"], "first_turns_s": None}
+            if mode == "recompute":
+                reference.update({(t["session"], t["turn"]): t["got"].tokens
+                                  for t in run["turns"] if "got" in t})
+            rows[mode] = figures(mode, run, reference)
+            echo(f"  JCT {rows[mode]['jct_s']:.1f} s, failed {rows[mode]['failed']}, "
+                 f"outputs equal {rows[mode]['outputs_equal']}")
+
+        # recompute: both phases on the prefill instance alone (the reference outputs)
+        echo(f"mode recompute: first turns of {len(sessions)} sessions")
+        await timed("recompute", await run_turns(front_url, sessions, "recompute", False,
+                                                 first=True))
+        # every session's first turn through dualpath, unshaped: the stored contexts every
+        # KV mode starts from (a snapshot of the storage, restored before each)
+        await asyncio.to_thread(launcher.reconfigure, config("dualpath", 0.0), restart,
+                                empty_storage)
+        echo(f"first turns through dualpath: {len(sessions)} sessions")
+        first = await run_turns(front_url, sessions, "first", True, first=True)
+        snapshot = root / "snapshot"
+        await asyncio.to_thread(launcher.reconfigure, config("dualpath", 0.0), restart,
+                                lambda: shutil.copytree(storage, snapshot))
+        await timed("oracle", first)
+        oracle = rows["oracle"]
+        demand = oracle["hit_tokens"] * bytes_per_token / oracle["jct_s"]
+        rate = link_mb_s * 1e6 if link_mb_s else demand / 2
+        for mode in ("basic", "dualpath"):
+            await asyncio.to_thread(launcher.reconfigure, config(MODES[mode][0], rate), restart,
+                                    lambda: restore(snapshot))
+            await timed(mode, first)
+    finally:
+        await asyncio.to_thread(launcher.down)
+    return {"modes": rows, "link_rate_mb_s": round(rate / 1e6, 1), "cluster_up_s": round(up_s, 1),
+            "link_rate_rule": "--link-mb-s" if link_mb_s else "oracle hit bytes / JCT / 2"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sim.recorded import shared_agentic_dir
+    from tools.vllm_engines import model_dir
+
+    p = bench_parser("engine_agents", __doc__.splitlines()[0])
+    p.add_argument("--trace", type=Path, default=None,
+                   help="agentic trace directory (default ../shared/traces/agentic)")
+    p.add_argument("--sessions", type=int, default=8, help="sessions at once (>= 1)")
+    p.add_argument("--turns", type=int, default=None, help="turns per session (quick 3, else 5)")
+    p.add_argument("--link-mb-s", type=float, default=None,
+                   help="storage link rate per node, MB/s (default: half the oracle's demand)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    turns = args.turns or (3 if args.quick else 5)
+    trace = args.trace or shared_agentic_dir()
+    if model_dir() is None:
+        print("bench engine_agents needs the vLLM venv and the model: make vllm-env vllm-model",
+              file=sys.stderr)
+        return 2
+    if not trace.is_dir():
+        print(f"bench engine_agents: no trace directory at {trace} (--trace DIR)",
+              file=sys.stderr)
+        return 2
+    if args.sessions < 1 or turns < 2 or (args.link_mb_s is not None and args.link_mb_s <= 0):
+        p.error("--sessions >= 1, --turns >= 2 (a hit needs an earlier turn), --link-mb-s > 0")
+    try:
+        sessions = sessions_from_trace(trace, args.sessions, turns)
+    except ValueError as e:
+        print(f"bench engine_agents: {e}", file=sys.stderr)
+        return 2
+    from common.logging import configure_logging
+
+    configure_logging("warning", None)
+    # SIGTERM as Ctrl-C: the cluster's processes are stopped on the way out (``bench``'s finally)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with tempfile.TemporaryDirectory(prefix="dualpath-bench-engine-agents-") as tmp:
+        res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
+                                lambda m: print(m, flush=True)))
+    res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],
+                       "turns": turns, "gen_tokens": GEN, "token_scale": "1 token per 64-token "
+                       "trace block", "prompt_tokens": [list(map(len, s.prompts))
+                                                        for s in sessions]}
+    modes = res["modes"]
+    print_table([{k: v for k, v in r.items() if not isinstance(v, (dict, list))}
+                 | {"ttft_p50_ms": r["ttft_from_arrival_ms"].get("p50"),
+                    "ttft_p99_ms": r["ttft_from_arrival_ms"].get("p99"),
+                    "gap_p99_ms": r["step_gap_ms"].get("p99"), "sides": r["read_sides"]}
+                 for r in modes.values()],
+                ["mode", "jct_s", "requests", "failed", "ttft_p50_ms", "ttft_p99_ms",
+                 "gap_p99_ms", "hit_share_from_turn_2", "sides", "outputs_equal"])
+    speedup = modes["basic"]["jct_s"] / modes["dualpath"]["jct_s"]
+    vs_oracle = modes["dualpath"]["jct_s"] / modes["oracle"]["jct_s"]
+    res["dualpath_vs_oracle"] = {"value": vs_oracle, "goal": ORACLE_GOAL,
+                                 "met": vs_oracle <= ORACLE_GOAL}
+    res["all_checks_passed"] = all(r["outputs_equal"] and not r["failed"]
+                                   for r in modes.values())
+    print(f"storage links {res['link_rate_mb_s']} MB/s per node ({res['link_rate_rule']}); "
+          f"dualpath JCT / oracle JCT = {vs_oracle:.2f} (goal <= {ORACLE_GOAL}); every output "
+          f"equal to recompute and no request failed: {res['all_checks_passed']}")
+    write_results(args.out, "engine_agents", headline("engine_agents_speedup", speedup, GOAL),
+                  res)
+    return 0 if res["all_checks_passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

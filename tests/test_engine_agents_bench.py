@@ -1,0 +1,71 @@
+"""``bench engine_agents``'s workload: recorded agentic conversations made token ids.
+
+The bench itself runs real vLLM for minutes (``dualpath bench engine_agents``); what it sends is
+checked here on small synthetic conversations in the trace's format: one token per 64-token
+trace block, derived from the block's hash id and its conversation, so a later turn repeats an
+earlier one's tokens exactly where the trace says the prefix is shared, and conversations share
+nothing; the selection keeps the first conversations whose turns fit the instances' context
+and says so when too few do. (The shared 71-conversation trace: the last test, skipped loudly
+without it.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, TOKEN_HI, TOKEN_LO,
+                                       sessions_from_trace, token_of)
+from tests.helpers import skip_or_fail
+
+
+def conversation(path: Path, sid: str, blocks: list[list[int]]) -> None:
+    """A conversation file whose request k has the hash ids ``blocks[k]`` (64 tokens each)."""
+    reqs = [{"t": float(k), "type": "n", "in": 64 * len(ids), "out": 100, "hash_ids": ids}
+            for k, ids in enumerate(blocks)]
+    path.write_text(json.dumps({"id": sid, "block_size": 64, "hash_id_scope": "local",
+                                "requests": reqs}))
+
+
+def test_turns_share_exactly_the_traces_prefixes_and_conversations_share_nothing(tmp_path):
+    first = list(range(1, 301))
+    conversation(tmp_path / "a.json", "a", [first, first + [301, 302], first[:250] + [400]])
+    conversation(tmp_path / "b.json", "b", [first, first + [301, 302], first + [303]])
+    a, b = sessions_from_trace(tmp_path, 2, 3)
+    assert (a.sid, b.sid) == ("a", "b")
+    assert [len(p) for p in a.prompts] == [300, 302, 251]      # one token per trace block
+    assert a.prompts[1][:300] == a.prompts[0]                  # the recorded shared prefix
+    assert a.prompts[2][:250] == a.prompts[0][:250] and a.prompts[2][250] != a.prompts[0][250]
+    # the same hash ids in another conversation are other blocks: next to no common token
+    assert sum(x == y for x, y in zip(a.prompts[0], b.prompts[0])) < 5
+    assert all(TOKEN_LO <= t < TOKEN_HI for p in a.prompts + b.prompts for t in p)
+    assert token_of("a", 7) == token_of("a", 7) == a.prompts[0][6]    # deterministic
+
+
+def test_the_selection_skips_what_does_not_fit_and_names_a_shortfall(tmp_path):
+    fits = list(range(1, MIN_FIRST + 1))
+    conversation(tmp_path / "1-short.json", "short", [fits[:MIN_FIRST - 1], fits])
+    conversation(tmp_path / "2-long.json", "long",
+                 [fits, list(range(1, MAX_CONTEXT - GEN + 2))])       # one token too many
+    conversation(tmp_path / "3-few.json", "few", [fits])               # one turn only
+    conversation(tmp_path / "4-ok.json", "ok", [fits, fits + [9999]])
+    assert [s.sid for s in sessions_from_trace(tmp_path, 1, 2)] == ["ok"]
+    with pytest.raises(ValueError, match="only 1 conversations have 2 turns"):
+        sessions_from_trace(tmp_path, 2, 2)
+
+
+def test_the_shared_agentic_trace_gives_eight_sessions_of_five_turns():
+    from sim.recorded import shared_agentic_dir
+
+    trace = shared_agentic_dir()
+    if not trace.is_dir():
+        skip_or_fail(f"the shared agentic trace is absent ({trace}); the synthetic tests above "
+                     "cover the derivation")
+    sessions = sessions_from_trace(trace, 8, 5)
+    assert len(sessions) == 8 and all(len(s.prompts) == 5 for s in sessions)
+    later = [(p, q) for s in sessions for p, q in zip(s.prompts, s.prompts[1:])]
+    shared = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+                 for p, q in later)
+    assert shared >= 0.8 * sum(len(q) for _, q in later)   # the trace's prefix reuse survives

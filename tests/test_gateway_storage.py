@@ -161,6 +161,23 @@ async def test_probe_on_miss_sees_blocks_written_by_another_node(tmp_path):
         assert np.array_equal(out[2], blocks[2])
 
 
+async def test_a_probing_lookup_never_waits_behind_the_bulk_io_threads(tmp_path):
+    """The scheduler's hit lookup has a 1 s budget: with every I/O thread of the gateway held
+    (bulk reads of large hits), a lookup that probes the shared root still answers at once."""
+    keys, blocks = rand_keys(3), rand_blocks(3)
+    async with GatewayStore(make_cfg(tmp_path), SPEC) as a, \
+            GatewayStore(make_cfg(tmp_path, probe_on_miss=True), SPEC) as b:
+        await a.write_blocks(keys, blocks)
+        release = threading.Event()
+        held = [asyncio.get_running_loop().run_in_executor(b._executor, release.wait, 30.0)
+                for _ in range(b.cfg.io_threads)]
+        try:
+            assert await asyncio.wait_for(b.lookup_prefix(keys), 5.0) == 3
+        finally:
+            release.set()
+            await asyncio.gather(*held)
+
+
 # ----------------------------------------------------------------------------- eviction
 
 async def test_eviction_is_lru_by_access_and_deletes_files(tmp_path):

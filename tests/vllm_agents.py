@@ -75,6 +75,11 @@ def session_text(s: int) -> str:
                     f"pytest reports {i % 5 + s} failures in test_{i}.py." for i in range(130))
 
 
+def lookups(c) -> dict[str, float]:
+    """The scheduler's hit-lookup counters (a failed lookup plans hit 0: correct, slower)."""
+    return {k: v for k, v in c.scheduler.stats().items() if k.startswith("hit_lookup")}
+
+
 def bytes_read(c) -> dict[str, float]:
     """Storage bytes each node's gateway has read."""
     return {n: g.counters().get("bytes_read", 0.0) for n, g in c.gateways.items()}
@@ -92,7 +97,11 @@ async def agents(c, front_url: str, urls: dict[str, str], model: str) -> dict[st
     counted = {e: await connector_counters(u) for e, u in urls.items()}
     loop = asyncio.get_running_loop()
     turns: list[Streamed] = []
-    with ThreadPoolExecutor(max_workers=SESSIONS) as pool:
+    # never ``with``: its exit joins the threads on this loop, and a thread whose request
+    # waits for the in-process cluster (served by this very loop) would never end — the
+    # failing assertion would hang the test instead of being reported
+    pool = ThreadPoolExecutor(max_workers=SESSIONS)
+    try:
         async def session(s: int) -> None:
             ids = texts[s]
             prompt, cursor = ids[:FIRST], FIRST
@@ -104,11 +113,14 @@ async def agents(c, front_url: str, urls: dict[str, str], model: str) -> dict[st
                 assert got.dualpath["token_ids"] == got.tokens
                 if turn > 0:
                     assert got.dualpath["hit_tokens"] >= 0.9 * len(prompt), \
-                        f"session {s} turn {turn}: {got.dualpath}"
+                        (f"session {s} turn {turn}: {got.dualpath}; the scheduler's hit "
+                         f"lookups: {lookups(c)}")
                 prompt = prompt + got.tokens + ids[cursor:cursor + APPEND]
                 cursor += APPEND
 
         await asyncio.gather(*(session(s) for s in range(SESSIONS)))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     after = bytes_read(c)
     bt = c.spec.block_tokens
     hits = [t.dualpath["hit_tokens"] for t in turns]

@@ -61,7 +61,6 @@ import signal
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,11 +118,10 @@ async def run_turns(front_url: str, sessions: list[Session], mode: str, kv_loadi
                     first: bool) -> dict[str, Any]:
     """Every session at once: its first turn (``first``), or its later turns one after
     another; the turns as the client saw them and the time until the last one ended."""
-    from tools.stream_client import stream_completion
+    from tools.stream_client import Streams
 
-    loop = asyncio.get_running_loop()
     turns: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(max_workers=len(sessions)) as pool:
+    with Streams(len(sessions)) as streams:
         async def session(s: Session) -> None:
             for k in range(1) if first else range(1, len(s.prompts)):
                 prompt = s.prompts[k]
@@ -132,8 +130,7 @@ async def run_turns(front_url: str, sessions: list[Session], mode: str, kv_loadi
                         "kv_loading": kv_loading}
                 row: dict[str, Any] = {"session": s.sid, "turn": k, "prompt": len(prompt)}
                 try:
-                    row["got"] = await loop.run_in_executor(pool, stream_completion,
-                                                            front_url, body)
+                    row["got"] = await streams.complete(front_url, body)
                 except Exception as e:  # noqa: BLE001 -- a failed turn is counted, not fatal
                     row["error"] = f"{type(e).__name__}: {e}"
                 turns.append(row)
@@ -203,16 +200,14 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
         front_url = str(state.proc("front").url)
         restart = ["scheduler", *(f"gateway:{n.id}" for n in launcher.cluster.spec.nodes)]
 
-        async def timed(mode: str, first: dict[str, Any] | None) -> None:
-            sched_mode, shaped, kv_loading = MODES[mode]
+        async def timed(mode: str, first: dict[str, Any]) -> None:
+            """``mode``'s later turns; its row counts ``first`` (the first turns) with them."""
+            _, shaped, kv_loading = MODES[mode]
             echo(f"mode {mode}: {len(sessions)} sessions, turns 2-{len(sessions[0].prompts)}"
                  + (f", storage links {rate / 1e6:.1f} MB/s" if shaped else ""))
-            run = await run_turns(front_url, sessions, mode, kv_loading, first=False)
-            if first is not None:
-                run = {"turns": first["turns"] + run["turns"], "jct_s": run["elapsed_s"],
-                       "first_turns_s": first["elapsed_s"]}
-            else:
-                run = {"turns": run["turns"], "jct_s": run["elapsed_s"], "first_turns_s": None}
+            later = await run_turns(front_url, sessions, mode, kv_loading, first=False)
+            run = {"turns": first["turns"] + later["turns"], "jct_s": later["elapsed_s"],
+                   "first_turns_s": first["elapsed_s"]}
             if mode == "recompute":
                 reference.update({(t["session"], t["turn"]): t["got"].tokens
                                   for t in run["turns"] if "got" in t})

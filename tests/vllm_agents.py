@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import until
-from tools.stream_client import Streamed, stream_completion, timeline
+from tools.stream_client import Streamed, Streams, timeline
 from tools.vllm_serve import ahttp, tokenize
 
 SESSIONS = 4
@@ -48,16 +47,6 @@ GEN = 16
 # >= 1,000-token prompt; the longest context is 1,000 + 4 x 48 + 16 = 1,208 tokens
 FIRST = 1000
 APPEND = 32
-
-
-def stream_turn(front_url: str, session: int, turn: int, prompt: list[int]) -> Streamed:
-    """One streamed completion through the front (blocking: run in a thread)."""
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": GEN, "temperature": 0.0,
-            "session_id": f"agent-{session}"}
-    try:
-        return stream_completion(front_url, body)
-    except RuntimeError as e:
-        raise AssertionError(f"session {session} turn {turn}: {e}") from None
 
 
 async def reference(plain_url: str, model: str, prompt: list[int]) -> list[int]:
@@ -95,18 +84,18 @@ async def agents(c, front_url: str, urls: dict[str, str], model: str) -> dict[st
     assert all(len(ids) > FIRST + TURNS * APPEND for ids in texts)
     before = bytes_read(c)
     counted = {e: await connector_counters(u) for e, u in urls.items()}
-    loop = asyncio.get_running_loop()
     turns: list[Streamed] = []
-    # never ``with``: its exit joins the threads on this loop, and a thread whose request
-    # waits for the in-process cluster (served by this very loop) would never end — the
-    # failing assertion would hang the test instead of being reported
-    pool = ThreadPoolExecutor(max_workers=SESSIONS)
-    try:
+    with Streams(SESSIONS) as streams:
         async def session(s: int) -> None:
             ids = texts[s]
             prompt, cursor = ids[:FIRST], FIRST
             for turn in range(TURNS):
-                got = await loop.run_in_executor(pool, stream_turn, front_url, s, turn, prompt)
+                body = {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
+                        "temperature": 0.0, "session_id": f"agent-{s}"}
+                try:
+                    got = await streams.complete(front_url, body)
+                except RuntimeError as e:
+                    raise AssertionError(f"session {s} turn {turn}: {e}") from None
                 turns.append(got)
                 ref = await reference(plain_url, model, prompt)
                 assert got.tokens == ref, f"session {s} turn {turn}: front output != plain vLLM"
@@ -119,8 +108,6 @@ async def agents(c, front_url: str, urls: dict[str, str], model: str) -> dict[st
                 cursor += APPEND
 
         await asyncio.gather(*(session(s) for s in range(SESSIONS)))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
     after = bytes_read(c)
     bt = c.spec.block_tokens
     hits = [t.dualpath["hit_tokens"] for t in turns]

@@ -8,9 +8,11 @@ and the gaps that overlapped another request's load (its submission to its first
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
@@ -55,6 +57,29 @@ def stream_completion(front_url: str, body: dict[str, Any], timeout: float = 900
     if not got.dualpath:
         raise RuntimeError("the front's stream closed without its dualpath object")
     return got
+
+
+class Streams:
+    """Streamed completions from asyncio, one thread per concurrent session (the default
+    executor has too few threads on a small host for a few sessions at once). Leaving the
+    ``with`` never joins the threads: a thread still waiting for a server that this very loop
+    serves (an in-process cluster) would otherwise hang the loop instead of letting the error
+    that ended the block through."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads)
+
+    async def complete(self, front_url: str, body: dict[str, Any],
+                       timeout: float = 900) -> Streamed:
+        """:func:`stream_completion` in one of the threads."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, stream_completion, front_url, body, timeout)
+
+    def __enter__(self) -> Streams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def timeline(turns: list[Streamed]) -> dict[str, Any]:

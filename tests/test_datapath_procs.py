@@ -47,14 +47,15 @@ def _toml(data: dict) -> str:
 class NodeProc:
     """A node service in its own process; ``ready`` holds its JSON ready line."""
 
-    def __init__(self, kind: str, node: str, cfg: dict, tmp: Path) -> None:
+    def __init__(self, kind: str, node: str, cfg: dict, tmp: Path,
+                 env: dict[str, str] | None = None) -> None:
         path = tmp / f"{node}.toml"
         path.write_text(_toml({k: v for k, v in cfg.items() if k != "gateway_service"}))
         self.log = tmp / f"{node}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tools.cluster.serve", kind, "-c", str(path), "--node", node],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
-            env={**os.environ, "DUALPATH__LOGGING__LEVEL": "warning"})
+            env={**os.environ, "DUALPATH__LOGGING__LEVEL": "warning", **(env or {})})
         self.ready: dict = {}
 
     async def start(self) -> NodeProc:
@@ -68,6 +69,14 @@ class NodeProc:
         r = self.ready
         return Endpoint(r["node_id"], service, "127.0.0.1", r["rpc_port"], "127.0.0.1",
                         r["ucx_port"])
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (SIGSTOP, e.g. a ``stop`` failpoint fired)."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -85,8 +94,9 @@ class NodeProc:
 
 
 @contextlib.asynccontextmanager
-async def node_proc(kind: str, node: str, cfg: dict, tmp: Path):
-    p = NodeProc(kind, node, cfg, tmp)
+async def node_proc(kind: str, node: str, cfg: dict, tmp: Path,
+                    env: dict[str, str] | None = None):
+    p = NodeProc(kind, node, cfg, tmp, env)
     try:
         yield await p.start()
     finally:
@@ -179,6 +189,9 @@ async def test_de_loader_killed_mid_pull_fails_retryable_and_frees_the_pe(tmp_pa
 
 
 async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(tmp_path):
+    # The PE stops itself as it is about to send the second layer (failpoint), so the kill
+    # lands mid-forward whatever the load: timed from the test instead, a stalled test loop
+    # (a CI run: > 0.45 s) let the PE forward every layer first and nothing was left to fail.
     async with local_datapath(tmp_path, prefill=(), overrides={
             "scheduler": {"max_replans": 0}}) as c, \
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
@@ -187,7 +200,8 @@ async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(t
             cfg = base_config(tmp_path, {
                 "pe_receiver": {"scheduler_port": c.scheduler.port, "gateway_port": gw.rpc_port},
                 "engine_sim": {"time_scale": 300.0}})      # ~0.15 s of compute per layer
-            async with node_proc("pe_receiver", "p0", cfg, tmp_path) as pe:
+            async with node_proc("pe_receiver", "p0", cfg, tmp_path,
+                                 env={"DUALPATH_FAILPOINTS": "pe.handoff.send=stop@2"}) as pe:
                 de = c.de["d0"]
                 toks = tokens(3 * BT + 30, 4)
                 stream = sched.submit("k2", "sk", len(toks), 4, token_ids=toks, deadline_s=30)
@@ -195,8 +209,10 @@ async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(t
 
                 def forwarding():
                     return any(a.received >= 1 for a in de.attempts.values())
+                await until(pe.stopped, what="the PE stopped before its second layer")
                 await until(forwarding, what="first layer forwarded to the DE")
                 assert de.pool.used_pages > 0
+                assert all(a.received < a.core.expected_receives for a in de.attempts.values())
                 pe.kill()
                 await until(lambda: de.counters["attempts_failed"] >= 1, what="DE failure")
                 await until(lambda: de.pool.used_pages == 0 and not de.attempts,

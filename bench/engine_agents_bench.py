@@ -140,6 +140,34 @@ async def run_turns(front_url: str, sessions: list[Session], mode: str, kv_loadi
     return {"turns": turns, "elapsed_s": time.monotonic() - start}
 
 
+GATEWAY_KEYS = ("bytes_read", "bytes_written", "link_bytes_charged", "link_wait_s",
+                "read_requests_admitted")
+
+
+async def gateway_counters(state: Any, rpc: Any) -> dict[str, dict[str, float]]:
+    """Each node's gateway counters (``GetStats``): how much its storage link carried, how
+    long transfers waited for it — which link bound a mode."""
+    from common.errors import DualpathError
+    from common.protocol import ErrorReply, GetStats, GetStatsReply
+    from common.rpc import RpcClient
+
+    out: dict[str, dict[str, float]] = {}
+    for p in state.procs:
+        if p.service != "gateway":
+            continue
+        client = RpcClient(rpc, p.host, int(p.rpc_port), role="monitor", node_id="bench",
+                           reply_type=GetStatsReply | ErrorReply)
+        try:
+            reply = await client.call(GetStats(), timeout=5.0)
+            counters = dict(getattr(reply, "counters", {}))
+            out[p.node] = {k: round(float(counters.get(k, 0.0)), 3) for k in GATEWAY_KEYS}
+        except (DualpathError, OSError) as e:
+            out[p.node] = {"error": str(e)}  # type: ignore[dict-item]
+        finally:
+            await client.close()
+    return out
+
+
 def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], list[int]]
             ) -> dict[str, Any]:
     """One mode's row of the results (module docstring)."""
@@ -168,14 +196,16 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
 
 
 async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
-                echo: Any) -> dict[str, Any]:
+                echo: Any, reads: int | None = None) -> dict[str, Any]:
     from common.kv import spec_from_config
     from tools.cluster.launcher import Launcher
     from tools.cluster.real_engines import on_loopback
 
+    sections = {"gateway": {"max_concurrent_reads": reads}} if reads else None
+
     def config(sched_mode: str, rate: float):
-        return on_loopback(CONFIG, root, mode=sched_mode, storage_link_bytes_per_s=rate,
-                           vllm_prefix_caching=False)
+        return on_loopback(CONFIG, root, mode=sched_mode, sections=sections,
+                           storage_link_bytes_per_s=rate, vllm_prefix_caching=False)
 
     launcher = Launcher(config("dualpath", 0.0), echo=echo)
     storage = launcher.cluster.spec.storage_dir().resolve()
@@ -212,6 +242,8 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
                 reference.update({(t["session"], t["turn"]): t["got"].tokens
                                   for t in run["turns"] if "got" in t})
             rows[mode] = figures(mode, run, reference)
+            rows[mode]["gateways"] = await gateway_counters(launcher.state,
+                                                            launcher.cluster.cfg.rpc)
             echo(f"  JCT {rows[mode]['jct_s']:.1f} s, failed {rows[mode]['failed']}, "
                  f"outputs equal {rows[mode]['outputs_equal']}")
 
@@ -253,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=None, help="turns per session (quick 3, else 5)")
     p.add_argument("--link-mb-s", type=float, default=None,
                    help="storage link rate per node, MB/s (default: half the oracle's demand)")
+    p.add_argument("--gateway-reads", type=int, default=None,
+                   help="read requests each gateway serves at once ([gateway] "
+                        "max_concurrent_reads; default: the config's)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     turns = args.turns or (3 if args.quick else 5)
     trace = args.trace or shared_agentic_dir()
@@ -264,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench engine_agents: no trace directory at {trace} (--trace DIR)",
               file=sys.stderr)
         return 2
-    if args.sessions < 1 or turns < 2 or (args.link_mb_s is not None and args.link_mb_s <= 0):
-        p.error("--sessions >= 1, --turns >= 2 (a hit needs an earlier turn), --link-mb-s > 0")
+    if args.sessions < 1 or turns < 2 or (args.link_mb_s is not None and args.link_mb_s <= 0) \
+            or (args.gateway_reads is not None and args.gateway_reads < 1):
+        p.error("--sessions >= 1, --turns >= 2 (a hit needs an earlier turn), --link-mb-s > 0, "
+                "--gateway-reads >= 1")
     try:
         sessions = sessions_from_trace(trace, args.sessions, turns)
     except ValueError as e:
@@ -278,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="dualpath-bench-engine-agents-") as tmp:
         res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
-                                lambda m: print(m, flush=True)))
+                                lambda m: print(m, flush=True), args.gateway_reads))
     res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],
                        "turns": turns, "gen_tokens": GEN, "token_scale": "1 token per 64-token "
                        "trace block", "prompt_tokens": [list(map(len, s.prompts))

@@ -1,12 +1,15 @@
 """``dualpath bench kvpath``: the KV page path between two processes vs a memcpy from memory.
 
 Two processes on one host: this one receives (and times), a child (``--child``) sends, both
-over a ``PageTransport`` with the production defaults (``TransportConfig()``). Two receivers,
-two rows: ``shm``, the production default between processes of one host (the receiver's arena
+over a ``PageTransport`` (the sender with ``kv_mode = "rma"``, else the production defaults).
+Three receivers, three rows: ``shm``, the production default between processes of one host (the receiver's arena
 is a ``/dev/shm`` segment, as node pools are: the sender copies each page straight into it,
-one memcpy in a worker thread, one COMMIT per transfer), and ``tag`` (a receiver with
+one memcpy in a worker thread, one COMMIT per transfer), ``tag`` (a receiver with
 ``same_host = "ucx"`` and a private arena: UCX tag messages over UCX shared memory, two copies;
-the opt-in single-copy endpoint off). A transfer is ``PAGES`` pages of 1 MiB (8 in flight on
+the opt-in single-copy endpoint off) and ``rma`` (a receiver with ``same_host = "ucx"``,
+``kv_mode = "rma"`` and a private arena registered with UCX: the sender puts each page into
+it, one-sided, then flushes and commits; here the puts go over tcp/lo — no verbs in the PyPI
+UCX — docs/datapath.md "One-sided RMA"). A transfer is ``PAGES`` pages of 1 MiB (8 in flight on
 ``tag``) into slots with a 4 KiB gap between pages (so no two pages merge into one message:
 every page is its own UCX message or copy, as pool pages are).
 
@@ -18,7 +21,7 @@ Sender and receiver rotate over as many regions, for the same reason.
 
 ``verified``: after each timed phase, every destination region is compared (xxh3) with the
 source the sender last put there; the bytes so checked are reported, and a mismatch fails the
-run. Rows ``shm`` and ``tag``; again with a third process busy on one core (``busy``). Also
+run. Rows ``shm``, ``tag`` and ``rma``; again with a third process busy on one core (``busy``). Also
 4 KiB pages/s (``tag`` packs small non-contiguous pages; ``shm`` copies each one).
 
 Headline ``kv_path_vs_memcpy``: the ``shm`` row (the production default path where it
@@ -83,7 +86,9 @@ async def child_main() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    transport = PageTransport(TransportConfig(), "bench-kvpath-sender")
+    # kv_mode "rma": the rma receiver gets puts; the others still choose shm / tags (their
+    # hellos do not offer RMA)
+    transport = PageTransport(TransportConfig(kv_mode="rma"), "bench-kvpath-sender")
     await transport.start()
     sources = [source_region(r, PAGES * PAGE) for r in range(REGIONS)]
     print(json.dumps({"address": list(transport.address)}), flush=True)
@@ -133,7 +138,8 @@ class Sender:
 
 class Receiver:
     """One receiving transport of this process and its REGIONS destination regions: ``shm``
-    (a /dev/shm arena the sender copies into) or ``tag`` (private memory, UCX messages)."""
+    (a /dev/shm arena the sender copies into), ``tag`` (private memory, UCX messages) or
+    ``rma`` (private memory registered with UCX, the sender puts into it)."""
 
     def __init__(self, path: str, sender: Sender, expected: list[int]) -> None:
         self.path, self.sender, self.expected = path, sender, expected
@@ -141,9 +147,11 @@ class Receiver:
         self.segment = ShmSegment.create(REGIONS * self.span) if path == "shm" else None
         self.arena = self.segment.array if self.segment is not None \
             else np.zeros(REGIONS * self.span, np.uint8)
-        cfg = TransportConfig() if path == "shm" else TransportConfig(same_host="ucx")
+        cfg = {"shm": TransportConfig(),
+               "tag": TransportConfig(same_host="ucx", kv_mode="tag"),
+               "rma": TransportConfig(same_host="ucx", kv_mode="rma")}[path]
         self.transport = PageTransport(cfg, f"bench-kvpath-receiver-{path}",
-                                       shm_arena=self.arena if self.segment else None)
+                                       shm_arena=self.arena if path != "tag" else None)
         self.sent = 0                      # transfers so far: region of the next = sent % REGIONS
         self.last: dict[int, int] = {}     # destination region → source region last put there
         self.verified = 0
@@ -261,22 +269,23 @@ async def measure(quick: bool) -> list[dict]:
     expected = [xxhash.xxh3_64_intdigest(source_region(r, PAGES * PAGE)) for r in range(REGIONS)]
     rows = []
     async with Sender() as sender, Receiver("shm", sender, expected) as shm, \
-            Receiver("tag", sender, expected) as tag:
+            Receiver("tag", sender, expected) as tag, Receiver("rma", sender, expected) as rma:
         for load in ("idle", "busy"):
             with Spinner() if load == "busy" else contextlib.nullcontext():
                 await asyncio.sleep(0.2 if load == "busy" else 0)
-                for rx in (shm, tag):
+                for rx in (shm, tag, rma):
                     rows.append(await measure_row(rx, load, reps, n, nbytes, copy, quick))
                     print_table([rows[-1]], COLUMNS)
-        for rx in (shm, tag):
+        for rx in (shm, tag, rma):
             stats = rx.transport.stats()
             row = next(r for r in rows if r["path"] == rx.path)
-            row["shm_links"] = stats["shm_links"]
-            row["shm_bytes_received"] = stats["shm_bytes_received"]
-            row["single_copy_links"] = stats["single_copy_links"]
-        if shm.transport.stats()["shm_transfers_received"] == 0:
-            raise RuntimeError("kvpath: the shm receiver got no transfer by shm: the default "
-                               "path did not apply between these two processes")
+            for key in ("shm_links", "shm_bytes_received", "single_copy_links", "rma_links",
+                        "rma_bytes_received", "messages_received"):
+                row[key] = stats[key]
+        for rx, key in ((shm, "shm_transfers_received"), (rma, "rma_transfers_received")):
+            if rx.transport.stats()[key] == 0:
+                raise RuntimeError(f"kvpath: the {rx.path} receiver got no transfer by "
+                                   f"{rx.path}: that path did not apply between these processes")
     return rows
 
 
@@ -319,12 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     idle = next(r for r in rows if r["load"] == "idle" and r["path"] == "shm")
     busy = next(r for r in rows if r["load"] == "busy" and r["path"] == "shm")
     tag = {r["load"]: r["vs_memcpy"] for r in rows if r["path"] == "tag"}
+    rma = {r["load"]: r["vs_memcpy"] for r in rows if r["path"] == "rma"}
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"\n{time.perf_counter() - start:.1f} s, load average {load}; busy: "
           f"kv_path_vs_memcpy {busy['vs_memcpy']:.3g} (goal >= 0.60) — this host is shared: "
           "compare runs from an idle host")
     results = {"rows": rows, "kv_path_vs_memcpy_busy": busy["vs_memcpy"],
                "tag_vs_memcpy": tag["idle"], "tag_vs_memcpy_busy": tag["busy"],
+               "rma_vs_memcpy": rma["idle"], "rma_vs_memcpy_busy": rma["busy"],
                "pages_per_s_4k": idle["pages_per_s_4k"], "quick": args.quick, "loadavg": load,
                "settings": {"page_bytes": PAGE, "inflight": INFLIGHT, "pages_per_transfer": PAGES,
                             "regions": REGIONS, "copy_set_bytes": COPY_SET,

@@ -116,6 +116,11 @@ class TransportConfig(Section, frozen=True):
     # same-host links: "shm" = the sender copies pages straight into the receiver's /dev/shm
     # arena (one copy, docs/datapath.md "Same host: one copy"); "ucx" = UCX tag messages only
     same_host: Literal["shm", "ucx"] = "shm"
+    # how pages cross the other links (docs/datapath.md "One-sided RMA"): "tag" = UCX tag
+    # messages; "rma" = the sender puts them straight into the receiver's registered arena
+    # (one-sided, one commit message per transfer) wherever both ends offer it; "auto" = rma
+    # where both ends' UCX has verbs (real one-sided DMA), tag elsewhere
+    kv_mode: Literal["tag", "rma", "auto"] = "auto"
 
 
 class BufferConfig(Section, frozen=True):

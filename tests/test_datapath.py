@@ -63,11 +63,18 @@ async def no_leaks(c) -> None:
 
 # ---------------------------------------------------------------- through the scheduler
 
-async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path):
+# every page by one-sided RMA: reads from the gateways (not pread into the node's segment),
+# PE -> DE forwards, DE -> PE pulls and write-backs (docs/datapath.md "One-sided RMA")
+RMA = {"transport": {"kv_mode": "rma", "same_host": "ucx"}, "gateway": {"shm": False}}
+
+
+@pytest.mark.parametrize("paths", [{}, RMA], ids=["default", "rma"])
+async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path, paths):
     """Two sessions x 3 turns (``dpl``: read sides alternate): every hit is measured from
     storage and equals the prefix the earlier turns' write-back predicts, byte-checked."""
     async with local_datapath(tmp_path, overrides={"pe_receiver": {"engines": 2},
-                                                   "de_loader": {"engines": 2}}) as c, \
+                                                   "de_loader": {"engines": 2},
+                                                   **paths}) as c, \
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
         prompts = {s: tokens(300 + 40 * s, s) for s in range(2)}
         stored: dict[int, int] = {s: 0 for s in prompts}     # blocks the test expects stored
@@ -97,6 +104,14 @@ async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path):
         assert counters["verified_layers"] > 0 and counters.get("hit_mismatches", 0) == 0
         assert c.de["d0"].counters["layers_pulled"] > 0          # the DE path ran
         assert c.gateways["p0"].store.stats()["bytes_read"] > 0  # the PE path ran
+        if paths:
+            services = [*c.pe.values(), *c.de.values(), *c.gateways.values()]
+            got = {s.node_id + "/" + type(s).__name__: s.transport.stats() for s in services}
+            receivers = [c.pe["p0"], c.de["d0"], c.gateways["d0"]]   # d0's takes write-backs
+            assert all(s.transport.stats()["rma_transfers_received"] > 0 for s in receivers), got
+            assert all(st["messages_received"] == 0 for st in got.values()), got
+            assert sum(st["rma_transfers_received"] for st in got.values()) == \
+                sum(st["rma_transfers_sent"] for st in got.values())
         await no_leaks(c)
 
 

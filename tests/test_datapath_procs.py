@@ -163,13 +163,19 @@ async def test_both_paths_between_processes_are_byte_exact(tmp_path):
             await gw.stop()
 
 
-async def test_de_loader_killed_mid_pull_fails_retryable_and_frees_the_pe(tmp_path):
-    async with local_datapath(tmp_path, decode=(), scheduler=False) as c:
+# the same kills with every page moved by one-sided RMA (docs/datapath.md "One-sided RMA")
+RMA = {"transport": {"kv_mode": "rma", "same_host": "ucx"}, "gateway": {"shm": False}}
+PATHS = pytest.mark.parametrize("paths", [{}, RMA], ids=["default", "rma"])
+
+
+@PATHS
+async def test_de_loader_killed_mid_pull_fails_retryable_and_frees_the_pe(tmp_path, paths):
+    async with local_datapath(tmp_path, decode=(), scheduler=False, overrides=paths) as c:
         slow = {"link_rate_bytes_per_s": 64 * 1024, "link_burst_bytes": 16 * 1024,
                 "link_chunk_bytes": 16 * 1024}
-        c.gateways["d0"] = gw = await _gateway(c, tmp_path, "d0", slow)
+        c.gateways["d0"] = gw = await _gateway(c, tmp_path, "d0", slow, paths)
         try:
-            cfg = base_config(tmp_path, {"de_loader": {"gateway_port": gw.rpc_port}})
+            cfg = base_config(tmp_path, {"de_loader": {"gateway_port": gw.rpc_port}, **paths})
             async with node_proc("de_loader", "d0", cfg, tmp_path) as de:
                 toks = tokens(4 * BT + 3, 3)
                 keys = block_keys_from_tokens(toks, BT)
@@ -188,18 +194,19 @@ async def test_de_loader_killed_mid_pull_fails_retryable_and_frees_the_pe(tmp_pa
             await gw.stop()
 
 
-async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(tmp_path):
+@PATHS
+async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(tmp_path, paths):
     # The PE stops itself as it is about to send the second layer (failpoint), so the kill
     # lands mid-forward whatever the load: timed from the test instead, a stalled test loop
     # (a CI run: > 0.45 s) let the PE forward every layer first and nothing was left to fail.
     async with local_datapath(tmp_path, prefill=(), overrides={
-            "scheduler": {"max_replans": 0}}) as c, \
+            "scheduler": {"max_replans": 0}, **paths}) as c, \
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
-        c.gateways["p0"] = gw = await _gateway(c, tmp_path, "p0")
+        c.gateways["p0"] = gw = await _gateway(c, tmp_path, "p0", None, paths)
         try:
             cfg = base_config(tmp_path, {
                 "pe_receiver": {"scheduler_port": c.scheduler.port, "gateway_port": gw.rpc_port},
-                "engine_sim": {"time_scale": 300.0}})      # ~0.15 s of compute per layer
+                "engine_sim": {"time_scale": 300.0}, **paths})   # ~0.15 s of compute per layer
             async with node_proc("pe_receiver", "p0", cfg, tmp_path,
                                  env={"DUALPATH_FAILPOINTS": "pe.handoff.send=stop@2"}) as pe:
                 de = c.de["d0"]
@@ -212,6 +219,8 @@ async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(t
                 await until(pe.stopped, what="the PE stopped before its second layer")
                 await until(forwarding, what="first layer forwarded to the DE")
                 assert de.pool.used_pages > 0
+                if paths:     # that layer was put into the DE's arena, not sent as messages
+                    assert de.transport.stats()["rma_transfers_received"] >= 1
                 assert all(a.received < a.core.expected_receives for a in de.attempts.values())
                 pe.kill()
                 await until(lambda: de.counters["attempts_failed"] >= 1, what="DE failure")
@@ -231,12 +240,15 @@ async def _drain(stream):
     return last
 
 
-async def _gateway(c, tmp_path: Path, node: str, gateway: dict | None = None):
+async def _gateway(c, tmp_path: Path, node: str, gateway: dict | None = None,
+                   paths: dict | None = None):
     from common.config import build_config
     from storage_gateway.service import GatewayService
     from tools.config import DualpathConfig     # base_config has every section, not just the gateway's
 
-    data = base_config(tmp_path, {"gateway": gateway or {}})
+    paths = paths or {}
+    data = base_config(tmp_path, {**paths, "gateway": {**paths.get("gateway", {}),
+                                                       **(gateway or {})}})
     gw = GatewayService(build_config(data, DualpathConfig, "test", environ={}), node,
                         spec=c.spec)
     await gw.start()

@@ -86,6 +86,31 @@ def test_the_loopback_copy_frees_every_fixed_port(tmp_path):
     assert len(ports) == 3 and 0 not in ports
 
 
+def test_a_longer_model_length_reaches_every_instance_and_the_fronts_prompt_limit(tmp_path):
+    cluster = on_loopback(CONFIG_1P2D, tmp_path, vllm_max_model_len=4608,
+                          sections={"pe_receiver": {"buffer_bytes": 384 << 20}})
+    assert cluster.cfg.pe_receiver.buffer_bytes == 384 << 20
+    for cmd in instance_commands(cluster, tmp_path):
+        argv = cmd.argv
+        assert argv[argv.index("--max-model-len") + 1] == "4608"
+        assert int(argv[argv.index("--max-num-batched-tokens") + 1]) <= 4608
+    front = front_command(cluster, tmp_path, ("127.0.0.1", 1), {"p0.e0": "http://x:1"}).argv
+    assert front[front.index("--max-prompt-tokens") + 1] == "4560"
+    assert "--max-prompt-tokens" not in front_command(       # the default: the front's own 2000
+        on_loopback(CONFIG_1P2D, tmp_path), tmp_path, ("127.0.0.1", 1), {}).argv
+    assert "--max-model-len 4608" in runbook_of(tmp_path, 4608)
+    with pytest.raises(ConfigError, match="vllm_max_model_len"):
+        on_loopback(CONFIG_1P2D, tmp_path, vllm_max_model_len=100)
+
+
+def runbook_of(tmp_path: Path, max_len: int) -> str:
+    text = CONFIG_1P2D.read_text().replace("[cluster]\n",
+                                           f"[cluster]\nvllm_max_model_len = {max_len}\n")
+    (tmp_path / "configs").mkdir(exist_ok=True)
+    (tmp_path / "configs" / "x.toml").write_text(text)
+    return runbook(str(tmp_path / "configs" / "x.toml"))
+
+
 def test_a_fixed_engine_port_in_use_is_refused_before_anything_starts(tmp_path):
     import socket
 

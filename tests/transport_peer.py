@@ -7,9 +7,10 @@ same ``id``. Commands run concurrently. The first line printed is
 ops: ``send`` (peer, tid, slots, seed, nbytes?, split, deadline), ``new_id``, ``expect`` (peer,
 tid, arena_bytes, slots, deadline; replies ``posted`` and later the result with a digest of the
 received stream), ``stats``, ``exit``. With ``shm_arena_bytes`` in the config, ``expect`` receives
-into a ``/dev/shm`` arena of that size that the transport advertises (the one-copy path);
-``slow_copy_s`` sleeps that long between the slots of a one-copy send (so a test can kill this
-process mid-copy).
+into a ``/dev/shm`` arena of that size that the transport advertises (the one-copy path, and
+the arena registered for RMA with ``kv_mode = "rma"``); ``slow_copy_s`` sleeps that long
+between the slots of a one-copy send, ``slow_put_s`` before each put of an RMA send (so a test
+can kill this process mid-transfer).
 """
 
 from __future__ import annotations
@@ -75,10 +76,27 @@ def slow_down_copies(pause_s: float) -> None:
     shm_transfers.copy_stream = slow  # type: ignore[assignment]
 
 
+def slow_down_puts(pause_s: float) -> None:
+    """Make RMA sends of this process pause before each put (tests kill it mid-transfer)."""
+    import time
+
+    from common.transport import rma_path
+
+    fast = rma_path._pieces
+
+    def slow(src, slots):
+        for piece in fast(src, slots):
+            time.sleep(pause_s)
+            yield piece
+
+    rma_path._pieces = slow  # type: ignore[assignment]
+
+
 def config_from_env() -> TransportConfig:
     raw = json.loads(os.environ.get("DUALPATH_TEST_TRANSPORT", "{}"))
     raw.pop("shm_arena_bytes", None)
     raw.pop("slow_copy_s", None)
+    raw.pop("slow_put_s", None)
     options = raw.pop("options", None)
     if options is not None:
         raw["traffic_classes"] = {"kv": TrafficClassConfig(options=options)}
@@ -140,6 +158,8 @@ async def serve() -> None:
     raw = json.loads(os.environ.get("DUALPATH_TEST_TRANSPORT", "{}"))
     if raw.get("slow_copy_s"):
         slow_down_copies(raw["slow_copy_s"])
+    if raw.get("slow_put_s"):
+        slow_down_puts(raw["slow_put_s"])
     shm_bytes = raw.get("shm_arena_bytes")
     segment = ShmSegment.create(shm_bytes) if shm_bytes else None
     arena = segment.array if segment is not None else None

@@ -32,12 +32,15 @@ class Streamed:
         return self.arrivals[0] if self.arrivals else self.done_at
 
 
-def stream_completion(front_url: str, body: dict[str, Any], timeout: float = 900) -> Streamed:
+def stream_completion(front_url: str, body: dict[str, Any], timeout: float = 900,
+                      from_front: bool = True) -> Streamed:
     """POST ``body`` with ``stream: true`` to the front's ``/v1/completions`` (blocking: run it
     in a thread), each chunk's arrival recorded as it is read; a chunk carrying an error (or
-    a stream without the closing ``dualpath`` object) raises RuntimeError."""
+    a stream without the closing ``dualpath`` object) raises RuntimeError. ``from_front``
+    False: a vLLM OpenAI server's own (asked for token ids; no ``dualpath`` object)."""
     req = urllib.request.Request(f"{front_url}/v1/completions",
-                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 data=json.dumps({**body, "stream": True, **({} if from_front
+                                                  else {"return_token_ids": True})}).encode(),
                                  method="POST", headers={"Content-Type": "application/json"})
     got = Streamed()
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -54,7 +57,7 @@ def stream_completion(front_url: str, body: dict[str, Any], timeout: float = 900
                 got.tokens.extend(new)
             got.dualpath = ev.get("dualpath", got.dualpath)
     got.done_at = time.monotonic()
-    if not got.dualpath:
+    if from_front and not got.dualpath:
         raise RuntimeError("the front's stream closed without its dualpath object")
     return got
 
@@ -70,10 +73,10 @@ class Streams:
         self._pool = ThreadPoolExecutor(max_workers=threads)
 
     async def complete(self, front_url: str, body: dict[str, Any],
-                       timeout: float = 900) -> Streamed:
+                       timeout: float = 900, from_front: bool = True) -> Streamed:
         """:func:`stream_completion` in one of the threads."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, stream_completion, front_url, body, timeout)
+            self._pool, stream_completion, front_url, body, timeout, from_front)
 
     def __enter__(self) -> Streams:
         return self

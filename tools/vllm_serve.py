@@ -106,11 +106,14 @@ def step_tokens(cfg: Any, max_model_len: int = 2048) -> int:
 
 def vllm_server_argv(python: str, model: str, role: str, sock: str, engine_id: str, port: int,
                      max_model_len: int = 2048, host: str = "127.0.0.1",
-                     step: int | None = None, prefix_caching: bool = True) -> list[str]:
+                     step: int | None = None, prefix_caching: bool = True,
+                     kv_transfer: dict | None = None) -> list[str]:
     """The OpenAI server's command line: fp32 (the preset's dtype), vLLM's default prefix
     caching (on; ``prefix_caching`` False turns it off: every hit then comes from dualpath),
     chunked prefill with ``step`` tokens per step and per request's chunk (None:
-    ``max_model_len``, one step per prompt; the runbook's: :func:`step_tokens`)."""
+    ``max_model_len``, one step per prompt; the runbook's: :func:`step_tokens`), the
+    DualPathConnector on ``sock`` (``kv_transfer``: another ``--kv-transfer-config``, e.g.
+    vLLM's ExampleConnector, the peer row of ``bench engine``)."""
     step = max_model_len if step is None else step
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             *([] if prefix_caching else ["--no-enable-prefix-caching"]),
@@ -118,19 +121,28 @@ def vllm_server_argv(python: str, model: str, role: str, sock: str, engine_id: s
             "--enforce-eager", "--dtype", DTYPE, "--enable-chunked-prefill",
             "--max-num-batched-tokens", str(step), "--long-prefill-token-threshold", str(step),
             "--gpu-memory-utilization", "0.2",
-            "--kv-transfer-config", json.dumps(kv_transfer_config(role, sock, engine_id))]
+            "--kv-transfer-config",
+            json.dumps(kv_transfer or kv_transfer_config(role, sock, engine_id))]
+
+
+# a prompt the front takes leaves this many of the instances' --max-model-len to generate
+PROMPT_HEADROOM = 48
 
 
 def front_argv(python: str, model: str, scheduler: str, urls: dict[str, str],
                model_name: str = "smollm2", timeout_s: float = 900.0,
-               port: int | None = None, host: str | None = None) -> list[str]:
+               port: int | None = None, host: str | None = None,
+               max_model_len: int = 2048) -> list[str]:
     """The front's command line over the scheduler and each engine's URL (``port`` None:
-    any free port, printed on its READY line; ``host`` None: loopback)."""
+    any free port, printed on its READY line; ``host`` None: loopback); prompts up to the
+    instances' ``max_model_len`` less :data:`PROMPT_HEADROOM` (the front's default at 2048)."""
+    longer = max_model_len != 2048
     return [python, "-m", "integrations.vllm.front", "--model-name", model_name,
             "--tokenizer", model, "--scheduler", scheduler, "--request-timeout-s",
             str(timeout_s), *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")],
             *(["--port", str(port)] if port is not None else []),
-            *(["--host", host] if host is not None else [])]
+            *(["--host", host] if host is not None else []),
+            *(["--max-prompt-tokens", str(max_model_len - PROMPT_HEADROOM)] if longer else [])]
 
 
 async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: int,
@@ -207,7 +219,8 @@ def runbook(config: str = RUNBOOK_CONFIG) -> str:
     from tools.cluster.config import load_cluster
 
     loaded = load_cluster(REPO / config, environ={})
-    spec, step = loaded.spec, step_tokens(loaded.cfg)
+    spec = loaded.spec
+    step, max_len = step_tokens(loaded.cfg, spec.vllm_max_model_len), spec.vllm_max_model_len
     py = ".venv-vllm/bin/python"
     lines = [f"dualpath serve scheduler -c {config}"]
     lines += [f"dualpath serve gateway -c {config} --node {n.id}" for n in spec.nodes]
@@ -219,12 +232,13 @@ def runbook(config: str = RUNBOOK_CONFIG) -> str:
         urls[engine] = f"http://127.0.0.1:{port}"
         env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": ".",
                "VLLM_CPU_OMP_THREADS_BIND": CORES[n.role], "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port, step=step,
-                                prefix_caching=spec.vllm_prefix_caching)
+        argv = vllm_server_argv(py, MODEL_VAR, n.role, sock, engine, port, max_len,
+                                step=step, prefix_caching=spec.vllm_prefix_caching)
         lines.append(" ".join([*(f"{k}={v}" for k, v in env.items()), *map(_quote, argv)]))
     scheduler = f"{spec.scheduler_host or spec.host}:{spec.scheduler_port}"
     lines.append("PYTHONPATH=. " + " ".join(map(_quote, front_argv(py, MODEL_VAR, scheduler,
-                                                                     urls, port=FRONT_PORT))))
+                                                                     urls, port=FRONT_PORT,
+                                                                     max_model_len=max_len))))
     return "\n".join(lines) + "\n"
 
 

@@ -24,8 +24,9 @@ from common.errors import (DeadlineExceeded, InvalidArgument, PeerFailed, Protoc
                            Unavailable)
 from common.shm import SHM_DIR, ShmUnavailable
 from common.transport.plan import (HELLO_BYTES, HELLO_VERSION, TransferHello, check_same_plan,
-                                   decode_hello, encode_hello, fit_hello, shm_link,
+                                   decode_hello, encode_hello, fit_hello, rma_link, shm_link,
                                    single_copy_link)
+from common.transport.rma_path import RmaPath
 from common.transport.shm_path import LocalSegment, PeerSegment, PeerSegments
 from common.transport.ucx import Link, Peer, claim_progress, ucxx
 from common.transport.ucx_env import (WorkerProgress, local_host_id, local_process_id,
@@ -47,7 +48,7 @@ class Links:
 
     def __init__(self, cfg: TransportConfig, node_id: str, ctx: Any, progress: WorkerProgress,
                  single_copy: bool, segment: LocalSegment | None = None,
-                 shm_nonce: int = 0) -> None:
+                 shm_nonce: int = 0, rma: RmaPath | None = None) -> None:
         self.node_id = node_id
         self.state = "running"
         # our worker's address, sent in the hello when single copy is allowed here (else b"")
@@ -59,6 +60,7 @@ class Links:
         # the one-copy path: whether we speak it, the segment we receive into, our name
         self._shm, self._segment, self._shm_nonce = cfg.same_host == "shm", segment, shm_nonce
         self._peer_segments = PeerSegments(SHM_DIR)          # the peers' we send into
+        self.rma = rma                                       # the RMA path (None: tag only)
         self.down_hooks: list[Callable[[Link], None]] = []  # a link went down (shm waits)
         self.up_hooks: list[Callable[[], None]] = []         # a link registered (shm control)
         self._process_id = local_process_id()
@@ -112,6 +114,8 @@ class Links:
             ep.abort()
         self._data_eps.clear()
         self._peer_segments.close()
+        if self.rma is not None:     # the keys and the registration before the context goes
+            self.rma.close()
         if self._listener is not None:
             self._listener.close()
         self._listener = self._ctx = None
@@ -230,10 +234,18 @@ class Links:
         single = single_copy_link(self._hello(), hello)
         if shm_out is not None and shm_out.closing:  # let go while this handshake ran
             shm_out = self._map_peer(hello)
-        return Link(addr, ep, hello.node_id, single_copy=single,
+        link = Link(addr, ep, hello.node_id, single_copy=single,
                     peer_worker_address=hello.worker_address if single else b"",
                     peer_process=hello.process, shm_out=shm_out, shm_in=shm_in,
                     peer_nonce=hello.shm_nonce)
+        mine = self._hello()
+        if self.rma is not None and rma_link(mine, hello):
+            link.rma_in = bool(mine.rma_rkey)
+            link.rma_peer = bool(hello.rma_rkey)
+            if hello.rma_rkey:     # after both hellos: the endpoint's wire-up is done
+                link.rma_out = self.rma.unpack(link, hello.rma_rkey, hello.rma_base,
+                                               hello.rma_bytes)
+        return link
 
     async def _shm_handshake(self, ep: Any, hello: TransferHello, answer_now: bool
                              ) -> tuple[PeerSegment | None, bool, np.ndarray | None]:
@@ -276,6 +288,8 @@ class Links:
     def _link_down(self, link: Link) -> None:
         for hook in self.down_hooks:
             hook(link)
+        if self.rma is not None:
+            self.rma.forget(link)
         self._prune_segments()
 
     async def _open_data_ep(self, link: Link) -> None:
@@ -339,10 +353,11 @@ class Links:
         return link
 
     def paths(self) -> list[dict[str, Any]]:
-        """Per usable link: the peer and how pages go each way (``shm`` or ``tag``)."""
+        """Per usable link: the peer and how pages go each way (``shm``, ``rma`` or ``tag``;
+        an arena outside the segment or the registered region takes the next one)."""
         return [{"peer": f"{link.addr[0]}:{link.addr[1]}", "node_id": link.node_id,
-                 "send": "shm" if link.shm_out else "tag",
-                 "receive": "shm" if link.shm_in else "tag",
+                 "send": "shm" if link.shm_out else "rma" if link.rma_out else "tag",
+                 "receive": "shm" if link.shm_in else "rma" if link.rma_in else "tag",
                  "single_copy": link.single_copy}
                 for link in self._all_links if link.usable]
 
@@ -386,7 +401,8 @@ class Links:
                                        cfg.pack_below_bytes, self.worker_address,
                                        self._host_id, self._process_id, self._shm,
                                        seg.name if seg else "", seg.nbytes if seg else 0,
-                                       self._shm_nonce))
+                                       self._shm_nonce,
+                                       **(self.rma.hello_fields() if self.rma else {})))
 
     async def _send_hello(self, ep: Any) -> None:
         u, buf = ucxx(), encode_hello(self._hello())
@@ -425,4 +441,8 @@ class Links:
         out["shm_links"] = float(sum(1 for link in self._all_links
                                      if link.usable and (link.shm_out or link.shm_in)))
         out["shm_segments_mapped"] = float(len(self._peer_segments))
+        out["rma_links"] = float(sum(1 for link in self._all_links
+                                     if link.usable and (link.rma_out or link.rma_in)))
+        if self.rma is not None:
+            out.update(self.rma.stats())
         return out

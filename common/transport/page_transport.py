@@ -21,6 +21,7 @@ from common.config import TransportConfig
 from common.errors import ConfigError, Unavailable
 from common.transport.links import Links
 from common.transport.plan import TransferIdSource
+from common.transport.rma_path import RmaPath
 from common.transport.shm_path import LocalSegment
 from common.transport.shm_transfers import ShmTransfers
 from common.transport.staging import STAGING_ALIGN, staged_bytes
@@ -75,6 +76,8 @@ class PageTransport:
         self._transfers: Transfers | None = None
         self._shm: ShmTransfers | None = None
         self._shm_arena = shm_arena if cfg.same_host == "shm" else None
+        # the same arena, registered for RMA (``kv_mode`` rma/auto): peers may put into it
+        self._rma_arena = shm_arena if cfg.kv_mode != "tag" else None
         self._n: collections.Counter[str] = collections.Counter()   # requests_orphaned
         self.single_copy_reason = ""
         self.skipped_options: list[str] = []
@@ -121,13 +124,17 @@ class PageTransport:
                 log.info("shm_arena_not_shared", node_id=self.node_id,
                          reason="not in a /dev/shm segment: same-host peers send over UCX")
             nonce = ShmTransfers.new_nonce()
+            rma: RmaPath | None = None
             try:
+                rma = RmaPath(cfg.kv_mode, ctx.context.handle, self._rma_arena, progress)
                 links = Links(cfg, self.node_id, ctx, progress, single_copy=single,
-                              segment=segment, shm_nonce=nonce)
+                              segment=segment, shm_nonce=nonce, rma=rma)
                 shm = ShmTransfers(links, progress, segment, nonce)
                 transfers = Transfers(cfg, links, progress, shm)
                 links.listen()
             except BaseException:
+                if rma is not None:
+                    rma.close()
                 progress.close()
                 if segment is not None:
                     segment.close()
@@ -135,7 +142,9 @@ class PageTransport:
             self._progress, self._links, self._transfers = progress, links, transfers
             self._shm = shm
             log.info("transport_started", node_id=self.node_id, host=cfg.host,
-                     port=links.address[1], traffic_class=cfg.kv_class,
+                     port=links.address[1], traffic_class=cfg.kv_class, kv_mode=cfg.kv_mode,
+                     rma_region_bytes=rma.region.nbytes if rma.region else 0,
+                     rma_dma=rma.dma,
                      options=options, skipped=self.skipped_options, env_set=env,
                      single_copy=bool(links.worker_address),
                      single_copy_reason=self.single_copy_reason, same_host=cfg.same_host,

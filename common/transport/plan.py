@@ -255,6 +255,11 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     shm_segment: str = ""    # the /dev/shm segment it receives into ("" = none)
     shm_bytes: int = 0
     shm_nonce: int = 0       # names this transport in shm control messages
+    rma_mode: str = ""       # transport.kv_mode ("" = an old peer: tag)
+    rma_dma: bool = False    # its UCX has verbs: RMA is one-sided DMA there (kv_mode auto)
+    rma_rkey: bytes = b""    # the packed remote key of the arena it receives into ("" = none)
+    rma_base: int = 0        # that arena's address and size in its process
+    rma_bytes: int = 0
 
 
 def encode_hello(hello: TransferHello) -> np.ndarray:
@@ -269,10 +274,26 @@ def encode_hello(hello: TransferHello) -> np.ndarray:
 
 
 def fit_hello(hello: TransferHello) -> TransferHello:
-    """``hello`` if it fits one frame, else without its worker address (no single copy)."""
-    if len(msgspec.msgpack.encode(hello)) <= HELLO_BYTES - 2:
-        return hello
-    return msgspec.structs.replace(hello, worker_address=b"")
+    """``hello`` if it fits one frame, else without its worker address (no single copy),
+    then without its remote key (no RMA into this side)."""
+    for drop in ({}, {"worker_address": b""},
+                 {"worker_address": b"", "rma_rkey": b"", "rma_base": 0, "rma_bytes": 0}):
+        fitted = msgspec.structs.replace(hello, **drop)
+        if len(msgspec.msgpack.encode(fitted)) <= HELLO_BYTES - 2:
+            return fitted
+    return fitted
+
+
+def rma_link(mine: TransferHello, theirs: TransferHello) -> bool:
+    """Whether pages between the two ends of a link may go by RMA (into a side whose hello
+    carries a remote key): both speak it, and either both asked for it (``kv_mode = "rma"``)
+    or both have verbs (``auto``: one-sided DMA; on other transports UCX emulates RMA with
+    messages the target must progress, slower than tags). Symmetric, like
+    :func:`single_copy_link`."""
+    modes = {mine.rma_mode, theirs.rma_mode}
+    if not mine.rma_mode or not theirs.rma_mode or "tag" in modes:
+        return False
+    return modes == {"rma"} or (mine.rma_dma and theirs.rma_dma)
 
 
 def single_copy_link(mine: TransferHello, theirs: TransferHello) -> bool:

@@ -41,7 +41,7 @@ CONTROL_TAG = 1
 READY, COMMIT = 1, 2
 _CONTROL = struct.Struct("<7Q")
 CONTROL_BYTES = _CONTROL.size
-PATH_TAG, PATH_SHM = 0, 1
+PATH_TAG, PATH_SHM, PATH_RMA = 0, 1, 2     # PATH_RMA: common.transport.rma_path
 _FLOCK = struct.Struct("@hhqqi4x")     # struct flock (Linux, 64-bit off_t)
 
 

@@ -36,9 +36,9 @@ import structlog
 
 from common.errors import PeerFailed, ProtocolError
 from common.transport.links import Links
-from common.transport.shm_path import (COMMIT, CONTROL_BYTES, CONTROL_TAG, PATH_SHM, PATH_TAG,
-                                       READY, Control, LocalSegment, check_within, copy_stream,
-                                       slots_digest)
+from common.transport.shm_path import (COMMIT, CONTROL_BYTES, CONTROL_TAG, PATH_RMA, PATH_SHM,
+                                       PATH_TAG, READY, Control, LocalSegment, check_within,
+                                       copy_stream, slots_digest)
 from common.transport.ucx import Link, Transfer, ucxx
 from common.transport.ucx_env import WorkerProgress
 
@@ -169,19 +169,35 @@ class ShmTransfers:
         """Whether a receive into ``arena`` can come by copy (it lies in our segment)."""
         return self.segment is not None and self.segment.locate(arena) is not None
 
+    def path_for(self, link: Link, arena: Any) -> int:
+        """How a receive into ``arena`` over ``link`` travels: by copy where the peer mapped
+        our segment and the arena lies in it, else by RMA where the peer may put into our
+        registered region and the arena lies in it, else tag messages."""
+        if link.shm_in and self.takes(arena):
+            return PATH_SHM
+        rma = self._links.rma
+        if link.rma_in and rma is not None and rma.locate(arena) is not None:
+            return PATH_RMA
+        return PATH_TAG
+
     def announce(self, rx: Transfer, arena: Any, slots: Sequence[tuple[int, int]],
-                 by_shm: bool) -> None:
-        """READY: tell the sender how ``rx`` travels (by shm: then await :meth:`receive`)."""
+                 path: int) -> None:
+        """READY: tell the sender how ``rx`` travels (shm or RMA: then await
+        :meth:`receive`)."""
         digest = slots_digest(slots)
-        if by_shm:
+        offset: int | None = None
+        if path == PATH_SHM and self.segment is not None:
+            offset = self.segment.locate(arena)
+        elif path == PATH_RMA and self._links.rma is not None:
+            offset = self._links.rma.locate(arena)
+        if path != PATH_TAG:
             self._commits[rx.transfer_id] = (rx.link, self._loop.create_future())
-            rx.keep = (rx.keep, digest)
+            rx.keep = (rx.keep, digest, path)
         else:
             self.counts["shm_transfers_tag_fallback"] += 1
-        offset = self.segment.locate(arena) if by_shm and self.segment is not None else None
         self._send_control(rx.link, Control(
-            READY, rx.transfer_id, self.nonce, rx.nbytes, digest,
-            PATH_SHM if by_shm else PATH_TAG, offset or 0, int(arena.nbytes)))
+            READY, rx.transfer_id, self.nonce, rx.nbytes, digest, path, offset or 0,
+            int(arena.nbytes)))
 
     async def receive(self, rx: Transfer) -> None:
         """Until the sender's COMMIT for ``rx`` (checked against what was posted)."""
@@ -190,16 +206,27 @@ class ShmTransfers:
             ctl: Control = await entry[1]
         finally:
             self._commits.pop(rx.transfer_id, None)
-        if ctl.nbytes != rx.nbytes or ctl.digest != rx.keep[1]:
+        if ctl.nbytes != rx.nbytes or ctl.digest != rx.keep[1] or ctl.path != rx.keep[2]:
             raise ProtocolError(f"transfer {rx.transfer_id}: the sender committed {ctl.nbytes} B "
-                                f"of slots {ctl.digest:x}, expected {rx.nbytes} B of "
-                                f"{rx.keep[1]:x}")
-        self.counts["shm_transfers_received"] += 1
-        self.counts["shm_bytes_received"] += rx.nbytes
+                                f"of slots {ctl.digest:x} by path {ctl.path}, expected "
+                                f"{rx.nbytes} B of {rx.keep[1]:x} by path {rx.keep[2]}")
+        rma = self._links.rma
+        if ctl.path == PATH_RMA and rma is not None:
+            rma.counts["rma_transfers_received"] += 1
+            rma.counts["rma_bytes_received"] += rx.nbytes
+        else:
+            self.counts["shm_transfers_received"] += 1
+            self.counts["shm_bytes_received"] += rx.nbytes
 
     async def give_up(self, rx: Transfer) -> None:
-        """``rx`` failed: once no copy into its slots runs or can start, return (module doc)."""
+        """``rx`` failed: once no copy into its slots runs or can start, return (module doc);
+        an RMA transfer aborts its link (no put can land after: ``rma_path``)."""
         self._commits.pop(rx.transfer_id, None)
+        if rx.keep[2] == PATH_RMA:
+            if rx.link.usable:
+                self._links.abort(rx.link, f"RMA receive of transfer {rx.transfer_id} "
+                                           "given up")
+            return
         if self.segment is None or rx.transfer_id in self._fenced:
             return
         fence, end = self.segment.fence, time.monotonic() + _SETTLE_S
@@ -250,18 +277,44 @@ class ShmTransfers:
             raise ProtocolError(f"transfer {tid}: arena [{ready.offset}, +{ready.span}) lies "
                                 f"outside the peer's segment of {peer.nbytes} B")
         pieces = await self._copy(link, peer, tid, src, slots, ready)
+        await self._commit(tx, digest, PATH_SHM, pieces)
+        self.counts["shm_transfers_sent"] += 1
+        self.counts["shm_bytes_sent"] += tx.nbytes
+        self.counts["shm_pieces_copied"] += pieces
+
+    async def _commit(self, tx: Transfer, digest: int, path: int, pieces: int) -> None:
+        """COMMIT ``tx`` (every byte is in the receiver's slots) and wait until it left."""
+        link = tx.link
         if not link.usable:
             raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
-        req = self._send_control(link, Control(COMMIT, tid, self.nonce, tx.nbytes, digest,
-                                               PATH_SHM, pieces))
+        req = self._send_control(link, Control(COMMIT, tx.transfer_id, self.nonce, tx.nbytes,
+                                               digest, path, pieces))
         while not req.completed:
             if not link.usable:
                 raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
             await self._progress.tick()
         req.check_error()
-        self.counts["shm_transfers_sent"] += 1
-        self.counts["shm_bytes_sent"] += tx.nbytes
-        self.counts["shm_pieces_copied"] += pieces
+
+    async def send_rma(self, tx: Transfer, src: Sequence[Any],
+                       slots: Sequence[tuple[int, int]], ready: Control) -> None:
+        """Put ``src`` into the receiver's slots (``rma_path``), then COMMIT."""
+        link, tid, rma = tx.link, tx.transfer_id, self._links.rma
+        digest = slots_digest(slots)
+        if ready.nbytes != tx.nbytes or ready.digest != digest:
+            raise ProtocolError(f"transfer {tid}: the receiver posted {ready.nbytes} B of slots "
+                                f"{ready.digest:x}, this send has {tx.nbytes} B of {digest:x}")
+        check_within(slots, ready.span)
+        remote = link.rma_out
+        if rma is None or remote is None:
+            raise PeerFailed(f"transfer {tid}: the receiver asked for RMA, but this side holds "
+                             f"no key for {link.addr} (link down: {link.failure})")
+        if ready.offset + ready.span > remote.nbytes:
+            raise ProtocolError(f"transfer {tid}: arena [{ready.offset}, +{ready.span}) lies "
+                                f"outside the peer's registered region of {remote.nbytes} B")
+        puts = await rma.put_stream(link, self._links.abort, tid, src, slots, ready.offset)
+        await self._commit(tx, digest, PATH_RMA, puts)
+        rma.counts["rma_transfers_sent"] += 1
+        rma.counts["rma_bytes_sent"] += tx.nbytes
 
     async def _copy(self, link: Link, peer: Any, tid: int, src: Sequence[Any],
                     slots: Sequence[tuple[int, int]], ready: Control) -> int:

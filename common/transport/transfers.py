@@ -23,7 +23,7 @@ from common.config import TransportConfig
 from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InvalidArgument,
                            PeerFailed, ProtocolError)
 from common.transport.links import Links
-from common.transport.shm_path import PATH_SHM
+from common.transport.shm_path import PATH_RMA, PATH_SHM, PATH_TAG
 from common.transport.shm_transfers import ShmTransfers
 from common.transport.plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
                                    SourceMap, StagingPool, check_flat_bytes, check_transfer_id,
@@ -123,17 +123,17 @@ class Transfers:
                       collections.deque(), collections.deque(), arena, keep=arena)
         self._receiving[transfer_id] = rx
         self._active.add(rx)
-        by_shm = link.shm_in and self._shm.takes(arena)
+        path = self._shm.path_for(link, arena)
         try:
-            if not by_shm:
+            if path == PATH_TAG:
                 self._post_receives(rx)
-            if link.shm_in:   # the sender waits for our word on how this transfer travels
-                self._shm.announce(rx, arena, slots, by_shm)
+            if link.shm_in or link.rma_in:   # the sender waits for our word on how it travels
+                self._shm.announce(rx, arena, slots, path)
         except BaseException as e:
             self._receiving.pop(transfer_id, None)
             self._active.discard(rx)
             raise await self._fail(rx, e, "receive", deadline_s) from e
-        receive = self._receive_shm if by_shm else self._receive
+        receive = self._receive_shm if path != PATH_TAG else self._receive
         rx.task = loop.create_task(receive(rx, deadline_at, deadline_s))
         handle = ReceiveHandle(transfer_id, link.addr, rx.nbytes, rx.task)
         try:  # let the task reach its first await: from then on, cancelling it cleans up
@@ -207,8 +207,9 @@ class Transfers:
             self._staging_queue.remove(rx)
 
     async def _receive_shm(self, rx: Transfer, deadline_at: float, deadline_s: float) -> None:
-        """A transfer the sender copies into our segment: done at its COMMIT; a failure
-        returns only once no copy into the slots can run (``ShmTransfers.give_up``)."""
+        """A transfer the sender copies into our segment or puts into our registered region:
+        done at its COMMIT; a failure returns only once no copy or put into the slots can run
+        (``ShmTransfers.give_up``)."""
         try:
             async with asyncio.timeout_at(deadline_at):
                 await self._shm.receive(rx)
@@ -220,7 +221,8 @@ class Transfers:
             self._retire(rx.transfer_id)
             await _to_the_end(self._shm.give_up(rx))
             log.warning("transfer_failed", side="receive", transfer_id=rx.transfer_id,
-                        peer=rx.link.addr, path="shm", error=err.code.value, detail=err.message)
+                        peer=rx.link.addr, path="rma" if rx.keep[2] == PATH_RMA else "shm",
+                        error=err.code.value, detail=err.message)
             raise err from e
         finally:
             self._receiving.pop(rx.transfer_id, None)
@@ -293,10 +295,11 @@ class Transfers:
         self._active.add(tx)
         try:
             async with asyncio.timeout_at(deadline_at):
-                if link.shm_out is not None:   # the receiver says how (shm_transfers)
-                    ready = await self._shm.ready(link, transfer_id)
-                    if ready.path == PATH_SHM:
-                        await self._shm.send(tx, src, slots, ready)
+                if link.shm_out is not None or link.rma_peer:  # the receiver says how
+                    ready = await self._shm.ready(link, transfer_id)  # (shm_transfers)
+                    if ready.path in (PATH_SHM, PATH_RMA):
+                        await (self._shm.send if ready.path == PATH_SHM
+                               else self._shm.send_rma)(tx, src, slots, ready)
                         self.counts["transfers_sent_ok"] += 1
                         self.counts["bytes_sent"] += total
                         return

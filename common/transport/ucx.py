@@ -152,7 +152,8 @@ class Link:
     ``single_copy`` link the sender's messages go over the transport's endpoint to the peer's
     worker (kept by :class:`~common.transport.links.Links`), made without error handling
     (cma single copy). ``shm_out``/``shm_in``: the one-copy path in each direction
-    (:mod:`common.transport.shm_transfers`).
+    (:mod:`common.transport.shm_transfers`); ``rma_out``/``rma_in``: the RMA path
+    (:mod:`common.transport.rma_path`).
     """
 
     addr: Peer
@@ -165,6 +166,9 @@ class Link:
     shm_out: Any = None           # the peer's segment, mapped here: sends copy into it
     shm_in: bool = False          # the peer mapped ours: receives may come by copy
     peer_nonce: int = 0           # the peer's name in shm control messages
+    rma_peer: bool = False        # the peer may ask for RMA: sends wait for its READY
+    rma_out: Any = None           # the peer's registered arena (rma.RemoteRegion): sends put
+    rma_in: bool = False          # the peer may put into our registered arena
 
     @property
     def usable(self) -> bool:

@@ -47,7 +47,8 @@ def vllm_container(cluster: Cluster, n: NodeSpec, opts: KubeOptions,
     """Node ``n``'s vLLM beside its node service, on the pod IP (the front dials it)."""
     port = VLLM_PORTS[n.role]
     sock = f"{STATE_MOUNT}/{cluster.spec.name}/{n.id}.engine.sock"   # the pods' data_dir
-    argv = vllm_server_argv(PYTHON, MODEL, n.role, sock, f"{n.id}.e0", port, host="$(POD_IP)",
+    argv = vllm_server_argv(PYTHON, MODEL, n.role, sock, f"{n.id}.e0", port,
+                            cluster.spec.vllm_max_model_len, host="$(POD_IP)",
                             prefix_caching=cluster.spec.vllm_prefix_caching)
     return {"name": "vllm", "image": opts.vllm_image, "workingDir": "/app",
             "command": argv[:1], "args": argv[1:],
@@ -61,7 +62,8 @@ def front(cluster: Cluster, opts: KubeOptions) -> list[dict[str, Any]]:
     name = f"{APP}-front"
     urls = {f"{n.id}.e0": engine_url(n, opts) for n in cluster.spec.nodes}
     scheduler = f"{service_host(f'{APP}-scheduler', opts)}:{cluster.spec.scheduler_port}"
-    argv = front_argv(PYTHON, MODEL, scheduler, urls, port=FRONT_PORT, host="$(POD_IP)")
+    argv = front_argv(PYTHON, MODEL, scheduler, urls, port=FRONT_PORT, host="$(POD_IP)",
+                      max_model_len=cluster.spec.vllm_max_model_len)
     argv += ["--etcd", ",".join(etcd_endpoints(cluster, opts)),
              "--etcd-prefix", cluster.cfg.etcd.prefix]
     rpc = cluster.cfg.rpc

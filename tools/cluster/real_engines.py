@@ -76,7 +76,8 @@ def instance_commands(cluster: Cluster, model: Path,
     from tools.vllm_engines import REPO, VLLM_PYTHON, omp_bind
     from tools.vllm_serve import KVCACHE_GIB, step_tokens, vllm_server_argv
 
-    spec, step = cluster.spec, step_tokens(cluster.cfg)
+    spec = cluster.spec
+    step = step_tokens(cluster.cfg, spec.vllm_max_model_len)
     out = []
     for n in spec.nodes:
         sock = engine_socket_path(cluster, n.id)
@@ -86,7 +87,7 @@ def instance_commands(cluster: Cluster, model: Path,
                                                  else free_port())
             host = spec.node_host(n)
             argv = vllm_server_argv(str(VLLM_PYTHON), str(model), n.role, sock, engine, port,
-                                    host=host, step=step,
+                                    spec.vllm_max_model_len, host=host, step=step,
                                     prefix_caching=spec.vllm_prefix_caching)
             env = {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB, "PYTHONPATH": str(REPO),
                    **omp_bind(n.role)}
@@ -105,7 +106,7 @@ def front_command(cluster: Cluster, model: Path, scheduler: tuple[str, int],
     spec = cluster.spec
     argv = front_argv(str(VLLM_PYTHON), str(model), f"{scheduler[0]}:{scheduler[1]}",
                       instances, port=spec.front_port if port is None else port,
-                      host=spec.host)
+                      host=spec.host, max_model_len=spec.vllm_max_model_len)
     return Command("front", "front", "front", argv, {"PYTHONPATH": str(REPO)}, None)
 
 
@@ -125,12 +126,13 @@ def front_url(log: str | Path) -> str | None:
 
 
 def on_loopback(config: str | Path, root: Path, mode: str | None = None,
-                **cluster: Any) -> Cluster:
+                sections: dict[str, dict[str, Any]] | None = None, **cluster: Any) -> Cluster:
     """``config`` (a real-engine cluster file) with every fixed port made 0 (any free port) and
-    its state and storage under ``root``, ``cluster`` set in its ``[cluster]`` section and
-    ablation ``mode`` (the scheduler's policy, ``dualpath plan``'s modes) applied: the demo's,
-    the tests' and the benches' copy, which must not collide with an operator's cluster (or
-    another test) on the file's fixed ports."""
+    its state and storage under ``root``, ``cluster`` set in its ``[cluster]`` section, the
+    values of ``sections`` (section -> values) in theirs, and ablation ``mode`` (the
+    scheduler's policy, ``dualpath plan``'s modes) applied: the demo's, the tests' and the
+    benches' copy, which must not collide with an operator's cluster (or another test) on the
+    file's fixed ports."""
     from common.config import read_toml
 
     from .config import load_data
@@ -145,4 +147,6 @@ def on_loopback(config: str | Path, root: Path, mode: str | None = None,
             node.pop(key, None)
     sect["data_dir"], sect["storage_root"] = str(root / "cluster"), str(root / "storage")
     sect.update(cluster)
+    for section, values in (sections or {}).items():
+        data.setdefault(section, {}).update(values)
     return load_data(data, str(config), mode=mode, environ={})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -67,6 +67,9 @@ class ClusterSection(Section):
     vllm_prefix_caching: bool = True             # false: --no-enable-prefix-caching, every hit
                                                  # comes from dualpath's storage (HBM holds no
                                                  # context between turns: bench engine_agents)
+    vllm_max_model_len: Annotated[int, msgspec.Meta(ge=256, le=131072)] = 2048
+                                                 # each vLLM instance's --max-model-len; the
+                                                 # front takes prompts up to 48 tokens less
     nodes: list[NodeSpec] = msgspec.field(default_factory=lambda: [
         NodeSpec(id="p0", role="prefill"), NodeSpec(id="d0", role="decode"),
         NodeSpec(id="d1", role="decode")])

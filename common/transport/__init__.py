@@ -5,8 +5,10 @@ receiver posts every receive of a transfer in advance (:meth:`PageTransport.expe
 straight into its arena (``force_tag`` tag receives); the sender cuts the same
 :func:`~common.transport.plan.plan_messages` plan over the receiver's slots and sends each
 message with its tag. Completion of the posted receives is the "data arrived" signal: no
-per-page control message. The API is "these local ranges into those remote slots", so a
-one-sided RMA backend can replace tags later.
+per-page control message. The API is "these local ranges into those remote slots", so the
+one-sided RMA path (``transport.kv_mode``: the sender puts pages straight into the receiver's
+registered arena, then one COMMIT; :mod:`common.transport.rma_path`, docs/datapath.md
+"One-sided RMA") uses the same calls.
 
 Same host, one copy (``transport.same_host = "shm"``, the default): when the receiver's arena
 lies in a ``/dev/shm`` segment it advertised in its hello and the sender could map it, the
@@ -79,7 +81,10 @@ The modules beside them: ``plan`` (pure: message plan, tags, transfer ids,
 hello, staging pool), ``staging`` (pure: FIFO order of packed receives), ``ucx`` (the lazy
 ``ucxx`` import, the UCX context, the link/transfer records and :class:`ReceiveHandle`),
 ``handshake`` (a memory-safe replacement for ucxx's endpoint handshake, installed on first
-use) and ``ucx_env`` (UCX environment variables and the event-driven progress driver).
+use), ``ucx_env`` (UCX environment variables and the event-driven progress driver), ``rma``
+(ctypes bindings for UCP memory registration, remote keys, put/get/flush on the handles ucxx
+exposes) and ``rma_path`` (the registered arena, the peers' keys and a transfer's puts; the
+READY/COMMIT around them are ``shm_transfers``').
 
 Tags: ``transfer_id << 20 | message_index`` (:mod:`common.transport.plan`); tag matching is
 worker-wide, so transfer ids come from the *receiving* transport

@@ -236,11 +236,35 @@ async def test_send_validates_sizes_and_ids():
             await a.expect(a.address, a.new_transfer_id(), np.zeros(10, np.uint8), [(5, 10)], 1.0)
 
 
-async def test_connect_to_nothing_is_unavailable():
-    async with PageTransport(TransportConfig(**CFG, connect_timeout_s=1.0), "a") as a:
-        with pytest.raises((Unavailable, DeadlineExceeded)):
-            await a.expect(("127.0.0.1", 9), a.new_transfer_id(), np.zeros(8, np.uint8),
-                           [(0, 8)], 1.0)
+async def test_connect_to_nothing_is_unavailable_at_once():
+    """Nothing listens (a dead peer's port): ``Unavailable`` as soon as UCX says so, not a
+    deadline after the whole connect timeout (a CI run saw that: the handshake's receive,
+    posted on an endpoint that had already failed, never completed)."""
+    async with PageTransport(TransportConfig(**CFG, connect_timeout_s=30.0), "a") as a:
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(a.expect(("127.0.0.1", 9), a.new_transfer_id(),
+                                            np.zeros(8, np.uint8), [(0, 8)], 30.0), 20.0)
+
+
+async def test_the_handshake_on_an_endpoint_that_already_failed_fails_at_once():
+    """The order the CI run hit, forced: the connect is refused before the exchange posts."""
+    import socket
+
+    from common.transport import handshake, ucx
+
+    u = ucx.ucxx()
+    ctx = u.app.ApplicationContext({"TLS": "tcp,sm,self"}, progress_mode="blocking")
+    with socket.socket() as s:          # a port nobody listens on any more
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = u.lib.UCXEndpoint.create(ctx.worker, "127.0.0.1", port, True)
+
+    def failed() -> bool:
+        ctx.worker.progress()
+        return not ep.alive
+    await until(failed, 10.0, "the refused endpoint reported dead")
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.wait_for(handshake.exchange_peer_info(ep, 123, False, 30.0), 20.0)
 
 
 # ---------------------------------------------------------------- real UCX, two processes

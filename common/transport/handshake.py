@@ -9,6 +9,14 @@ pointer, never a reference. When the peer's 16 bytes arrive, UCX writes them int
 pymalloc memory and the process crashes later somewhere unrelated (``pymalloc_alloc`` under
 the fuzz tests; ``tests/test_transport.py`` reproduces it with connects on tiny budgets).
 
+A second defect, found by a CI run: an endpoint whose connect fails before the exchange posts
+its receive (nothing listens on that port any more: the peer died) never completes that
+receive, so the exchange waited out the whole connect timeout and a send to a dead peer came
+back as ``DeadlineExceeded`` after 5 s instead of ``Unavailable`` at once (failing late, the
+receive completes with an error). This version looks at the endpoint's ``alive`` flag before
+it posts anything and fails at once when UCX already reported the endpoint dead (nothing is
+then posted, so nothing is left pending).
+
 This version puts the same bytes on the wire in the same order (two unsigned 64-bit words: the
 tag and its hash), so it interoperates with unpatched peers. On any failure it closes the UCX
 endpoint (which cancels what it posted) and keeps both buffers alive in :data:`_PENDING` until
@@ -57,17 +65,23 @@ async def exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
     theirs = np.zeros(mine.nbytes, np.uint8)
     posted: list[Any] = []
 
-    async def step(req: Any) -> None:
+    async def step(post: Any) -> None:
+        # UCX reports an endpoint dead only inside worker progress, which runs on this thread:
+        # nothing can change between this check and the post (module doc)
+        if not getattr(endpoint, "alive", True):
+            raise ConnectionRefusedError("the endpoint failed before the peers exchanged "
+                                         "their info (nothing listens there, or it died)")
+        req = post()
         posted.append(req)
         await asyncio.wait_for(req.wait(), timeout=connect_timeout)
 
     try:
         if listener:
-            await step(endpoint.stream_send(Array(mine)))
-            await step(endpoint.stream_recv(Array(theirs)))
+            await step(lambda: endpoint.stream_send(Array(mine)))
+            await step(lambda: endpoint.stream_recv(Array(theirs)))
         else:
-            await step(endpoint.stream_recv(Array(theirs)))
-            await step(endpoint.stream_send(Array(mine)))
+            await step(lambda: endpoint.stream_recv(Array(theirs)))
+            await step(lambda: endpoint.stream_send(Array(mine)))
     except BaseException:
         prune()
         if not all(r.completed for r in posted):

@@ -119,7 +119,7 @@ class TransportConfig(Section, frozen=True):
     # how pages cross the other links (docs/datapath.md "One-sided RMA"): "tag" = UCX tag
     # messages; "rma" = the sender puts them straight into the receiver's registered arena
     # (one-sided, one commit message per transfer) wherever both ends offer it; "auto" = rma
-    # where both ends' UCX has verbs (real one-sided DMA), tag elsewhere
+    # where both ends' KV lane can use verbs (real one-sided DMA), tag elsewhere
     kv_mode: Literal["tag", "rma", "auto"] = "auto"
 
 

@@ -25,6 +25,8 @@ from common.config import TransportConfig
 from common.errors import PeerFailed
 from common.transport import PageTransport
 from common.transport.plan import TransferHello, rma_link
+from common.transport import rma_path
+from common.transport.rma_path import tls_allows_ib
 from tests.helpers import until
 from tests.test_transport import PeerProc, gapped
 from tests.transport_peer import gather, pattern, split_views
@@ -74,6 +76,20 @@ def test_which_links_use_rma():
     assert not rma_link(_hello("auto"), _hello("auto"))       # no verbs: tags are faster
     assert rma_link(_hello("auto", True), _hello("rma", True))
     assert not rma_link(_hello("auto", True), _hello("auto", False))
+
+
+def test_auto_counts_a_lane_as_one_sided_only_where_its_transports_include_verbs(monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert not tls_allows_ib("tcp,sm,self")          # the default KV lane: no verbs used
+    assert tls_allows_ib("rc,tcp,sm,self") and tls_allows_ib("dc_mlx5,self")
+    assert tls_allows_ib(None) and tls_allows_ib("all")
+    assert tls_allows_ib("^tcp") and not tls_allows_ib("^rc,ud,dc")
+    monkeypatch.setattr(rma_path, "verbs_loaded", lambda: False)
+    assert not rma_path.one_sided_here("rc")          # never without UCX's verbs transports
+    monkeypatch.setattr(rma_path, "verbs_loaded", lambda: True)
+    assert rma_path.one_sided_here("rc") and not rma_path.one_sided_here("tcp,sm,self")
+    monkeypatch.setenv("UCX_TLS", "rc,sm")           # the environment wins, as in UCX
+    assert tls_allows_ib("tcp,sm,self") and rma_path.one_sided_here("tcp,sm,self")
 
 
 async def test_rma_transfers_are_byte_exact_both_ways(pools):

@@ -126,7 +126,8 @@ class PageTransport:
             nonce = ShmTransfers.new_nonce()
             rma: RmaPath | None = None
             try:
-                rma = RmaPath(cfg.kv_mode, ctx.context.handle, self._rma_arena, progress)
+                rma = RmaPath(cfg.kv_mode, ctx.context.handle, self._rma_arena, progress,
+                              options.get("TLS"))
                 links = Links(cfg, self.node_id, ctx, progress, single_copy=single,
                               segment=segment, shm_nonce=nonce, rma=rma)
                 shm = ShmTransfers(links, progress, segment, nonce)

@@ -20,14 +20,15 @@ link's close callback, as for every path).
 Where UCX has no one-sided transport for a lane (same host, error handling on: puts go over
 tcp/lo as "zero-copy" put and are written by the target's progress; gets are emulated with
 active messages) RMA works but is slower than the tag and shm paths: ``kv_mode = "auto"``
-uses it only where both ends' UCX has verbs (:func:`verbs_loaded`), ``"rma"`` everywhere both
-ends offer it (the tests, and a cluster that measured it faster).
+uses it only where both ends' KV lane can use verbs (:func:`one_sided_here`), ``"rma"``
+everywhere both ends offer it (the tests, and a cluster that measured it faster).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,13 +51,30 @@ _COUNTS = ("rma_transfers_sent", "rma_transfers_received", "rma_bytes_sent",
 
 
 def verbs_loaded() -> bool:
-    """Whether this process's UCX loaded its InfiniBand transports (the PyPI wheel has none):
-    there, RMA is one-sided DMA (``kv_mode = "auto"``)."""
+    """Whether this process's UCX loaded its InfiniBand transports (the PyPI wheel has none)."""
     try:
         with open("/proc/self/maps") as f:
             return any("libuct_ib" in line for line in f)
     except OSError:
         return False
+
+
+def tls_allows_ib(tls: str | None) -> bool:
+    """Whether a ``UCX_TLS`` list (the traffic class's ``TLS``; the environment's wins) lets
+    UCX use InfiniBand/RoCE: unset, ``all``, a ``^``-exclusion list without them, or an
+    ``rc``/``dc``/``ud``/``ib`` transport named."""
+    tls = os.environ.get("UCX_TLS", tls or "")
+    names = [t.strip() for t in tls.lstrip("^").split(",") if t.strip()]
+    ib = [t for t in names if t.startswith(("rc", "dc", "ud", "ib"))]
+    if not names or "all" in names:
+        return True
+    return not ib if tls.startswith("^") else bool(ib)
+
+
+def one_sided_here(tls: str | None) -> bool:
+    """``kv_mode = "auto"``'s test: RMA is one-sided DMA on this side's KV lane — UCX has its
+    verbs transports and the lane's transport list lets it use them."""
+    return verbs_loaded() and tls_allows_ib(tls)
 
 
 class RmaPath:
@@ -68,9 +86,9 @@ class RmaPath:
     """
 
     def __init__(self, mode: str, context_handle: int, arena: np.ndarray | None,
-                 progress: WorkerProgress) -> None:
+                 progress: WorkerProgress, tls: str | None = None) -> None:
         self.mode = mode
-        self.dma = verbs_loaded()
+        self.dma = one_sided_here(tls)
         self.counts: collections.Counter[str] = collections.Counter()
         self._progress = progress
         self.region: rma.LocalRegion | None = None

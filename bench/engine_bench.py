@@ -106,14 +106,17 @@ def connector_totals(url: str) -> dict[str, float]:
     """The connector's counters on one vLLM instance (summed over labels)."""
     from tools.vllm_serve import http
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     status, body = http("GET", f"{url}/metrics", timeout=10)
     out = dict.fromkeys(BREAKDOWN, 0.0)
     if status != 200:
         return out
-    for line in body.decode(errors="replace").splitlines():
-        for key, family in BREAKDOWN.items():
-            if line.startswith(family + "{") or line.startswith(family + " "):
-                out[key] += float(line.rsplit(" ", 1)[1])
+    key_of = {family: key for key, family in BREAKDOWN.items()}
+    for family in text_string_to_metric_families(body.decode(errors="replace")):
+        for sample in family.samples:
+            if sample.name in key_of:
+                out[key_of[sample.name]] += sample.value
     return out
 
 

@@ -29,7 +29,8 @@ from common.transport import rma_path
 from common.transport.rma_path import tls_allows_ib
 from tests.helpers import until
 from tests.test_transport import PeerProc, gapped
-from tests.transport_peer import gather, pattern, split_views
+from tests.test_transport_shm import move as shm_move
+from tests.transport_peer import gather, pattern
 
 KIB, MIB = 1024, 1024 * 1024
 PAGE = 64 * KIB
@@ -57,12 +58,7 @@ async def pair(pools, cfg_a: dict | None = None, cfg_b: dict | None = None):
 
 async def move(rx: PageTransport, tx: PageTransport, arena: np.ndarray, slots, seed: int,
                split: int = 1) -> None:
-    data = pattern(seed, sum(n for _, n in slots))
-    tid = rx.new_transfer_id()
-    handle = await rx.expect(tx.address, tid, arena, slots, 20.0)
-    await tx.send(rx.address, tid, split_views(data, split), slots, 20.0)
-    await handle.wait()
-    assert np.array_equal(gather(arena, slots), data)
+    await shm_move(rx, tx, arena, slots, seed, split, deadline_s=20.0)   # puts over tcp/lo
 
 
 def _hello(mode: str, dma: bool = False, rkey: bytes = b"k") -> TransferHello:

@@ -57,11 +57,11 @@ async def shm_pair(pools, cfg_a: dict | None = None):
 
 
 async def move(rx: PageTransport, tx: PageTransport, arena: np.ndarray, slots, seed: int,
-               split: int = 1) -> None:
+               split: int = 1, deadline_s: float = 10.0) -> None:
     data = pattern(seed, sum(n for _, n in slots))
     tid = rx.new_transfer_id()
-    handle = await rx.expect(tx.address, tid, arena, slots, 10.0)
-    await tx.send(rx.address, tid, split_views(data, split), slots, 10.0)
+    handle = await rx.expect(tx.address, tid, arena, slots, deadline_s)
+    await tx.send(rx.address, tid, split_views(data, split), slots, deadline_s)
     await handle.wait()
     assert np.array_equal(gather(arena, slots), data)
 

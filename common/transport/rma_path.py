@@ -30,7 +30,7 @@ import asyncio
 import collections
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ import structlog
 from common.errors import PeerFailed
 from common.transport import rma
 from common.transport.plan import is_device_array
+from common.transport.shm_path import stream_pieces
 from common.transport.ucx import Link
 from common.transport.ucx_env import WorkerProgress
 
@@ -223,20 +224,9 @@ class RmaPath:
         return out
 
 
-def _pieces(src: Sequence[Any], slots: Sequence[tuple[int, int]]):
-    """(host view, receiver offset) per piece where a slot and a source view overlap (the
-    walk of ``shm_path.copy_stream``); device views are staged through host memory."""
-    views = [v for v in src if v.nbytes]
-    vi, vpos = 0, 0
-    for off, n in slots:
-        done = 0
-        while done < n:
-            view = views[vi]
-            take = min(n - done, view.nbytes - vpos)
-            part = view[vpos:vpos + take]
-            yield (part.get() if is_device_array(part) else np.ascontiguousarray(part)), \
-                off + done
-            done += take
-            vpos += take
-            if vpos == view.nbytes:
-                vi, vpos = vi + 1, 0
+def _pieces(src: Sequence[Any], slots: Sequence[tuple[int, int]]
+            ) -> Iterator[tuple[np.ndarray, int]]:
+    """(host view, receiver offset) per piece (``shm_path.stream_pieces``); device views are
+    staged through host memory."""
+    for part, at in stream_pieces(src, slots):
+        yield (part.get() if is_device_array(part) else np.ascontiguousarray(part)), at

@@ -25,7 +25,7 @@ import hashlib
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,31 +92,39 @@ def check_within(slots: Sequence[tuple[int, int]], span: int) -> None:
                                   f"of {span} B")
 
 
-def copy_stream(src: Sequence[Any], dst: np.ndarray, slots: Sequence[tuple[int, int]],
-                stop: threading.Event) -> int:
-    """Copy the concatenation of ``src`` into ``dst`` at ``slots`` (stream order): one copy
-    per piece (a slot and a source view overlapping), numpy's memcpy without the GIL. Stops
-    between pieces once ``stop`` is set; returns the pieces copied."""
+def stream_pieces(src: Sequence[Any], slots: Sequence[tuple[int, int]]
+                  ) -> Iterator[tuple[Any, int]]:
+    """(source view, offset in the receiver's arena) per piece of the concatenation of
+    ``src`` laid out at ``slots`` (stream order): where a slot and a source view overlap."""
     views = [v for v in src if v.nbytes]
-    vi, vpos, pieces = 0, 0, 0
+    vi, vpos = 0, 0
     for off, n in slots:
         done = 0
         while done < n:
-            if stop.is_set():
-                return pieces
             view = views[vi]
             take = min(n - done, view.nbytes - vpos)
-            out = dst[off + done:off + done + take]
-            part = view[vpos:vpos + take]
-            if is_device_array(part):
-                part.get(out=out)
-            else:
-                np.copyto(out, part)
-            pieces += 1
+            yield view[vpos:vpos + take], off + done
             done += take
             vpos += take
             if vpos == view.nbytes:
                 vi, vpos = vi + 1, 0
+
+
+def copy_stream(src: Sequence[Any], dst: np.ndarray, slots: Sequence[tuple[int, int]],
+                stop: threading.Event) -> int:
+    """Copy the concatenation of ``src`` into ``dst`` at ``slots`` (stream order): one copy
+    per piece (:func:`stream_pieces`), numpy's memcpy without the GIL. Stops between pieces
+    once ``stop`` is set; returns the pieces copied."""
+    pieces = 0
+    for part, at in stream_pieces(src, slots):
+        if stop.is_set():
+            return pieces
+        out = dst[at:at + part.nbytes]
+        if is_device_array(part):
+            part.get(out=out)
+        else:
+            np.copyto(out, part)
+        pieces += 1
     return pieces
 
 

@@ -60,7 +60,7 @@ HEADLINE_SPECS = ("deepseek-v3.2", "qwen2.5-32b")
 SPECS = (*HEADLINE_SPECS, "test-small")
 REQUEST_BYTES = 32 * MiB      # one ReadBlocks worth of blocks
 BATCH_BYTES = 8 * MiB         # one UCX transfer of a read (at least one block)
-INFLIGHT = 2                  # ReadBlocks requests in flight
+INFLIGHT = 4                  # ReadBlocks requests in flight
 SHAPED_RATE = 200e6
 
 

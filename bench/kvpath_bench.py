@@ -11,7 +11,9 @@ the opt-in single-copy endpoint off) and ``rma`` (a receiver with ``same_host = 
 it, one-sided, then flushes and commits; here the puts go over tcp/lo — no verbs in the PyPI
 UCX — docs/datapath.md "One-sided RMA"). A transfer is ``PAGES`` pages of 1 MiB (8 in flight on
 ``tag``) into slots with a 4 KiB gap between pages (so no two pages merge into one message:
-every page is its own UCX message or copy, as pool pages are).
+every page is its own UCX message or copy, as pool pages are). The receiver expects every
+transfer of a phase at once and the sender has ``SEND_LANES`` transfers in flight, as a node
+forwarding several requests does; ``sender_cpu_s_per_gb`` is what the bytes cost the sender.
 
 Baseline, measured in the same run and interleaved with the page phases: ``np.copyto`` of the
 same bytes, 1 MiB at a time, between two buffer sets four times the last-level cache, visited
@@ -52,11 +54,13 @@ from common.logging import configure_logging
 from common.service import run
 from common.shm import ShmSegment
 from common.transport import PageTransport
+from tools.cluster.launcher import proc_cpu_seconds
 
 KIB, MIB = 1024, 1024 * 1024
 PAGE = MIB
 SMALL = 4 * KIB
 INFLIGHT = 8
+SEND_LANES = 2                 # transfers the sender has in flight at once
 GAP = 4 * KIB
 PAGES = 32                     # pages per transfer (32 MiB)
 REGIONS = 4                    # regions rotated on each side: 4 x 32 MiB = 4x a 32 MiB LLC
@@ -97,14 +101,25 @@ async def child_main() -> None:
             cmd = json.loads(line)
             if cmd["op"] == "exit":
                 break
-            peer, size, count = tuple(cmd["peer"]), cmd["size"], cmd["count"]
-            slots = slots_of(size, count)
-            for k, tid in enumerate(cmd["tids"]):
-                src = sources[(cmd["first"] + k) % REGIONS][:size * count]
-                await transport.send(peer, tid, [src], slots, 60.0, inflight=INFLIGHT)
+            await send_phase(transport, sources, cmd)
             print(json.dumps({"done": len(cmd["tids"])}), flush=True)
     finally:
         await transport.stop()
+
+
+async def send_phase(transport: PageTransport, sources: list[np.ndarray], cmd: dict) -> None:
+    """Send one phase's transfers, ``SEND_LANES`` at a time, as a node forwarding several
+    requests does: the next one's set-up overlaps this one's copy."""
+    peer, size, count = tuple(cmd["peer"]), cmd["size"], cmd["count"]
+    slots = slots_of(size, count)
+    lanes = asyncio.Semaphore(SEND_LANES)
+
+    async def send(k: int, tid: int) -> None:
+        async with lanes:
+            src = sources[(cmd["first"] + k) % REGIONS][:size * count]
+            await transport.send(peer, tid, [src], slots, 60.0, inflight=INFLIGHT)
+
+    await asyncio.gather(*(send(k, tid) for k, tid in enumerate(cmd["tids"])))
 
 
 # ---------------------------------------------------------------- parent (receiver)
@@ -182,13 +197,17 @@ class Receiver:
         t0 = time.perf_counter()
         send_json(self.child, {"op": "send", "peer": list(self.transport.address), "size": size,
                                "count": count, "tids": tids, "first": first})
+        # every transfer of the phase is expected at once, as a node with several requests in
+        # flight does (each lands in its own region); the sender still sends them one by one
+        handles = []
         for k, tid in enumerate(tids):
             region = (first + k) % REGIONS
             base = region * self.span
-            handle = await self.transport.expect(self.peer, tid, self.arena[base:base + self.span],
-                                                 slots, 60.0)
-            await handle.wait()
+            handles.append(await self.transport.expect(
+                self.peer, tid, self.arena[base:base + self.span], slots, 60.0))
             self.last[region] = (first + k) % REGIONS if size * count == PAGES * PAGE else -1
+        for handle in handles:
+            await handle.wait()
         elapsed = time.perf_counter() - t0
         await read_json(self.child, "sender")
         self.sent += n
@@ -300,7 +319,14 @@ async def measure_row(rx: Receiver, load: str, reps: int, n: int, nbytes: int, c
         checked += rx.verify()           # outside the timed window
         return s
 
+    sender_cpu0 = proc_cpu_seconds(rx.child.pid)
     row = await paired(reps, page, lambda: copy.seconds(nbytes), nbytes)
+    # what the bytes cost in CPU: the sending process's CPU seconds per GB over the page
+    # phases (warm-up included; the one-copy path copies with two threads) beside the
+    # memcpy's (one thread: its CPU is its time)
+    moved_gb = (reps + 1) * nbytes / 1e9
+    row["sender_cpu_s_per_gb"] = (proc_cpu_seconds(rx.child.pid) - sender_cpu0) / moved_gb
+    row["memcpy_cpu_s_per_gb"] = 1 / row["memcpy_gbps"]
     small_pages = SMALL_PAGES * (4 if quick else 16)
     small = min([await rx.transfers(SMALL, SMALL_PAGES, small_pages // SMALL_PAGES)
                  for _ in range(3)])
@@ -310,7 +336,8 @@ async def measure_row(rx: Receiver, load: str, reps: int, n: int, nbytes: int, c
 
 
 COLUMNS = ["path", "load", "page_bytes", "inflight", "gbps", "memcpy_gbps", "vs_memcpy",
-           "verified", "pages_per_s_4k", "loadavg_1m"]
+           "sender_cpu_s_per_gb", "memcpy_cpu_s_per_gb", "verified", "pages_per_s_4k",
+           "loadavg_1m"]
 
 
 def main(argv: list[str] | None = None) -> int:

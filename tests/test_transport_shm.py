@@ -25,7 +25,8 @@ from common.errors import DeadlineExceeded, PeerFailed, Unavailable
 from common.transport import PageTransport
 from common.transport.plan import (HELLO_BYTES, TransferHello, decode_hello, encode_hello,
                                    shm_link)
-from common.transport.shm_path import COMMIT, Control, Fence, copy_stream, slots_digest
+from common.transport.shm_path import (COMMIT, Control, Fence, copy_pieces, copy_stream,
+                                       slots_digest, split_pieces, stream_pieces)
 from tests.helpers import until
 from tests.test_transport import PeerProc, gapped
 from tests.transport_peer import gather, pattern, split_views
@@ -100,6 +101,32 @@ def test_copy_stream_places_pieces_and_stops_between_them():
     assert copy_stream(views, np.zeros(30_000, np.uint8), slots, stop) == 0
     assert slots_digest(slots) == slots_digest([*slots[:1], (5, 0), *slots[1:]])
     assert slots_digest(slots) != slots_digest(slots[::-1])
+
+
+def test_split_pieces_deals_chunks_in_stream_order_into_even_runs():
+    """A large transfer's pieces cut at the chunk size and dealt to copy threads: every byte
+    lands where the one-thread copy puts it, each run is contiguous in stream order, and the
+    runs carry about equal bytes."""
+    src = pattern(2, 100_000)
+    views = split_views(src, 3)
+    slots = [(50_000, 30_000), (0, 45_000), (90_000, 25_000)]
+    pieces = list(stream_pieces(views, slots))
+    runs = split_pieces(pieces, 2, 8_000)
+    assert len(runs) == 2
+    assert all(p.nbytes <= 8_000 for run in runs for p, _ in run)
+    sizes = [sum(p.nbytes for p, _ in run) for run in runs]
+    assert sum(sizes) == 100_000 and abs(sizes[0] - sizes[1]) <= 8_000
+    flat = [at for run in runs for _, at in run]
+    assert flat == sorted(flat, key=lambda at: next(i for i, (o, n) in enumerate(slots)
+                                                    if o <= at < o + n) * 10**9 + at)
+    dst = np.zeros(120_000, np.uint8)
+    assert sum(copy_pieces(run, dst, threading.Event()) for run in runs) == \
+        sum(len(run) for run in runs)
+    assert np.array_equal(gather(dst, slots), src)
+    uncut = split_pieces(pieces, 4, 1 << 20)           # chunk above every piece: none cut
+    assert 1 < len(uncut) <= 4 and all(uncut)
+    assert [at for run in uncut for _, at in run] == [at for _, at in pieces]
+    assert split_pieces([], 2, 1024) == []
 
 
 # ---------------------------------------------------------------- in one process

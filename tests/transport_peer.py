@@ -54,26 +54,24 @@ def split_views(buf: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 def slow_down_copies(pause_s: float) -> None:
-    """Make one-copy sends of this process pause between slots (tests kill it mid-copy)."""
+    """Make one-copy sends of this process pause after each piece (tests kill it mid-copy)."""
     import threading
     import time
 
     from common.transport import shm_transfers
 
-    fast = shm_transfers.copy_stream
+    fast = shm_transfers.copy_pieces
 
-    def slow(src, dst, slots, stop: threading.Event) -> int:
-        pieces, pos = 0, 0
-        stream = np.concatenate(list(src)) if len(src) > 1 else src[0]
-        for off, n in slots:
-            pieces += fast([stream[pos:pos + n]], dst, [(off, n)], stop)
-            pos += n
+    def slow(pieces, dst, stop: threading.Event) -> int:
+        copied = 0
+        for piece in pieces:
+            copied += fast([piece], dst, stop)
             time.sleep(pause_s)
             if stop.is_set():
                 break
-        return pieces
+        return copied
 
-    shm_transfers.copy_stream = slow  # type: ignore[assignment]
+    shm_transfers.copy_pieces = slow  # type: ignore[assignment]
 
 
 def slow_down_puts(pause_s: float) -> None:

@@ -113,19 +113,51 @@ def stream_pieces(src: Sequence[Any], slots: Sequence[tuple[int, int]]
 def copy_stream(src: Sequence[Any], dst: np.ndarray, slots: Sequence[tuple[int, int]],
                 stop: threading.Event) -> int:
     """Copy the concatenation of ``src`` into ``dst`` at ``slots`` (stream order): one copy
-    per piece (:func:`stream_pieces`), numpy's memcpy without the GIL. Stops between pieces
-    once ``stop`` is set; returns the pieces copied."""
-    pieces = 0
-    for part, at in stream_pieces(src, slots):
+    per piece (:func:`stream_pieces`). Stops between pieces once ``stop`` is set; returns
+    the pieces copied."""
+    return copy_pieces(list(stream_pieces(src, slots)), dst, stop)
+
+
+def copy_pieces(pieces: Sequence[tuple[Any, int]], dst: np.ndarray,
+                stop: threading.Event) -> int:
+    """Copy each (source view, offset) into ``dst`` — numpy's memcpy without the GIL, or a
+    device-to-host copy for a device view. Stops between pieces once ``stop`` is set;
+    returns the pieces copied."""
+    copied = 0
+    for part, at in pieces:
         if stop.is_set():
-            return pieces
+            return copied
         out = dst[at:at + part.nbytes]
         if is_device_array(part):
             part.get(out=out)
         else:
             np.copyto(out, part)
-        pieces += 1
-    return pieces
+        copied += 1
+    return copied
+
+
+def split_pieces(pieces: Sequence[tuple[Any, int]], parts: int, chunk: int
+                 ) -> list[list[tuple[Any, int]]]:
+    """``pieces`` cut into chunks of at most ``chunk`` bytes and dealt into up to ``parts``
+    runs of about equal bytes (in stream order), one per copy thread: one large transfer is
+    copied by several cores at once. Device views are not cut (one ``get`` each)."""
+    cut: list[tuple[Any, int]] = []
+    for part, at in pieces:
+        if is_device_array(part) or part.nbytes <= chunk:
+            cut.append((part, at))
+            continue
+        for lo in range(0, part.nbytes, chunk):
+            cut.append((part[lo:lo + chunk], at + lo))
+    total = sum(p.nbytes for p, _ in cut)
+    runs: list[list[tuple[Any, int]]] = [[]]
+    filled = 0
+    for part, at in cut:
+        # start the next run once this one holds its share (the last run takes the rest)
+        if len(runs) < parts and filled >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append((part, at))
+        filled += part.nbytes
+    return [r for r in runs if r]
 
 
 class Fence:

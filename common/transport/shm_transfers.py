@@ -38,7 +38,7 @@ from common.errors import PeerFailed, ProtocolError
 from common.transport.links import Links
 from common.transport.shm_path import (COMMIT, CONTROL_BYTES, CONTROL_TAG, PATH_RMA, PATH_SHM,
                                        PATH_TAG, READY, Control, LocalSegment, check_within,
-                                       copy_stream, slots_digest)
+                                       copy_pieces, slots_digest, split_pieces, stream_pieces)
 from common.transport.ucx import Link, Transfer, ucxx
 from common.transport.ucx_env import WorkerProgress
 
@@ -49,6 +49,13 @@ _EARLY_READY = 4096        # READYs kept for sends that have not started
 _FENCED = 4096             # given-up transfer ids whose fence this side keeps
 _FENCE_POLL_S = 0.001
 _SETTLE_S = 5.0            # bound on a give-up waiting for a copy to stop (as transfers')
+# One copy by several cores: a transfer of at least _SPLIT_FROM_BYTES is cut into chunks of
+# at most _COPY_CHUNK and copied by _COPY_THREADS threads at once (one thread's memcpy from
+# main memory runs 10-13 GB/s here, two 13-17: docs/datapath.md "Same host: one copy");
+# several transfers at once share the same threads.
+_COPY_THREADS = 2
+_COPY_CHUNK = 1 << 20
+_SPLIT_FROM_BYTES = 4 << 20
 _COUNTS = ("shm_transfers_sent", "shm_transfers_received", "shm_bytes_sent",
            "shm_bytes_received", "shm_pieces_copied", "shm_transfers_tag_fallback",
            "shm_commits_dropped", "shm_ready_dropped", "shm_fences", "shm_fences_not_settled",
@@ -76,7 +83,7 @@ class ShmTransfers:
             collections.OrderedDict()
         self._fenced: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._copying: dict[Link, set[threading.Event]] = {}    # copies running, per link
-        self._copier = concurrent.futures.ThreadPoolExecutor(2, "dualpath-shm-copy")
+        self._copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, "dualpath-shm-copy")
         self._open = True
         progress.hooks.append(self._on_round)
         links.down_hooks.append(self._link_down)
@@ -330,12 +337,23 @@ class ShmTransfers:
             copying = self._copying.setdefault(link, set())
             copying.add(stop)
             dst = peer.array[ready.offset:ready.offset + ready.span]
-            job = self._loop.run_in_executor(self._copier, copy_stream, src, dst, slots, stop)
+            pieces = list(stream_pieces(src, slots))
+            runs = split_pieces(pieces, _COPY_THREADS, _COPY_CHUNK) \
+                if ready.nbytes >= _SPLIT_FROM_BYTES else [pieces]
+            # done only when every thread ended (return_exceptions): the fence must not be
+            # released while one still writes
+            job = asyncio.gather(*(self._loop.run_in_executor(self._copier, copy_pieces, run,
+                                                              dst, stop) for run in runs),
+                                 return_exceptions=True)
             try:
-                pieces = await asyncio.shield(job)
+                copied = 0
+                for outcome in await asyncio.shield(job):
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    copied += outcome
                 if stop.is_set():
                     raise PeerFailed(f"endpoint to {link.addr} is down: {link.failure}")
-                return pieces
+                return copied
             except BaseException:
                 stop.set()
                 while not job.done():

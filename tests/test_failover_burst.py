@@ -34,6 +34,7 @@ def test_leader_kill_during_a_burst_loses_and_duplicates_nothing(reliability):
         res = asyncio.run(h.burst_kill(16, turns=2))
         # pages of attempts the dead leader planned are freed by their leases: wait for quiet
         quiet_s = asyncio.run(h._quiet(None))
+        not_quiet = h.not_quiet                           # what it saw last, if never quiet
         leaks, mismatches = asyncio.run(h._leaks())
         after = asyncio.run(h.status()).discovery
         gone = asyncio.run(_kill_9_a_node(h, "de_loader:d1", "/dualpath/nodes/d1/de_loader"))
@@ -45,7 +46,7 @@ def test_leader_kill_during_a_burst_loses_and_duplicates_nothing(reliability):
     assert res.lost == 0, res.lost_detail
     assert res.finished == res.planned > 0
     assert res.duplicate_finals == 0
-    assert quiet_s is not None, leaks                     # every page free in the end
+    assert quiet_s is not None, (leaks, not_quiet)        # every page free in the end
     assert sum(v or 0 for v in leaks.values()) == 0 and mismatches == 0, leaks
     assert REGISTERED <= set(after)                        # the new leader's watch sees them
     assert gone                                            # kill -9 → key and node gone

@@ -25,8 +25,7 @@ from common.errors import DeadlineExceeded, PeerFailed, Unavailable
 from common.transport import PageTransport
 from common.transport.plan import (HELLO_BYTES, TransferHello, decode_hello, encode_hello,
                                    shm_link)
-from common.transport.shm_path import (COMMIT, Control, Fence, copy_pieces, copy_stream,
-                                       slots_digest, split_pieces, stream_pieces)
+from common.transport.shm_path import COMMIT, Control, Fence, copy_stream, slots_digest
 from tests.helpers import until
 from tests.test_transport import PeerProc, gapped
 from tests.transport_peer import gather, pattern, split_views
@@ -103,30 +102,32 @@ def test_copy_stream_places_pieces_and_stops_between_them():
     assert slots_digest(slots) != slots_digest(slots[::-1])
 
 
-def test_split_pieces_deals_chunks_in_stream_order_into_even_runs():
-    """A large transfer's pieces cut at the chunk size and dealt to copy threads: every byte
-    lands where the one-thread copy puts it, each run is contiguous in stream order, and the
-    runs carry about equal bytes."""
-    src = pattern(2, 100_000)
+def test_copy_stream_in_shares_writes_every_byte_once_and_only_its_share():
+    """A large transfer copied by several threads: each share writes exactly its contiguous
+    byte range of the stream (pieces cut where a share ends), together every byte lands where
+    the one-thread copy puts it."""
+    src = pattern(2, 100_000) | 1                 # no zero byte: a written byte shows
     views = split_views(src, 3)
     slots = [(50_000, 30_000), (0, 45_000), (90_000, 25_000)]
-    pieces = list(stream_pieces(views, slots))
-    runs = split_pieces(pieces, 2, 8_000)
-    assert len(runs) == 2
-    assert all(p.nbytes <= 8_000 for run in runs for p, _ in run)
-    sizes = [sum(p.nbytes for p, _ in run) for run in runs]
-    assert sum(sizes) == 100_000 and abs(sizes[0] - sizes[1]) <= 8_000
-    flat = [at for run in runs for _, at in run]
-    assert flat == sorted(flat, key=lambda at: next(i for i, (o, n) in enumerate(slots)
-                                                    if o <= at < o + n) * 10**9 + at)
-    dst = np.zeros(120_000, np.uint8)
-    assert sum(copy_pieces(run, dst, threading.Event()) for run in runs) == \
-        sum(len(run) for run in runs)
-    assert np.array_equal(gather(dst, slots), src)
-    uncut = split_pieces(pieces, 4, 1 << 20)           # chunk above every piece: none cut
-    assert 1 < len(uncut) <= 4 and all(uncut)
-    assert [at for run in uncut for _, at in run] == [at for _, at in pieces]
-    assert split_pieces([], 2, 1024) == []
+    whole = np.zeros(120_000, np.uint8)
+    copy_stream(views, whole, slots, threading.Event())
+    for shares in (2, 3, 7):
+        dst = np.zeros(120_000, np.uint8)
+        written = np.zeros(120_000, np.int64)
+        for share in range(shares):
+            mine = np.zeros(120_000, np.uint8)
+            assert copy_stream(views, mine, slots, threading.Event(), share, shares) >= 1
+            got = gather(mine, slots)
+            lo, hi = 100_000 * share // shares, 100_000 * (share + 1) // shares
+            assert np.array_equal(got[lo:hi], src[lo:hi])      # its range, byte-exact
+            assert not got[:lo].any() and not got[hi:].any()   # nothing outside it
+            dst += mine
+            written += mine != 0
+        assert np.array_equal(dst, whole)
+        assert (gather(written, slots) == 1).all() and written.sum() == 100_000
+    stop = threading.Event()
+    stop.set()
+    assert copy_stream(views, np.zeros(120_000, np.uint8), slots, stop, 1, 2) == 0
 
 
 # ---------------------------------------------------------------- in one process

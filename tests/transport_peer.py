@@ -54,24 +54,30 @@ def split_views(buf: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 def slow_down_copies(pause_s: float) -> None:
-    """Make one-copy sends of this process pause after each piece (tests kill it mid-copy)."""
+    """Make one-copy sends of this process pause after each slot (tests kill it mid-copy):
+    each copy thread copies the slots its share of the stream touches, one at a time."""
     import threading
     import time
 
     from common.transport import shm_transfers
 
-    fast = shm_transfers.copy_pieces
+    fast = shm_transfers.copy_stream
 
-    def slow(pieces, dst, stop: threading.Event) -> int:
-        copied = 0
-        for piece in pieces:
-            copied += fast([piece], dst, stop)
-            time.sleep(pause_s)
-            if stop.is_set():
-                break
-        return copied
+    def slow(src, dst, slots, stop: threading.Event, share: int = 0, shares: int = 1) -> int:
+        stream = np.concatenate(list(src)) if len(src) > 1 else src[0]
+        total = sum(n for _, n in slots)
+        lo, hi = total * share // shares, total * (share + 1) // shares
+        copies, pos = 0, 0
+        for off, n in slots:
+            if pos < hi and pos + n > lo:
+                copies += fast([stream[pos:pos + n]], dst, [(off, n)], stop)
+                time.sleep(pause_s)
+                if stop.is_set():
+                    break
+            pos += n
+        return copies
 
-    shm_transfers.copy_pieces = slow  # type: ignore[assignment]
+    shm_transfers.copy_stream = slow  # type: ignore[assignment]
 
 
 def slow_down_puts(pause_s: float) -> None:

@@ -111,53 +111,34 @@ def stream_pieces(src: Sequence[Any], slots: Sequence[tuple[int, int]]
 
 
 def copy_stream(src: Sequence[Any], dst: np.ndarray, slots: Sequence[tuple[int, int]],
-                stop: threading.Event) -> int:
+                stop: threading.Event, share: int = 0, shares: int = 1) -> int:
     """Copy the concatenation of ``src`` into ``dst`` at ``slots`` (stream order): one copy
-    per piece (:func:`stream_pieces`). Stops between pieces once ``stop`` is set; returns
-    the pieces copied."""
-    return copy_pieces(list(stream_pieces(src, slots)), dst, stop)
-
-
-def copy_pieces(pieces: Sequence[tuple[Any, int]], dst: np.ndarray,
-                stop: threading.Event) -> int:
-    """Copy each (source view, offset) into ``dst`` — numpy's memcpy without the GIL, or a
-    device-to-host copy for a device view. Stops between pieces once ``stop`` is set;
-    returns the pieces copied."""
-    copied = 0
-    for part, at in pieces:
-        if stop.is_set():
-            return copied
-        out = dst[at:at + part.nbytes]
-        if is_device_array(part):
-            part.get(out=out)
-        else:
-            np.copyto(out, part)
-        copied += 1
-    return copied
-
-
-def split_pieces(pieces: Sequence[tuple[Any, int]], parts: int, chunk: int
-                 ) -> list[list[tuple[Any, int]]]:
-    """``pieces`` cut into chunks of at most ``chunk`` bytes and dealt into up to ``parts``
-    runs of about equal bytes (in stream order), one per copy thread: one large transfer is
-    copied by several cores at once. Device views are not cut (one ``get`` each)."""
-    cut: list[tuple[Any, int]] = []
-    for part, at in pieces:
-        if is_device_array(part) or part.nbytes <= chunk:
-            cut.append((part, at))
+    per piece (:func:`stream_pieces`) — numpy's memcpy without the GIL, or a device-to-host
+    copy for a device view. With ``shares`` > 1 only share ``share`` of the stream's bytes
+    (the ``share``-th of ``shares`` contiguous byte ranges), so that many threads copy one
+    transfer at once, each walking the pieces itself (nothing is planned on the event loop).
+    Stops between pieces once ``stop`` is set; returns the copies made."""
+    total = sum(n for _, n in slots)
+    lo, hi = total * share // shares, total * (share + 1) // shares
+    pos, copies = 0, 0
+    for part, at in stream_pieces(src, slots):
+        if pos >= hi:
+            break
+        start, end = max(lo, pos), min(hi, pos + part.nbytes)
+        pos += part.nbytes
+        if start >= end:
             continue
-        for lo in range(0, part.nbytes, chunk):
-            cut.append((part[lo:lo + chunk], at + lo))
-    total = sum(p.nbytes for p, _ in cut)
-    runs: list[list[tuple[Any, int]]] = [[]]
-    filled = 0
-    for part, at in cut:
-        # start the next run once this one holds its share (the last run takes the rest)
-        if len(runs) < parts and filled >= total * len(runs) / parts:
-            runs.append([])
-        runs[-1].append((part, at))
-        filled += part.nbytes
-    return [r for r in runs if r]
+        if stop.is_set():
+            return copies
+        skip = start - (pos - part.nbytes)
+        piece = part[skip:skip + end - start]
+        out = dst[at + skip:at + skip + piece.nbytes]
+        if is_device_array(piece):
+            piece.get(out=out)
+        else:
+            np.copyto(out, piece)
+        copies += 1
+    return copies
 
 
 class Fence:

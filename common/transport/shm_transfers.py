@@ -38,7 +38,7 @@ from common.errors import PeerFailed, ProtocolError
 from common.transport.links import Links
 from common.transport.shm_path import (COMMIT, CONTROL_BYTES, CONTROL_TAG, PATH_RMA, PATH_SHM,
                                        PATH_TAG, READY, Control, LocalSegment, check_within,
-                                       copy_pieces, slots_digest, split_pieces, stream_pieces)
+                                       copy_stream, slots_digest)
 from common.transport.ucx import Link, Transfer, ucxx
 from common.transport.ucx_env import WorkerProgress
 
@@ -49,12 +49,11 @@ _EARLY_READY = 4096        # READYs kept for sends that have not started
 _FENCED = 4096             # given-up transfer ids whose fence this side keeps
 _FENCE_POLL_S = 0.001
 _SETTLE_S = 5.0            # bound on a give-up waiting for a copy to stop (as transfers')
-# One copy by several cores: a transfer of at least _SPLIT_FROM_BYTES is cut into chunks of
-# at most _COPY_CHUNK and copied by _COPY_THREADS threads at once (one thread's memcpy from
-# main memory runs 10-13 GB/s here, two 13-17: docs/datapath.md "Same host: one copy");
+# One copy by several cores: a transfer of at least _SPLIT_FROM_BYTES is copied by
+# _COPY_THREADS threads at once, each a contiguous share of its bytes (one thread's memcpy
+# from main memory runs 10-13 GB/s here, two 13-17: docs/datapath.md "Same host: one copy");
 # several transfers at once share the same threads.
 _COPY_THREADS = 2
-_COPY_CHUNK = 1 << 20
 _SPLIT_FROM_BYTES = 4 << 20
 _COUNTS = ("shm_transfers_sent", "shm_transfers_received", "shm_bytes_sent",
            "shm_bytes_received", "shm_pieces_copied", "shm_transfers_tag_fallback",
@@ -337,14 +336,12 @@ class ShmTransfers:
             copying = self._copying.setdefault(link, set())
             copying.add(stop)
             dst = peer.array[ready.offset:ready.offset + ready.span]
-            pieces = list(stream_pieces(src, slots))
-            runs = split_pieces(pieces, _COPY_THREADS, _COPY_CHUNK) \
-                if ready.nbytes >= _SPLIT_FROM_BYTES else [pieces]
+            shares = _COPY_THREADS if ready.nbytes >= _SPLIT_FROM_BYTES else 1
             # done only when every thread ended (return_exceptions): the fence must not be
             # released while one still writes
-            job = asyncio.gather(*(self._loop.run_in_executor(self._copier, copy_pieces, run,
-                                                              dst, stop) for run in runs),
-                                 return_exceptions=True)
+            job = asyncio.gather(*(self._loop.run_in_executor(
+                self._copier, copy_stream, src, dst, slots, stop, share, shares)
+                for share in range(shares)), return_exceptions=True)
             try:
                 copied = 0
                 for outcome in await asyncio.shield(job):

@@ -202,6 +202,7 @@ class ChaosHarness:
         self.echo = echo or (lambda msg: None)
         self._seed = 1000
         self._nodes_before = 0
+        self.not_quiet: dict[str, Any] = {}    # what _quiet saw last when it gave up
         from common.kv import spec_from_config
         self.block_tokens = spec_from_config(self.cluster.cfg.kv).block_tokens
 
@@ -217,6 +218,9 @@ class ChaosHarness:
             if alive(p):
                 _signal(p.pid, signal.SIGCONT)     # a paused child must be able to stop
         self.launcher.down()
+        if os.environ.get("DUALPATH_KEEP_CHAOS_DIR") == "1":    # its services' logs, to read
+            self.echo(f"   kept {self._tmp} (DUALPATH_KEEP_CHAOS_DIR=1)")
+            return
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> ChaosHarness:
@@ -492,9 +496,12 @@ class ChaosHarness:
         end = time.monotonic() + DEADLINE_S + LATE_S
         while time.monotonic() < end:
             st = await self.status()
+            self.not_quiet = {"requests": dict(st.requests)}
             if not any(st.requests.values()):
                 leaks, _ = await self._leaks()
+                self.not_quiet["pages_held"] = leaks
                 if all(v == 0 for v in leaks.values()):
+                    self.not_quiet = {}
                     return time.monotonic() - start
             await asyncio.sleep(0.2)
         return None

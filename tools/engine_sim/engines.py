@@ -265,7 +265,16 @@ class DecodeEngineSim:
         seq = _Seq(req, [first], hbm)
         self.active[req.request_id] = seq
         if info.gen_tokens == 1:
-            await self._end(seq)
+            # a one-token request ends here, not in _step: its attempt may have been dropped
+            # while took_kv() waited (the node's scheduler lease lost in a failover), and that
+            # finish fails typed — the request fails, the engine keeps serving (before, the
+            # error ended this engine's task silently and every later request on it hung)
+            try:
+                await self._end(seq)
+            except DualpathError as e:
+                self.active.pop(req.request_id, None)
+                self.counters["dropped"] += 1
+                await req.fail(e)
 
     def _verify(self, req: DecodeHandle) -> None:
         info = req.info
@@ -326,6 +335,13 @@ class DecodeEngineSim:
         self.counters["finished"] += 1
 
 
+def _report_death(task: asyncio.Task) -> None:
+    """An engine's task ended while its host runs: log it at once (an engine that stopped
+    serving leaves every request placed on it waiting; found at stop, it was found too late)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine_failed", task=task.get_name(), exc_info=task.exception())
+
+
 class EngineHost:
     """Runs one emulated engine per port of a node service (``service.ports``)."""
 
@@ -344,15 +360,19 @@ class EngineHost:
             else:
                 raise InvalidArgument(f"unknown port type {type(port).__name__}")
             self.engines.append(eng)
-            self._tasks.append(asyncio.get_running_loop().create_task(
-                eng.run(), name=f"engine-{port.engine_id}"))
+            task = asyncio.get_running_loop().create_task(eng.run(),
+                                                          name=f"engine-{port.engine_id}")
+            task.add_done_callback(_report_death)
+            self._tasks.append(task)
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        running = [t for t in self._tasks if not t.done()]    # the others were reported
+        for t in running:
+            t.remove_done_callback(_report_death)
             t.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks)
-        for t in self._tasks:
+        if running:
+            await asyncio.wait(running)
+        for t in running:
             if not t.cancelled() and t.exception() is not None:
                 log.error("engine_failed", task=t.get_name(), exc_info=t.exception())
         self._tasks.clear()

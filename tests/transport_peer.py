@@ -60,13 +60,13 @@ def slow_down_copies(pause_s: float) -> None:
     import time
 
     from common.transport import shm_transfers
+    from common.transport.shm_path import share_bounds
 
     fast = shm_transfers.copy_stream
 
     def slow(src, dst, slots, stop: threading.Event, share: int = 0, shares: int = 1) -> int:
         stream = np.concatenate(list(src)) if len(src) > 1 else src[0]
-        total = sum(n for _, n in slots)
-        lo, hi = total * share // shares, total * (share + 1) // shares
+        lo, hi = share_bounds(sum(n for _, n in slots), share, shares)
         copies, pos = 0, 0
         for off, n in slots:
             if pos < hi and pos + n > lo:

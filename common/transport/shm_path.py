@@ -118,27 +118,30 @@ def copy_stream(src: Sequence[Any], dst: np.ndarray, slots: Sequence[tuple[int, 
     (the ``share``-th of ``shares`` contiguous byte ranges), so that many threads copy one
     transfer at once, each walking the pieces itself (nothing is planned on the event loop).
     Stops between pieces once ``stop`` is set; returns the copies made."""
-    total = sum(n for _, n in slots)
-    lo, hi = total * share // shares, total * (share + 1) // shares
+    lo, hi = share_bounds(sum(n for _, n in slots), share, shares)
     pos, copies = 0, 0
     for part, at in stream_pieces(src, slots):
-        if pos >= hi:
-            break
-        start, end = max(lo, pos), min(hi, pos + part.nbytes)
-        pos += part.nbytes
-        if start >= end:
+        begin, pos = pos, pos + part.nbytes
+        if pos <= lo:
             continue
+        if begin >= hi:
+            break
         if stop.is_set():
             return copies
-        skip = start - (pos - part.nbytes)
-        piece = part[skip:skip + end - start]
-        out = dst[at + skip:at + skip + piece.nbytes]
-        if is_device_array(piece):
-            piece.get(out=out)
+        a, b = max(lo, begin) - begin, min(hi, pos) - begin    # this share's part of the piece
+        out = dst[at + a:at + b]
+        if is_device_array(part):
+            part[a:b].get(out=out)
         else:
-            np.copyto(out, piece)
+            np.copyto(out, part[a:b])
         copies += 1
     return copies
+
+
+def share_bounds(total: int, share: int, shares: int) -> tuple[int, int]:
+    """Byte range ``[lo, hi)`` of a stream of ``total`` bytes that copy share ``share`` of
+    ``shares`` writes (contiguous, about equal)."""
+    return total * share // shares, total * (share + 1) // shares
 
 
 class Fence:

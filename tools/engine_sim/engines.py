@@ -257,8 +257,7 @@ class DecodeEngineSim:
                 if self.cfg.hbm_copy else []
             await req.took_kv()
         except DualpathError as e:
-            await req.fail(e)
-            self.counters["dropped"] += 1
+            await self._drop(req, e)
             return
         first = req.first_token_id if req.first_token_id is not None else \
             token_id(info.session_id, info.prompt_tokens, self.cfg.vocab)
@@ -272,9 +271,7 @@ class DecodeEngineSim:
             try:
                 await self._end(seq)
             except DualpathError as e:
-                self.active.pop(req.request_id, None)
-                self.counters["dropped"] += 1
-                await req.fail(e)
+                await self._drop(req, e)
 
     def _verify(self, req: DecodeHandle) -> None:
         info = req.info
@@ -310,9 +307,7 @@ class DecodeEngineSim:
                 if len(s.out) >= info.gen_tokens:
                     await self._end(s)
             except DualpathError as e:
-                self.active.pop(s.req.request_id, None)
-                self.counters["dropped"] += 1
-                await s.req.fail(e)
+                await self._drop(s.req, e)
 
     async def _blocks(self, s: _Seq) -> None:
         """Persist each block of prompt tail + generated tokens whose KV now exists."""
@@ -333,6 +328,12 @@ class DecodeEngineSim:
         self.active.pop(s.req.request_id, None)
         await s.req.finish(s.out)
         self.counters["finished"] += 1
+
+    async def _drop(self, req: DecodeHandle, e: DualpathError) -> None:
+        """``req`` failed typed: out of the batch, counted, failed to its node."""
+        self.active.pop(req.request_id, None)
+        self.counters["dropped"] += 1
+        await req.fail(e)
 
 
 def _report_death(task: asyncio.Task) -> None:

@@ -91,3 +91,12 @@ def test_shipped_configs_load(path):
     cfg = load_config(path, DualpathConfig, environ={})
     assert isinstance(cfg, DualpathConfig)
     assert msgspec.to_builtins(cfg)
+
+
+def test_etcd_step_down_shorter_than_the_lease_is_refused():
+    from services.config import ServicesConfig
+    with pytest.raises(ConfigError, match="step_down_s"):
+        build_config({}, ServicesConfig, environ={"DUALPATH__ETCD__LEASE_S": "5",
+                                                  "DUALPATH__ETCD__STEP_DOWN_S": "3"})
+    cfg = build_config({}, ServicesConfig, environ={"DUALPATH__ETCD__STEP_DOWN_S": "30"})
+    assert cfg.etcd.step_down_s == 30.0

@@ -108,10 +108,10 @@ async def _elected(stack: contextlib.AsyncExitStack, cfg: ServicesConfig, gatewa
 
 
 async def _lead_until_lost(election: SchedulerElection, svc: SchedulerService) -> None:
-    """Keep the leader lease; when it is lost, step down (the process ends, exit status 1)."""
-    await election.keep()
-    log.error("scheduler_stepped_down", epoch=svc.epoch,
-              reason=f"leader lease not renewed for {election.cfg.lease_s}s")
+    """Keep the leader lease (serving only while etcd confirms it); when it is lost, step down
+    (the process ends, exit status 1)."""
+    reason = await election.keep(svc.lease_unconfirmed, svc.lease_confirmed)
+    log.error("scheduler_stepped_down", epoch=svc.epoch, reason=reason)
     await svc.stop()
 
 

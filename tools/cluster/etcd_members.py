@@ -2,13 +2,15 @@
 
 ``EtcdMembers(tmp, n).start()`` launches ``n`` members of one cluster (Debian ``etcd-server``,
 ``make etcd``) and waits until every one answers a health check; ``kill(i)`` SIGKILLs one,
-``restart(i)`` brings it back on its ports and data; ``stop()`` ends them all, by pid.
+``restart(i)`` brings it back on its ports and data; ``stop()`` ends them all, by pid;
+``raft_leader()`` says which member etcd's own raft elected (its loss costs an election).
 ``etcd_missing()`` says why etcd cannot run here (tests skip loudly on it, and fail under
 ``CI=true``: ``tests.helpers.require_etcd``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -69,6 +71,20 @@ class EtcdMembers:
                             "endpoint", "health"], capture_output=True,
                            env={**os.environ, "ETCDCTL_API": "3"})
         return r.returncode == 0
+
+    def raft_leader(self) -> int:
+        """The index of the member that is etcd's raft leader (``etcdctl endpoint status``)."""
+        r = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints),
+                            "--dial-timeout=1s", "endpoint", "status", "-w", "json"],
+                           capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"})
+        if r.returncode != 0:
+            raise RuntimeError(f"etcdctl endpoint status failed: {r.stderr[-500:]}")
+        members = {s["Endpoint"]: s["Status"] for s in json.loads(r.stdout)}
+        for i, ep in enumerate(self.endpoints):
+            st = members.get(ep) or members.get(f"http://{ep}")
+            if st is not None and st["header"]["member_id"] == st["leader"]:
+                return i
+        raise RuntimeError(f"no etcd member reports itself raft leader: {r.stdout[-500:]}")
 
     def wait_healthy(self, members, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s

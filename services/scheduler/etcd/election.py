@@ -11,8 +11,10 @@ With ``[etcd] endpoints`` set, two or more scheduler replicas run; one is the le
   grows — is the leader's epoch (``SchedulerService.epoch``). Every node-facing reply carries
   it (``RegisterNodeReply``, ``FetchWorkReply``); a node refuses a reply whose epoch is below
   the highest it has seen, so a deposed leader's plans are not run (``NodeSession``).
-* **Stepping down.** A leader that cannot renew its lease for ``lease_s`` (etcd lost, or
-  partitioned from it) stops serving: by then another replica may have won.
+* **Stepping down.** A leader that cannot renew its lease for ``lease_s`` stops serving (it
+  may have been deposed); a renewal that finds the lease alive lets it serve on with the same
+  epoch (etcd's own leader change, a member lost); the lease gone in etcd, or no renewal for
+  ``step_down_s`` (etcd lost, or partitioned from it), ends it (``keep``).
 * **Discovery.** The key's value is the leader's RPC address; frontends and nodes resolve it
   before each connection attempt (:class:`LeaderResolver`, ``RpcClient(resolve=...)``).
 
@@ -174,30 +176,59 @@ class SchedulerElection:
             return None                     # lost between the two calls: campaign again
         return int(got.create_revision)
 
-    async def keep(self) -> None:
-        """Renew the lease every third of it; return when it could not be renewed for a whole
-        lease (the caller steps down: another replica may lead by now).
+    async def keep(self, unconfirmed: Callable[[str], None],
+                   confirmed: Callable[[float], None]) -> str:
+        """Renew the lease every third of it; return why the leader must step down.
 
-        Each try gives a member a quarter of the lease, then goes on to the next member (a
-        3-member etcd that lost one still renews well inside the lease), and a failed round
-        is retried at once, not a third of a lease later."""
+        Each try gives a member a quarter of the lease, then goes on to the next member, and a
+        failed round is retried at once, not a third of a lease later. After a whole lease
+        without renewal the lease may have lapsed in etcd (and another replica won), so
+        ``unconfirmed(reason)`` stops the service serving. It does not step down yet: losing
+        etcd's raft leader (a member killed) leaves etcd without one for an election or two —
+        seconds, longer than the lease when the survivors split their votes — and a new raft
+        leader extends every lease (etcd's lessor ``Promote``), so the lease usually lives on.
+        A later renewal that finds it alive (and the key still ours) proves no other replica
+        led meanwhile: ``confirmed(seconds_in_doubt)`` and the same epoch serves on. Returns
+        when etcd says the lease is gone, the key is not ours, or ``step_down_s`` passed
+        without a renewal."""
         last_ok = time.monotonic()
-        lease, renewed = self._lease, True
-        per_member = self.cfg.lease_s / 4
+        doubt_since: float | None = None
+        renewed = True
         while True:
             await asyncio.sleep(self.cfg.lease_s / 3 if renewed else 0.05)
             try:
-                reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id), per_member)
-                if reply is None or reply.TTL <= 0:
-                    log.error("leader_lease_gone", node_id=self.node_id, epoch=self.epoch)
-                    return
-                last_ok, renewed = time.monotonic(), True
+                gone = await self._renew()
             except Unavailable as e:
                 renewed = False
+                now = time.monotonic()
                 log.warning("leader_lease_renewal_failed", node_id=self.node_id,
                             error=e.message)
-                if time.monotonic() - last_ok >= self.cfg.lease_s:
-                    return
+                if now - last_ok >= self.cfg.step_down_s:
+                    return (f"leader lease not confirmed by etcd for {self.cfg.step_down_s}s "
+                            f"(etcd.step_down_s)")
+                if now - last_ok >= self.cfg.lease_s:
+                    doubt_since = doubt_since or now
+                    unconfirmed(f"not renewed for {now - last_ok:.1f}s: {e.message}")
+                continue
+            if gone:
+                log.error("leader_lease_gone", node_id=self.node_id, epoch=self.epoch,
+                          reason=gone)
+                return gone
+            last_ok, renewed = time.monotonic(), True
+            if doubt_since is not None:
+                confirmed(last_ok - doubt_since)
+                doubt_since = None
+
+    async def _renew(self) -> str | None:
+        """Refresh the lease once: None while it lives and holds our key; why it is lost."""
+        lease, key = self._lease, self.key
+        reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id), self.cfg.lease_s / 4)
+        if reply is None or reply.TTL <= 0:
+            return "leader lease expired in etcd"
+        got = await self.etcd.call(lambda c: c.get(key), self.cfg.lease_s / 4)
+        if got is None or got.value != self._value:
+            return "leader key deleted or replaced in etcd"
+        return None
 
     async def resign(self) -> None:
         """Give leadership up at once (a clean stop): the standby need not wait the lease."""

@@ -66,7 +66,8 @@ COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
             "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
             "attempts_failed", "resubmits", "detached", "results_kept", "results_recovered",
-            "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone", "lease_sweeps_stalled")
+            "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone", "lease_sweeps_stalled",
+            "lease_unconfirmed")
 
 # stats() keys the metrics floor (common.metrics) turns into labelled series: live requests per
 # status, and the core's planned reads per node and per read side
@@ -150,6 +151,25 @@ class SchedulerService(Service):
     def epoch(self, value: int) -> None:
         self.gate.epoch = value
 
+    def lease_unconfirmed(self, reason: str) -> None:
+        """etcd mode: the leader lease went a whole lease without renewal. Every call is
+        refused (``Gate.check_leading``) and node leases stop running down (their heartbeats
+        are refused too) until :meth:`lease_confirmed`."""
+        if self.gate.unconfirmed is None:
+            self.counters["lease_unconfirmed"] += 1
+            self.log.warning("leader_lease_unconfirmed", epoch=self.epoch, reason=reason)
+        self.gate.unconfirmed = reason
+
+    def lease_confirmed(self, unconfirmed_s: float) -> None:
+        """etcd renewed the lease again (it never lapsed, so no other replica led meanwhile):
+        serve on with the same epoch (node leases stood still meanwhile: ``_lease_loop``)."""
+        if self.gate.unconfirmed is None:
+            return
+        self.gate.unconfirmed = None
+        self.work.kick()
+        self.log.warning("leader_lease_confirmed", epoch=self.epoch,
+                         unconfirmed_s=round(unconfirmed_s, 3))
+
     @property
     def active_requests(self) -> int:
         return len(self.table)
@@ -194,6 +214,10 @@ class SchedulerService(Service):
         while True:
             await asyncio.sleep(max(0.0, due - loop_now()))
             now = loop_now()
+            if self.gate.unconfirmed is not None:   # heartbeats refused: nobody runs down
+                self.leases.extend(now - due + period)
+                due = now + period
+                continue
             stalled = now - due
             if stalled > period:
                 self.leases.extend(stalled)

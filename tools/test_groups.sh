@@ -7,21 +7,34 @@
 # tools/cluster/config.free_port); the real-engine half's output is printed after the rest's.
 # Exit: the first failing half's status (5 only when both collected nothing). Extra arguments
 # go to both pytest runs.
+# A half that dies of a signal (a crash in an extension: exit 128+N) is summarised last — its
+# fatal-error dump with pytest's own frames left out, so the test and the thread that crashed
+# show in the tail of a long log.
 set -u
 PY=${PY:-.venv/bin/python}
 log=$(mktemp -t dualpath-vllm-tests.XXXXXX)
+restlog=$(mktemp -t dualpath-rest-tests.XXXXXX)
 DUALPATH_PORT_BAND=1/2 "$PY" -m pytest -q --durations=15 -m "vllm and not vllm_light" "$@" >"$log" 2>&1 &
 engine_pid=$!
-trap 'kill "$engine_pid" 2>/dev/null; rm -f "$log"' INT TERM
+trap 'kill "$engine_pid" 2>/dev/null; rm -f "$log" "$restlog"' INT TERM
 echo "== make test: the real-engine tests (-m \"vllm and not vllm_light\") run beside the rest (pid $engine_pid); their output follows the rest's"
-DUALPATH_PORT_BAND=0/2 "$PY" -m pytest -q --durations=15 -m "not vllm or vllm_light" "$@"
-rest=$?
+DUALPATH_PORT_BAND=0/2 "$PY" -m pytest -q --durations=15 -m "not vllm or vllm_light" "$@" 2>&1 \
+    | tee "$restlog"
+rest=${PIPESTATUS[0]}
 wait "$engine_pid"
 engine=$?
 echo
 echo "== the real-engine tests (-m \"vllm and not vllm_light\"), run beside the rest:"
 cat "$log"
-rm -f "$log"
+for half in "rest:$restlog:$rest" "real-engine:$log:$engine"; do
+    IFS=: read -r name file rc <<<"$half"
+    if [ "$rc" -gt 128 ]; then
+        echo "== the $name tests died of signal $((rc - 128)); their fatal-error dump without pytest's frames:"
+        awk '/^Fatal Python error/{p=1} /^Extension modules/{p=0} p' "$file" \
+            | grep -Ev 'site-packages/(_pytest|pluggy|pytest)/|^  File "<frozen runpy>"' | head -120
+    fi
+done
+rm -f "$log" "$restlog"
 echo "== make test: the rest exited $rest, the real-engine tests $engine"
 for rc in "$rest" "$engine"; do
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi

@@ -8,7 +8,9 @@ real SIGKILL at a chosen step of a request (a failpoint armed in the victim over
 
 1. a DE loader dies while assembling a request's prompt KV and stays dead: the request is
    re-planned onto the other decode node (or fails typed) — never held to a deadline; the
-   node is then restarted in place and its vLLM instance re-attaches;
+   node is then restarted in place and its vLLM instance re-attaches; then the other DE
+   loader dies while the PE pulls a hit from it layer by layer (a load failing inside the
+   prefill's forward), and is restarted;
 2. the PE receiver dies while sending a prefilled layer to the DE, and is restarted;
 3. a storage gateway dies while reading a hit; restarted;
 4. the scheduler is killed with a request in flight and restarted on its port (no etcd
@@ -71,7 +73,11 @@ class Agents:
         out = {"agent": a, "status": status, "took_s": took}
         if status == 200:
             dp = json.loads(raw)["dualpath"]
-            out.update(hit=dp["hit_tokens"], equal=dp["token_ids"] == ref)
+            out.update(hit=dp["hit_tokens"], equal=dp["token_ids"] == ref,
+                       request=dp["request_id"], side=dp["read_side"], pe=dp["pe_engine"],
+                       de=dp["de_engine"])
+            if not out["equal"]:              # what differs, for the failure's message
+                out.update(got=dp["token_ids"], ref=ref)
             self.prompts[a] = (self.prompts[a] + dp["token_ids"]
                                + self.texts[a][self.cursor[a]:self.cursor[a] + APPEND])
             self.cursor[a] += APPEND
@@ -130,6 +136,17 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         for out in outs:
             check_answered(out)
         await asyncio.to_thread(launcher.restart, "de_loader:d0")
+
+        # 1b. a DE loader dies while the PE pulls a hit from it layer by layer (DE read path):
+        # the PE's loads (or its saves to the dead DE) fail inside vLLM's forward, after vLLM
+        # cached the hit's blocks; every row not loaded is reported and the prefill instance
+        # (kv_load_failure_policy "fail") evicts them, so the re-planned attempt on it never
+        # takes half-written blocks as a local hit (docs/vllm.md "A failed load")
+        outs = await kill_at(launcher, "de_loader:d1", "de.pull.send=kill@3", agents,
+                             [0, 1, 2], fp_file)
+        for out in outs:
+            check_answered(out)
+        await asyncio.to_thread(launcher.restart, "de_loader:d1")
 
         # 2. the PE receiver dies sending a prefilled layer; a supervisor restarts it
         victim = state.proc("pe_receiver:p0")

@@ -203,3 +203,19 @@ def test_decode_steps_never_wait_for_the_nodes_answer_and_finish_follows_the_not
         closing.join(10.0)
         finished.result(10.0)
     assert req.calls == ["took_kv", "second_token", "finish"]
+
+
+def test_a_load_failure_policy_that_could_serve_wrong_kv_is_refused_at_start():
+    """Prefill with prefix caching: "fail" (a failed load's blocks evicted at once); decode:
+    "recompute" (docs/vllm.md "A failed load")."""
+    from integrations.vllm.kv_spec import check_failure_policy
+
+    check_failure_policy(False, "fail", True)
+    check_failure_policy(False, "recompute", False)     # no prefix cache: nothing reused
+    check_failure_policy(True, "recompute", True)
+    with pytest.raises(ValueError, match="prefill instance with prefix caching needs "
+                                         "kv_load_failure_policy='fail'"):
+        check_failure_policy(False, "recompute", True)
+    with pytest.raises(ValueError, match="kv_consumer .* needs kv_load_failure_policy="
+                                         "'recompute'"):
+        check_failure_policy(True, "fail", False)

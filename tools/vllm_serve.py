@@ -85,7 +85,8 @@ def kv_transfer_config(role: str, sock: str, engine_id: str) -> dict:
     return {"kv_connector": "DualPathConnector",
             "kv_connector_module_path": "integrations.vllm.connector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_load_failure_policy": "recompute",
+            # prefill "fail", decode "recompute": integrations/vllm/kv_spec.check_failure_policy
+            "kv_load_failure_policy": "fail" if role == "prefill" else "recompute",
             "kv_connector_extra_config": {"source": "engine", "engine_socket": sock,
                                           "engine_id": engine_id, "kv_preset": PRESET,
                                           "layer_timeout_s": 30.0}}

@@ -4,10 +4,12 @@ Load it with::
 
     --kv-transfer-config '{"kv_connector": "DualPathConnector",
       "kv_connector_module_path": "integrations.vllm.connector", "kv_role": "kv_producer",
-      "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'
+      "kv_load_failure_policy": "fail", "kv_connector_extra_config": {...}}'
 
 A request takes part when its ``kv_transfer_params`` hold ``{"dualpath": {...}}`` (the front
-puts the plan there); others run as plain vLLM.
+puts the plan there); others run as plain vLLM. A decode instance (``kv_consumer``) runs
+``kv_load_failure_policy`` ``"recompute"``, a prefill instance ``"fail"``
+(:func:`integrations.vllm.kv_spec.check_failure_policy` says why).
 
 vLLM builds the connector once in its scheduler (engine-core) process and once in its worker
 process; on CPU they are always separate processes and share only per-step plain data
@@ -41,7 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from common.kv import PRESETS
-from integrations.vllm.kv_spec import check_same_layout, check_supported, spec_from_vllm
+from integrations.vllm.kv_spec import (check_failure_policy, check_same_layout, check_supported,
+                                       spec_from_vllm)
 from integrations.vllm.local_store import LocalKVStore
 from integrations.vllm.scheduler_half import PARAMS_KEY, SchedulerHalf
 from integrations.vllm.sessions import KVSource
@@ -90,12 +93,11 @@ class DualPathConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
-        if ktc.kv_load_failure_policy != "recompute":
-            raise ValueError("DualPathConnector needs kv_load_failure_policy='recompute' in "
-                             "--kv-transfer-config: a failed load must be recomputed")
+        decode = ktc.kv_role == "kv_consumer"
+        check_failure_policy(decode, ktc.kv_load_failure_policy,
+                             bool(vllm_config.cache_config.enable_prefix_caching))
         check_supported(vllm_config)
         extra = dict(ktc.kv_connector_extra_config)
-        decode = ktc.kv_role == "kv_consumer"
         if decode and extra.get("source") != "engine":
             raise ValueError("DualPathConnector: kv_consumer (decode) needs source='engine'")
         self._source = _make_source(extra, vllm_config)

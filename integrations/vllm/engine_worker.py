@@ -43,7 +43,7 @@ def build(a: argparse.Namespace):
             "kv_connector": "DualPathConnector",
             "kv_connector_module_path": "integrations.vllm.connector",
             "kv_role": "kv_producer" if a.role == "prefill" else "kv_consumer",
-            "kv_load_failure_policy": "recompute",
+            "kv_load_failure_policy": "fail" if a.role == "prefill" else "recompute",
             "kv_connector_extra_config": {"source": "engine", "engine_socket": a.socket,
                                           "engine_id": a.engine_id, "kv_preset": a.preset,
                                           "layer_timeout_s": 30.0},

@@ -117,6 +117,7 @@ class Front:
         self.slots = asyncio.Semaphore(cfg.max_inflight)
         self.api_key = api.load_api_key(cfg.api_key, cfg.api_key_file)   # None: open
         self._models: dict[str, str] = {}     # vLLM base URL -> the model name it serves
+        self._let_finish: set[asyncio.Task] = set()     # superseded prefills run to their end
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=4 << 20, middlewares=[self._authorize])
@@ -134,6 +135,8 @@ class Front:
         await self.sched.connect(timeout=10.0)
 
     async def _stop(self, app: web.Application) -> None:
+        for task in list(self._let_finish):
+            task.cancel()
         if self.http is not None:
             await self.http.close()
         await self.sched.close()
@@ -329,8 +332,30 @@ class Front:
                                         out, sent, p.request_id)
             await prefill
         finally:
-            prefill.cancel()
+            if not prefill.done():
+                self._let_prefill_finish(prefill)
         return decoded
+
+    def _let_prefill_finish(self, prefill: asyncio.Task) -> None:
+        """A prefill whose attempt ended early (re-planned, client gone) is not aborted in
+        vLLM: it runs to its end (one token; bounded by the HTTP timeout). vLLM evicts a failed
+        load's half-written blocks from its prefix cache only while the request is still
+        running when the step's output is processed; one aborted during that forward would
+        leave them cached for the next request with the prefix — the re-planned attempt
+        (docs/vllm.md "A failed load"). Bounded: with ``max_inflight`` × 4 of them still
+        running, a further one is aborted (logged)."""
+        if len(self._let_finish) >= 4 * self.cfg.max_inflight:
+            log.warning("front_prefill_aborted", waiting=len(self._let_finish),
+                        reason="too many superseded prefills still running")
+            prefill.cancel()
+            return
+        self._let_finish.add(prefill)
+        prefill.add_done_callback(self._prefill_ended)
+
+    def _prefill_ended(self, task: asyncio.Task) -> None:
+        self._let_finish.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("front_superseded_prefill_failed", error=str(task.exception()))
 
     async def _relay(self, url: str, call: Call, plan: dict[str, Any] | None,
                      out: web.StreamResponse | None, sent: Sent, rid: str) -> Decoded:

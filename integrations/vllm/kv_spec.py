@@ -60,3 +60,33 @@ def check_supported(vllm_config: Any) -> None:
             reasons.append(f"{what} (the dualpath layout is [K|V][kv_head][head_size] per layer)")
     if reasons:
         raise ValueError("DualPathConnector cannot serve this vLLM instance: " + "; ".join(reasons))
+
+
+def check_failure_policy(decode: bool, policy: str, prefix_caching: bool) -> None:
+    """Refuse a ``kv_load_failure_policy`` that could serve wrong KV (docs/vllm.md "A failed
+    load").
+
+    * Decode (``kv_consumer``): ``"recompute"``. Its loads are asynchronous; vLLM caches
+      their blocks only once a load succeeded, so a failed one is freed uncached and the
+      request recomputed locally.
+    * Prefill (``kv_producer``, ``kv_both``) with prefix caching: ``"fail"``. A prefill load
+      fails inside the forward, after vLLM has already put the loaded blocks in its prefix
+      cache. Under ``"recompute"`` vLLM leaves them there, half written, counting on the
+      request to recompute them in its next step — but a request aborted first (the front
+      drops a superseded attempt as soon as dualpath re-plans it) frees them still cached,
+      and the next request with that prefix (the re-planned attempt itself) computes over
+      the garbage. ``"fail"`` evicts them and every block after them at once. The dualpath
+      attempt has failed anyway (its session failed), so nothing is lost: it is re-planned.
+      Without prefix caching no block is reused, and either policy is safe."""
+    if decode:
+        if policy != "recompute":
+            raise ValueError("DualPathConnector: a kv_consumer (decode) instance needs "
+                             "kv_load_failure_policy='recompute' in --kv-transfer-config: a "
+                             f"failed load is recomputed locally (got {policy!r})")
+    elif prefix_caching and policy != "fail":
+        raise ValueError("DualPathConnector: a prefill instance with prefix caching needs "
+                         "kv_load_failure_policy='fail' in --kv-transfer-config: under "
+                         f"{policy!r} a failed load's half-written blocks stay in vLLM's "
+                         "prefix cache when the request is aborted before recomputing them "
+                         "(docs/vllm.md \"A failed load\"); or start vLLM with "
+                         "--no-enable-prefix-caching")

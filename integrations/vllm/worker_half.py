@@ -10,8 +10,11 @@
   blocks, read from the paged cache) and reported in ``get_finished``; vLLM keeps its blocks
   until then.
 * A load that fails, times out or comes up short fails the session (dualpath re-plans it):
-  in a forward its loaded blocks go to ``get_block_ids_with_load_errors``, off the step the
-  request is reported in ``failed_recving`` — vLLM recomputes, never wrong KV, never a hang.
+  in a forward its loaded blocks go to ``get_block_ids_with_load_errors`` — also when the
+  session was dropped earlier in the forward (a save failed) and later layers' rows will never
+  arrive — and vLLM evicts them and ends the request (prefill policy ``"fail"``); off the step
+  the request is reported in ``failed_recving`` and vLLM recomputes it — never wrong KV, never
+  a hang.
 """
 
 from __future__ import annotations
@@ -171,8 +174,14 @@ class WorkerHalf:
             return
         for step in self.prepare():
             start, stop = step.load
+            if stop <= start:
+                continue
             session = self._sessions.get(step.req_id)
-            if stop <= start or session is None:
+            if session is None:
+                # dropped earlier in this forward (a save of an earlier layer failed): these
+                # rows will never arrive, and vLLM already counts them computed (and cached):
+                # report them, or the next request with this prefix computes over them
+                self._load_errors.update(self._load_blocks(step))
                 continue
             try:
                 self._copy_hit(session, layer, start, stop, step.block_ids)
@@ -185,12 +194,17 @@ class WorkerHalf:
         if session is not None:     # counted once per request: later layers find it gone
             self.counters.add("load_errors")
             self.counters.add("recompute_fallbacks")
-        start, stop = step.load
-        if stop > start:
-            first, last = start // self._block_size, (stop - 1) // self._block_size
-            self._load_errors.update(step.block_ids[first:last + 1])
+        self._load_errors.update(self._load_blocks(step))
         if session is not None:
             session.fail(f"load failed at layer {layer}: {err}")
+
+    def _load_blocks(self, step: ReqStep) -> list[int]:
+        """The blocks holding the step's loaded rows (empty when it loads nothing)."""
+        start, stop = step.load
+        if stop <= start:
+            return []
+        first, last = start // self._block_size, (stop - 1) // self._block_size
+        return step.block_ids[first:last + 1]
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """vLLM's ``save_kv_layer`` (prefill): the new tokens' KV into the output slots."""
@@ -209,7 +223,7 @@ class WorkerHalf:
             except Exception as e:  # noqa: BLE001 -- the dualpath attempt fails, vLLM goes on
                 log.warning("dualpath_save_failed", request_id=step.req_id, layer=layer,
                             error=str(e))
-                self._sessions.pop(step.req_id)
+                self._sessions.pop(step.req_id)     # later layers' loads: reported (load_layer)
                 session.fail(f"save of layer {layer} failed: {e}")
 
     def _save(self, session: SyncPrefillHandle, step: ReqStep, layer: int, kv_layer: torch.Tensor,

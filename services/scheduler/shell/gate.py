@@ -6,7 +6,8 @@ resolve the leader again) until it wins the election, which sets the epoch
 (``SchedulerService.epoch``); a stopping scheduler admits nothing new and releases held fetches.
 A leader that could not renew its etcd lease for a whole lease is *unconfirmed*: it may have
 been deposed, so it refuses every call a standby refuses until etcd confirms the lease again
-(``suspend`` / ``resume``, driven by ``SchedulerElection.keep``).
+(``SchedulerService.lease_unconfirmed`` / ``lease_confirmed``, driven by
+``SchedulerElection.keep``).
 """
 
 from __future__ import annotations

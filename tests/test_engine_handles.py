@@ -69,9 +69,11 @@ class FakeClient:
         self.engine_id = "p0.e0"
         self.max_wait_s = 1.0
         self.fail_with: Exception | None = None
+        self.waits: dict[str, float] = {}
 
     async def call(self, msg, wait_s: float = 0.0):
         self.sent.append(msg)
+        self.waits[type(msg).__name__] = wait_s
         if self.fail_with is not None:
             raise self.fail_with
         name = type(msg).__name__
@@ -182,6 +184,17 @@ async def test_the_in_process_port_holds_its_nodes_gate_and_closing_releases_it(
     lone = DecodePort("d0.e0")                               # no node gate: calls are no-ops
     await lone.collective_begin()
     await lone.collective_end()
+
+
+async def test_a_decode_confirmation_waits_as_long_as_the_node_says_a_call_may():
+    """TookKV's answer gates the load (none: recompute) and SecondToken's deadline would mark
+    the attempt lost: a node that is only slow must get the wait it states, not the bare RPC
+    margin (a CI run: TookKV unanswered within 5 s on a full host -> a load error)."""
+    client = FakeClient()
+    _, dec = remote_pair(client)
+    await dec.took_kv()
+    await dec.second_token()
+    assert client.waits == {"TookKV": client.max_wait_s, "SecondToken": client.max_wait_s}
 
 
 async def test_a_failed_call_drops_the_request_but_a_prefill_deadline_does_not():

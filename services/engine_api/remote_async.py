@@ -361,10 +361,16 @@ class RemoteDecodeRequest(_RemoteRequest):
         return whole.reshape(len(self.slots), -1, whole.shape[1])
 
     async def took_kv(self) -> None:
-        await self._send(TookKV)
+        # The answer confirms the node held the pages while the engine copied them: a load
+        # waits for it, and a missing one turns the load into a recompute. A node that is
+        # only slow (its host starved: a CI run saw a 5-s pause) must not count as one that
+        # dropped the attempt, so this waits as long as the node says any call may; a node
+        # that is gone fails the call at once (PeerFailed on the dropped connection).
+        await self._send(TookKV, wait_s=self._c.max_wait_s)
 
     async def second_token(self) -> None:
-        await self._send(SecondToken)
+        # posted off the step (a notice); a deadline here would mark the attempt lost
+        await self._send(SecondToken, wait_s=self._c.max_wait_s)
 
     async def new_block(self, token_ids: Sequence[int]) -> GeneratedBlock:
         ids = [int(t) for t in token_ids]

@@ -132,6 +132,10 @@ async def put_if_absent(etcd: EtcdEndpoints, key: bytes, value: bytes, ttl_s: in
     return None
 
 
+RETRY_FIRST_S = 0.05     # a failed renewal round is retried this soon, doubling ...
+RETRY_LOG_S = 1.0        # ... and logged at most this often (with its failure count)
+
+
 class SchedulerElection:
     """One replica's campaign: ``await win(address)`` returns the epoch once it leads."""
 
@@ -190,19 +194,29 @@ class SchedulerElection:
         A later renewal that finds it alive (and the key still ours) proves no other replica
         led meanwhile: ``confirmed(seconds_in_doubt)`` and the same epoch serves on. Returns
         when etcd says the lease is gone, the key is not ours, or ``step_down_s`` passed
-        without a renewal."""
+        without a renewal.
+
+        A failed round is retried after ``RETRY_FIRST_S``, doubling up to a quarter lease (so
+        a recovered etcd is seen within that), and logged once per ``RETRY_LOG_S`` with the
+        count of failures since: an unreachable etcd fails each try at once, and a fixed
+        50-ms retry wrote twenty warnings a second for the whole ``step_down_s``."""
         last_ok = time.monotonic()
         doubt_since: float | None = None
-        renewed = True
+        retry_s = 0.0                     # 0: the last round renewed
+        failures, next_log = 0, 0.0
         while True:
-            await asyncio.sleep(self.cfg.lease_s / 3 if renewed else 0.05)
+            await asyncio.sleep(retry_s or self.cfg.lease_s / 3)
             try:
                 gone = await self._renew()
             except Unavailable as e:
-                renewed = False
+                retry_s = min(max(2 * retry_s, RETRY_FIRST_S), self.cfg.lease_s / 4)
                 now = time.monotonic()
-                log.warning("leader_lease_renewal_failed", node_id=self.node_id,
-                            error=e.message)
+                failures += 1
+                if now >= next_log:
+                    log.warning("leader_lease_renewal_failed", node_id=self.node_id,
+                                error=e.message, failures=failures,
+                                since_renewal_s=round(now - last_ok, 2))
+                    next_log = now + RETRY_LOG_S
                 if now - last_ok >= self.cfg.step_down_s:
                     return (f"leader lease not confirmed by etcd for {self.cfg.step_down_s}s "
                             f"(etcd.step_down_s)")
@@ -214,7 +228,7 @@ class SchedulerElection:
                 log.error("leader_lease_gone", node_id=self.node_id, epoch=self.epoch,
                           reason=gone)
                 return gone
-            last_ok, renewed = time.monotonic(), True
+            last_ok, retry_s, failures, next_log = time.monotonic(), 0.0, 0, 0.0
             if doubt_since is not None:
                 confirmed(last_ok - doubt_since)
                 doubt_since = None

@@ -1,0 +1,58 @@
+"""The leader's lease renewal while etcd does not answer (no etcd needed: ``_renew`` is
+replaced): retries back off and the warnings are counted, not repeated twenty times a second;
+a renewal that works again confirms the lease and the loop goes on."""
+
+from __future__ import annotations
+
+import asyncio
+
+from structlog.testing import capture_logs
+
+from common.errors import Unavailable
+from services.scheduler.etcd.election import RETRY_FIRST_S, SchedulerElection
+from services.scheduler.service_config import EtcdConfig
+
+
+def election(step_down_s: float) -> SchedulerElection:
+    return SchedulerElection(EtcdConfig(endpoints=["127.0.0.1:1"], lease_s=1,
+                                        step_down_s=step_down_s), "s0")
+
+
+async def test_an_unreachable_etcd_is_retried_with_backoff_and_logged_with_a_count():
+    elec = election(step_down_s=2.0)
+    tries: list[float] = []
+
+    async def renew() -> str | None:
+        tries.append(asyncio.get_running_loop().time())
+        raise Unavailable("etcd: connection refused")
+
+    elec._renew = renew                                  # type: ignore[method-assign]
+    doubts: list[str] = []
+    with capture_logs() as logs:
+        reason = await asyncio.wait_for(elec.keep(doubts.append, lambda s: None), 10)
+    assert "etcd.step_down_s" in reason
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    # 50 ms, then doubling to a quarter lease: a fixed 50-ms retry made ~33 tries in 2 s
+    assert gaps and gaps[0] >= RETRY_FIRST_S and max(gaps) >= 0.2, gaps
+    assert len(tries) <= 12, len(tries)
+    warned = [e for e in logs if e["event"] == "leader_lease_renewal_failed"]
+    assert 1 <= len(warned) <= 3 and warned[-1]["failures"] > 1, warned
+    assert doubts, "a lease without renewal must stop the service serving"
+
+
+async def test_a_renewal_that_works_again_confirms_and_the_loop_goes_on():
+    elec = election(step_down_s=30.0)
+    outcomes = [Unavailable("down")] * 8 + [None, None, "leader lease expired in etcd"]
+
+    async def renew() -> str | None:
+        got = outcomes.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    elec._renew = renew                                  # type: ignore[method-assign]
+    doubts: list[str] = []
+    confirmed: list[float] = []
+    reason = await asyncio.wait_for(elec.keep(doubts.append, confirmed.append), 20)
+    assert reason == "leader lease expired in etcd" and outcomes == []
+    assert doubts and len(confirmed) == 1 and confirmed[0] > 0

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
 .PHONY: venv lint test test-fast test-chaos demo bench bench-quick reliability sim-accel clean etcd
-.PHONY: prometheus k8s netns-tools test-deps
+.PHONY: prometheus k8s netns-tools test-deps nixl
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# optional: NIXL, the peer row of `dualpath bench kvpath` (docs/performance.md). Installed
+# without its dependencies: its Python layer imports torch only for type checking, and the
+# declared ones pull ~5.7 GB of CUDA torch; the wheel bundles its own UCX (240 MB in all)
+NIXL_VERSION ?= 1.5.1
+nixl: $(STAMP)
+	$(PY) -m pip install -q --no-deps 'nixl-cu12==$(NIXL_VERSION)'
 
 # ruff, mypy (files in pyproject's [tool.mypy]) and the import-linter layering contracts; all
 # three run, each failure is named, and any failure fails the target (.ci/run runs it first)

@@ -26,6 +26,10 @@ source the sender last put there; the bytes so checked are reported, and a misma
 run. Rows ``shm``, ``tag`` and ``rma``; again with a third process busy on one core (``busy``). Also
 4 KiB pages/s (``tag`` packs small non-contiguous pages; ``shm`` copies each one).
 
+The peer row ``nixl`` (idle only, where ``make nixl`` installed it): the same pages, regions
+and checks moved by NIXL's UCX backend WRITE between two processes of its own
+(``bench.nixl_peer``); without NIXL the JSON says why there is no row.
+
 Headline ``kv_path_vs_memcpy``: the ``shm`` row (the production default path where it
 applies): the median of the per-rep ratios page path ÷ memcpy (paired,
 so a noisy moment on this shared 2-core host hits both sides of a pair); goal 0.80, and 0.60
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -335,6 +340,28 @@ async def measure_row(rx: Receiver, load: str, reps: int, n: int, nbytes: int, c
             "loadavg_1m": os.getloadavg()[0]}
 
 
+def nixl_row(quick: bool, idle_memcpy_gbps: float) -> dict | str:
+    """The ``nixl`` row (``bench.nixl_peer``, its own two processes), or why there is none.
+    Its ``vs_memcpy`` is paired with memcpys in the NIXL initiator, which runs beside the
+    target's spinning progress thread; ``vs_idle_memcpy`` divides by the ``shm`` row's idle
+    memcpy instead (the fair anchor on this 2-core host)."""
+    from bench.nixl_peer import MARK, NIXL_MODULE
+    if importlib.util.find_spec(NIXL_MODULE) is None:
+        return f"{NIXL_MODULE} not installed (make nixl)"
+    n = REGIONS * (1 if quick else 2)
+    proc = subprocess.run([sys.executable, "-m", "bench.nixl_peer", "--reps",
+                           str(5 if quick else 11), "--transfers", str(n), "--small-pages",
+                           str(SMALL_PAGES * (4 if quick else 16))],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"kvpath: the nixl row failed ({proc.returncode}): "
+                           f"{proc.stderr[-2000:]}")
+    row = json.loads(lines[-1][len(MARK):])
+    row["vs_idle_memcpy"] = row["gbps"] / idle_memcpy_gbps
+    return row
+
+
 COLUMNS = ["path", "load", "page_bytes", "inflight", "gbps", "memcpy_gbps", "vs_memcpy",
            "sender_cpu_s_per_gb", "memcpy_cpu_s_per_gb", "verified", "pages_per_s_4k",
            "loadavg_1m"]
@@ -356,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     busy = next(r for r in rows if r["load"] == "busy" and r["path"] == "shm")
     tag = {r["load"]: r["vs_memcpy"] for r in rows if r["path"] == "tag"}
     rma = {r["load"]: r["vs_memcpy"] for r in rows if r["path"] == "rma"}
+    nixl = nixl_row(args.quick, idle["memcpy_gbps"])
+    if isinstance(nixl, dict):
+        print_table([nixl], [*COLUMNS, "target_cpu_s_per_gb", "vs_idle_memcpy"])
+        rows.append(nixl)
+    else:
+        print(f"\nno nixl row: {nixl}")
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"\n{time.perf_counter() - start:.1f} s, load average {load}; busy: "
           f"kv_path_vs_memcpy {busy['vs_memcpy']:.3g} (goal >= 0.60) — this host is shared: "
@@ -363,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {"rows": rows, "kv_path_vs_memcpy_busy": busy["vs_memcpy"],
                "tag_vs_memcpy": tag["idle"], "tag_vs_memcpy_busy": tag["busy"],
                "rma_vs_memcpy": rma["idle"], "rma_vs_memcpy_busy": rma["busy"],
+               "nixl": nixl if isinstance(nixl, str) else {
+                   "gbps": nixl["gbps"], "vs_idle_memcpy": nixl["vs_idle_memcpy"],
+                   "pages_per_s_4k": nixl["pages_per_s_4k"]},
                "pages_per_s_4k": idle["pages_per_s_4k"], "quick": args.quick, "loadavg": load,
                "settings": {"page_bytes": PAGE, "inflight": INFLIGHT, "pages_per_transfer": PAGES,
                             "regions": REGIONS, "copy_set_bytes": COPY_SET,

@@ -44,3 +44,31 @@ def test_memcpy_baseline_copies_the_bytes_in_rotation(monkeypatch):
     half = 2 * kb.PAGE
     assert np.array_equal(copy.dst[half:half + 2 * kb.PAGE], copy.src[:2 * kb.PAGE])
     assert not copy.dst[:half].any()
+
+
+def test_without_nixl_the_bench_says_why_there_is_no_nixl_row(monkeypatch):
+    monkeypatch.setattr(kb.importlib.util, "find_spec", lambda name: None)
+    assert kb.nixl_row(True, 10.0) == "nixl_cu12 not installed (make nixl)"
+
+
+def test_the_nixl_row_moves_and_verifies_the_pages_between_two_processes():
+    """NIXL is optional (the peer row, ``make nixl``), so this skips without it, as cupy's
+    test does; with it, one rep of the real row: every byte verified by the target's hash."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    from bench.nixl_peer import MARK, NIXL_MODULE
+    if importlib.util.find_spec(NIXL_MODULE) is None:
+        pytest.skip(f"optional {NIXL_MODULE} not installed (make nixl)")
+    proc = subprocess.run([sys.executable, "-m", "bench.nixl_peer", "--reps", "1",
+                           "--transfers", "2", "--small-pages", str(kb.SMALL_PAGES)],
+                          capture_output=True, text=True, timeout=120, cwd=kb.ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(next(ln for ln in proc.stdout.splitlines()
+                          if ln.startswith(MARK))[len(MARK):])
+    # warm-up + 1 rep, 2 transfers each, every transfer's region hashed by the target
+    assert row["path"] == "nixl" and row["verified"] == 2 * 2 * kb.PAGES * kb.PAGE
+    assert row["gbps"] > 0 and row["pages_per_s_4k"] > 0

@@ -93,6 +93,51 @@ def test_plan_properties(runs, max_bytes, pack_below):
         stream += m.nbytes
 
 
+def _reference_plan(slots, limit, pack_below):
+    """The slot-by-slot planner the numpy one replaced (kept here, verbatim in effect): a
+    node of the previous release must cut every transfer into the same messages and tags."""
+    runs, start, end = [], -1, -1
+    for off, n in slots:
+        if n == 0:
+            continue
+        if off == end:
+            end += n
+            continue
+        if end > start:
+            runs.append((start, end - start))
+        start, end = off, off + n
+    if end > start:
+        runs.append((start, end - start))
+    runs = [(off + cut, min(limit, n - cut)) for off, n in runs for cut in range(0, n, limit)]
+    plan, pos, i = [], 0, 0
+    while i < len(runs):
+        j, total = i, 0
+        while j < len(runs) and runs[j][1] < pack_below and total + runs[j][1] <= limit:
+            total += runs[j][1]
+            j += 1
+        if j == i:
+            total, j = runs[i][1], i + 1
+        plan.append((len(plan), pos, total, tuple(runs[i:j])))
+        pos += total
+        i = j
+    return plan
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(-300, 300), st.integers(0, 300)), max_size=80),
+       max_bytes=st.integers(1, 700), pack_below=st.integers(0, 800))
+def test_plan_cuts_exactly_as_the_slot_by_slot_planner(runs, max_bytes, pack_below):
+    slots, pos = [], 1000
+    for jump, n in runs:   # any order, backwards jumps and contiguous neighbours included
+        pos = max(0, pos + jump)
+        slots.append((pos, n))
+        pos += n
+    got = [(m.index, m.stream_offset, m.nbytes, m.pieces)
+           for m in plan_messages(slots, max_bytes, pack_below)]
+    assert got == _reference_plan(slots, max_bytes, pack_below)
+    assert all(type(x) is int for m in got for p in m[3] for x in p)
+
+
 def test_tags_and_transfer_ids():
     ids = TransferIdSource()
     a, b = ids.next(), ids.next()

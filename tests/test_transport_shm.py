@@ -116,7 +116,7 @@ def test_equal_evenly_spaced_pieces_are_one_strided_copy_byte_exact():
              + [(300_000 + i * 4096, 4096) for i in range(24)]      # contiguous (2nd view)
              + [(500_000, 1000), (503_000, 1000), (507_000, 1000)])  # stride changes
     runs = list(stream_runs(views, slots))
-    assert [(r.count, r.n, r.stride) for r in runs] == [
+    assert [(r.rows, r.n, r.stride) for r in runs] == [
         (40, 4096, 5000), (24, 4096, 4096), (2, 1000, 3000), (1, 1000, 1000)]
     want = np.zeros(520_000, np.uint8)
     for (off, n), piece in zip(slots, np.split(src, np.cumsum([n for _, n in slots])[:-1])):

@@ -114,13 +114,13 @@ def stream_pieces(src: Sequence[Any], slots: Sequence[tuple[int, int]]
 
 
 class Run(NamedTuple):
-    """``count`` pieces of ``n`` bytes, read back to back from ``view`` at ``vpos`` and
+    """``rows`` pieces of ``n`` bytes, read back to back from ``view`` at ``vpos`` and
     written every ``stride`` bytes of the receiver's arena from ``at``: one strided copy."""
     view: Any
     vpos: int
     at: int
     n: int
-    count: int
+    rows: int
     stride: int
 
 
@@ -142,17 +142,17 @@ def stream_runs(src: Sequence[Any], slots: Sequence[tuple[int, int]]) -> Iterato
     view_end = np.cumsum(view_size)
     cuts = np.union1d(slot_end, view_end)
     cuts = cuts[cuts <= slot_end[-1]]
-    first = np.r_[0, cuts[:-1]]                        # each piece's stream offset
+    first: np.ndarray = np.r_[0, cuts[:-1]]            # each piece's stream offset
     n = cuts - first
-    si = np.searchsorted(slot_end, first, side="right")
-    vi = np.searchsorted(view_end, first, side="right")
+    si = np.searchsorted(slot_end, first, side="right")    # each piece's slot
+    vi = np.searchsorted(view_end, first, side="right")    # and source view
     at = arr[si, 0] + first - (slot_end[si] - arr[si, 1])
     vpos = first - (view_end - view_size)[vi]
     mergeable = np.array([not is_device_array(v) and bool(getattr(v, "flags", None))
                           and v.flags.c_contiguous for v in views])[vi]
-    step = np.r_[0, np.diff(at)]
-    joins = np.r_[False, (vi[1:] == vi[:-1]) & (n[1:] == n[:-1]) & (step[1:] >= n[1:])
-                  & mergeable[1:] & mergeable[:-1]]
+    step: np.ndarray = np.r_[0, np.diff(at)]
+    joins: np.ndarray = np.r_[False, (vi[1:] == vi[:-1]) & (n[1:] == n[:-1])
+                              & (step[1:] >= n[1:]) & mergeable[1:] & mergeable[:-1]]
     # a piece after the run's second one must keep its stride
     joins[2:] &= ~joins[1:-1] | (step[2:] == step[1:-1])
     starts = np.flatnonzero(~joins)
@@ -174,7 +174,7 @@ def copy_stream(src: Sequence[Any], dst: np.ndarray, slots: Sequence[tuple[int, 
     lo, hi = share_bounds(sum(n for _, n in slots), share, shares)
     pos, copies = 0, 0
     for run in stream_runs(src, slots):
-        begin, pos = pos, pos + run.n * run.count
+        begin, pos = pos, pos + run.n * run.rows
         if pos <= lo:
             continue
         if begin >= hi:

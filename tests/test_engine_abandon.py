@@ -77,8 +77,9 @@ async def test_a_decode_engine_that_abandons_fails_the_de_attempt_before_the_pre
 
 async def test_abandon_refusals_are_typed(tmp_path):
     """An id the node never planned: NotFound after the abandon's wait (bounded); another
-    engine's request: InvalidArgument at once; one this engine already claimed: fail it
-    instead (InvalidArgument)."""
+    engine's request: InvalidArgument at once. One this engine already claimed is failed
+    too: an engine abandons after a claim whose answer it never got (its deadline passed on
+    the way back), and nothing else would ever end that attempt."""
     over = sockets(tmp_path)
     over["pe_receiver"]["engines"] = 2
     async with local_datapath(tmp_path, scheduler=False, engines=False, overrides=over) as c:
@@ -90,10 +91,16 @@ async def test_abandon_refusals_are_typed(tmp_path):
             with pytest.raises(InvalidArgument, match="p0.e0"):
                 await e1.abandon("ab3", "not mine", 5.0)
             h = await e0.claim_prefill("ab3", 5.0)
-            with pytest.raises(InvalidArgument, match="FailRequest"):
-                await e0.abandon("ab3", "too late", 5.0)
-            await h.fail("test gives up")
-            await failed_soon(c.pe["p0"], "ab3")
+            with pytest.raises(NotFound):               # another attempt's: not this one
+                await asyncio.wait_for(e0.abandon("ab3", "not this attempt", 0.3, attempt=1),
+                                       10.0)
+            assert report(c.pe["p0"], "ab3", "failed") is None
+            await e0.abandon("ab3", "the claim's answer came too late", 5.0, attempt=0)
+            failed = await failed_soon(c.pe["p0"], "ab3")
+            assert "came too late" in failed.message, failed
+            assert c.pe["p0"].engine_api.counters["requests_abandoned"] == 1
+            with pytest.raises(NotFound):               # the handle's attempt is gone
+                await h.put_layer(0, wait=True)
             await no_leaks(c)
         finally:
             for e in (e0, e1):
@@ -125,6 +132,51 @@ async def test_claims_and_give_ups_are_scoped_to_their_attempt(tmp_path):
             assert h.info.attempt == 1 and report(pe, "at1", "failed") is None
             await h.fail("test gives up")
             await failed_soon(pe, "at1")
+            await no_leaks(c)
+        finally:
+            await eng.close()
+
+
+async def test_a_claim_is_not_refused_for_an_attempt_the_node_already_dropped(tmp_path):
+    """CI, under real engines: the scheduler was killed while a decode engine held a request;
+    the node dropped its attempts when it registered with the new scheduler, which placed the
+    request again on the same engine before the old vLLM request had ended — and the new
+    claim was refused as "already claimed", so vLLM computed it alone while the node's new
+    attempt waited for a claim until the front's deadline. A hold the node has dropped no
+    longer refuses a claim; a live hold of an earlier attempt is superseded (failed) by the
+    claim of the later one; a second claim of the same live attempt is still refused."""
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides=sockets(tmp_path)) as c:
+        eng = await client(tmp_path)
+        pe = c.pe["p0"]
+        toks = tokens(2 * BT + 5, 9)
+        try:
+            pe.submit_plan(plan(c, "rc1", toks, 0, "none", deadline=DEADLINE))
+            old = await eng.claim_prefill("rc1", 5.0, 0)
+            with pytest.raises(InvalidArgument, match="already claimed"):
+                await eng.claim_prefill("rc1", 5.0, 0)
+            for svc in (pe, c.de["d0"]):                # what a lease loss does to each node
+                await svc.drop_all("the scheduler restarted")
+            await until(lambda: not pe.attempts, what="the node dropped the attempt")
+            pe.submit_plan(plan(c, "rc1", toks, 0, "none", deadline=DEADLINE, attempt=1))
+            new = await eng.claim_prefill("rc1", 5.0, 1)            # not "already claimed"
+            assert new.info.attempt == 1
+            with pytest.raises(NotFound):                          # the old hold is gone
+                await old.put_layer(0, wait=True)
+            # a later attempt claimed while the earlier one is still held live: superseded
+            pe.submit_plan(plan(c, "rc2", toks, 0, "none", deadline=DEADLINE))
+            first = await eng.claim_prefill("rc2", 5.0, 0)
+            pe.submit_plan(plan(c, "rc2", toks, 0, "none", deadline=DEADLINE, attempt=1))
+            second = await eng.claim_prefill("rc2", 5.0, 1)
+            assert second.info.attempt == 1
+            failed = await failed_soon(pe, "rc2")                  # attempt 0, superseded
+            assert failed.attempt == 0 and "superseded by attempt 1" in failed.message, failed
+            assert pe.engine_api.counters["claims_superseding"] == 1
+            with pytest.raises(NotFound):
+                await first.put_layer(0, wait=True)
+            await new.fail("test gives up")
+            await second.fail("test gives up")
+            await failed_soon(pe, "rc1")
             await no_leaks(c)
         finally:
             await eng.close()

@@ -22,26 +22,27 @@ async def test_a_retried_request_records_each_attempts_reason_and_read_bytes():
         await d0.fetch()
         plan = (await p0.fetch()).plans[0]
         await nxt(stream)
-        await p0.report("r", 0, "allocated")
-        await p0.report("r", 0, "failed", code="DEADLINE_EXCEEDED", retryable=True,
+        a0 = env.base
+        await p0.report("r", a0, "allocated")
+        await p0.report("r", a0, "failed", code="DEADLINE_EXCEEDED", retryable=True,
                         hop="pe_buffer", message="pool 'pe_buffer': no room", read_bytes=0)
         # the DE loader's own report of the same attempt comes late: its read is kept
-        await d0.report("r", 0, "failed", code="PEER_FAILED", retryable=True,
+        await d0.report("r", a0, "failed", code="PEER_FAILED", retryable=True,
                         hop="pe_receiver", message="peer gone", read_bytes=4096)
         await d0.fetch()
         plan = (await p0.fetch()).plans[0]
-        assert plan.attempt == 1
+        assert plan.attempt == a0 + 1
         await nxt(stream)
         await run_stages(p0, plan)
         events = [await nxt(stream) for _ in range(2)]
         done = events[-1]
-        assert isinstance(done, RequestFinished) and done.attempt == 1
+        assert isinstance(done, RequestFinished) and done.attempt == a0 + 1
         first, last = done.attempts
         assert (first.attempt, first.outcome, first.hop, first.code) == (
-            0, "failed", "pe_buffer", "DEADLINE_EXCEEDED")
+            a0, "failed", "pe_buffer", "DEADLINE_EXCEEDED")
         assert first.stage == "loading" and first.pe_node == "p0" and first.de_node == "d0"
         assert first.read_bytes == 4096 and "no room" in first.message
-        assert (last.attempt, last.outcome, last.read_bytes) == (1, "finished", 0)
+        assert (last.attempt, last.outcome, last.read_bytes) == (a0 + 1, "finished", 0)
         assert env.svc.counters["attempts_failed"] == 1
     assert failed_attempts("pe_buffer", "DEADLINE_EXCEEDED") == before + 1
     assert b"dualpath_failed_attempts_total" in generate_latest(registry().registry)
@@ -50,16 +51,17 @@ async def test_a_retried_request_records_each_attempts_reason_and_read_bytes():
 async def test_a_failed_request_names_every_attempt():
     async with running({"max_replans": 1}) as env:
         p0, d0, stream = await queued_r(env)
-        for attempt in (0, 1):
+        for n in (0, 1):
             await d0.fetch()
             await p0.fetch()
             await nxt(stream)
-            await p0.report("r", attempt, "failed", code="UNAVAILABLE", message="gateway gone",
-                            retryable=True, hop="gateway", read_bytes=100 * (attempt + 1))
+            await p0.report("r", env.base + n, "failed", code="UNAVAILABLE",
+                            message="gateway gone", retryable=True, hop="gateway",
+                            read_bytes=100 * (n + 1))
         failed = await nxt(stream)
         assert isinstance(failed, RequestFailed)
         assert [(a.attempt, a.outcome, a.hop, a.read_bytes) for a in failed.attempts] == [
-            (0, "failed", "gateway", 100), (1, "failed", "gateway", 200)]
+            (env.base, "failed", "gateway", 100), (env.base + 1, "failed", "gateway", 200)]
 
 
 async def test_a_cancelled_request_records_its_open_attempt():
@@ -71,4 +73,4 @@ async def test_a_cancelled_request_records_its_open_attempt():
         failed = await nxt(stream)
         assert isinstance(failed, RequestFailed) and failed.code == "DEADLINE_EXCEEDED"
         (only,) = failed.attempts
-        assert (only.attempt, only.outcome, only.hop) == (0, "failed", "scheduler")
+        assert (only.attempt, only.outcome, only.hop) == (env.base, "failed", "scheduler")

@@ -28,23 +28,23 @@ async def test_prefill_node_lease_expiry_replans_onto_the_other_pe_keeping_the_d
         await nxt(stream)
         await d0.fetch()
         plan0 = (await p0.fetch()).plans[0]
-        assert (plan0.pe_node, plan0.attempt) == ("p0", 0)
+        assert (plan0.pe_node, plan0.attempt) == ("p0", env.base)
         assert (await nxt(stream)).pe_node == "p0"
         await p0.close()                                  # p0 dies: heartbeats stop
         await until(lambda: env.svc.request_state("r") == "queued", what="re-plan")
         rebind = await d0.fetch()                         # same DE, new attempt
-        assert [(r.request_id, r.attempt) for r in rebind.revoked] == [("r", 0)]
-        assert [(b.request_id, b.attempt) for b in rebind.bindings] == [("r", 1)]
+        assert [(r.request_id, r.attempt) for r in rebind.revoked] == [("r", env.base)]
+        assert [(b.request_id, b.attempt) for b in rebind.bindings] == [("r", env.base + 1)]
         plan1 = (await p1.fetch()).plans[0]
-        assert (plan1.pe_node, plan1.de_node, plan1.attempt) == ("p1", "d0", 1)
+        assert (plan1.pe_node, plan1.de_node, plan1.attempt) == ("p1", "d0", env.base + 1)
         placed = await nxt(stream)
-        assert (placed.pe_node, placed.attempt) == ("p1", 1)
-        stale = await d0.report("r", 0, "prefill_done")   # the old attempt is gone
+        assert (placed.pe_node, placed.attempt) == ("p1", env.base + 1)
+        stale = await d0.report("r", env.base, "prefill_done")   # the old attempt is gone
         assert not stale.current
         await run_stages(p1, plan1)
         assert isinstance(await nxt(stream), FirstToken)
         done = await nxt(stream)
-        assert isinstance(done, RequestFinished) and done.attempt == 1
+        assert isinstance(done, RequestFinished) and done.attempt == env.base + 1
         assert_idle(env.svc)
         assert env.svc.counters["leases_expired"] == 1 and env.svc.counters["replans"] == 1
 
@@ -81,15 +81,15 @@ async def test_decode_node_lease_expiry_replans_onto_the_other_de_and_read_side(
         plan0 = (await p0.fetch()).plans[0]
         assert (plan0.de_node, plan0.read_side, plan0.read_node) == ("d0", "de", "d0")
         await nxt(stream)
-        await p0.report("r", 0, "allocated")
+        await p0.report("r", env.base, "allocated")
         await d0.close()
         await until(lambda: env.svc.request_state("r") == "queued", what="re-plan")
         assert len((await d1.fetch()).bindings) == 1
         reply = await p0.fetch()
-        assert [(r.request_id, r.attempt) for r in reply.revoked] == [("r", 0)]
+        assert [(r.request_id, r.attempt) for r in reply.revoked] == [("r", env.base)]
         plan1 = reply.plans[0]
         assert (plan1.de_node, plan1.read_side, plan1.read_node, plan1.attempt) == \
-            ("d1", "de", "d1", 1)
+            ("d1", "de", "d1", env.base + 1)
         assert plan1.de_loader.node_id == "d1"
         assert (await nxt(stream)).de_node == "d1"
         await run_stages(p0, plan1)
@@ -115,7 +115,7 @@ async def test_lease_expiry_beyond_max_replans_fails_with_the_reason():
 async def test_retryable_failure_replans_until_the_bound_then_fails():
     async with running({"max_replans": 1}) as env:
         p0, d0, stream = await queued_r(env)
-        for attempt in (0, 1):
+        for attempt in (env.base, env.base + 1):
             await d0.fetch()
             plan = (await p0.fetch()).plans[0]
             assert plan.attempt == attempt
@@ -162,7 +162,7 @@ async def test_restart_with_a_new_epoch_replaces_the_old_registration():
             await raw.call(old)
         await d0.fetch()
         plan = (await p0b.fetch()).plans[0]
-        assert plan.attempt == 1 and (await nxt(stream)).attempt == 1
+        assert plan.attempt == env.base + 1 and (await nxt(stream)).attempt == env.base + 1
 
 
 async def test_stopping_the_service_fails_live_requests_retryably():

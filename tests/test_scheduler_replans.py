@@ -8,7 +8,8 @@ import pytest
 
 from common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.scheduler.core.records import EngineReport, Phase, Request, Role, Telemetry
-from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.config import ATTEMPT_SPAN, SchedulerConfig
+from services.scheduler.core.scheduler import Scheduler, attempt_base
 from tests.test_scheduler_policy import _pair, bind_all, cfg, de, load, pe, req
 
 
@@ -49,6 +50,30 @@ def test_replans_are_bounded_then_failed():
     assert s.fail("r0").failed == ("r0",)
     assert s.queue_lengths()["total"] == 0
     assert all(s.engine_report(e).tok == 0 for e in ("p0", "p1", "d0", "d1"))
+
+
+def test_attempt_numbers_count_from_the_epochs_base_and_replans_stay_bounded():
+    """A restarted scheduler (a new epoch) numbers a resubmitted request's attempts past every
+    number its predecessor could have used: an engine request of the old attempt, still
+    ending, is never taken for the new one (docs/engine-api.md, "Attempts")."""
+    old_start, restart = 1_796_000_000_000_000_000, 1_796_000_000_004_000_000  # ns: 4 ms later
+    assert attempt_base(restart) - attempt_base(old_start) == 4 * ATTEMPT_SPAN
+    assert attempt_base(7) == 7 * ATTEMPT_SPAN            # an etcd revision: counted as is
+    assert attempt_base(restart) + ATTEMPT_SPAN < 2**53   # exact in every JSON client
+    s = _pair(max_replans=2)
+    s.attempt_base = attempt_base(restart)
+    s.submit(req(0))
+    attempts = []
+    for _ in range(3):
+        bind_all(s)
+        [a] = s.on_pe_group_fetch("P")
+        attempts.append(a.attempt)
+        s.fail("r0")
+    assert attempts == [s.attempt_base, s.attempt_base + 1, s.attempt_base + 2]
+    with pytest.raises(NotFound):                          # the third failure was final
+        s.phase("r0")
+    with pytest.raises(msgspec.ValidationError):           # re-plans must fit one epoch's span
+        msgspec.convert({"max_replans": ATTEMPT_SPAN}, SchedulerConfig)
 
 
 def test_remove_node_drops_group_and_requeues_private_queue():

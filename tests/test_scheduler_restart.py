@@ -126,6 +126,9 @@ async def test_scheduler_killed_mid_request_loses_and_repeats_nothing(tmp_path, 
         assert (final.tokens, final.output_token_ids) == (2, [7, 8])   # kept, not redone
 
         plan = await plans_for(p0, d0, "replanned")   # the new scheduler plans it afresh
+        # numbered past any attempt of the old epoch: an engine request still ending under an
+        # old attempt number is never taken for this one (docs/engine-api.md, "Attempts")
+        assert plan.attempt > gap_plan.attempt, (plan.attempt, gap_plan.attempt)
         await run_to_first_token(p0, plan)
         await d0.report("replanned", plan.attempt, "finished", tokens=2)
         assert isinstance(await finals["replanned"], RequestFinished)

@@ -60,6 +60,12 @@ class Env:
         self.core = svc.core
         self._closers: list[Any] = []
 
+    @property
+    def base(self) -> int:
+        """This scheduler epoch's first attempt number (``attempt_base``): a request's first
+        plan carries it, each re-plan one more."""
+        return self.core.attempt_base
+
     async def node(self, node_id: str, role: str, engines: int = 2, hbm: int = HBM,
                    service: str | None = None, epoch: int | None = None) -> NodeSession:
         infos = [EngineInfo(f"{node_id}.e{i}", role, hbm if role == "decode" else 0)
@@ -167,7 +173,7 @@ async def test_submit_streams_events_in_order_with_ttft_breakdown():
 
         bound = await d0.fetch()
         assert [(b.request_id, b.attempt, b.de_engine) for b in bound.bindings] == \
-            [("r1", 0, "d0.e0")]
+            [("r1", env.base, "d0.e0")]
         assert bound.bindings[0].hbm_bytes == (10 * BT + 60 + 5) * env.svc.kv.bytes_per_token
         plan = (await p0.fetch()).plans[0]
         assert (plan.pe_node, plan.de_engine, plan.read_side, plan.read_node) == \
@@ -179,7 +185,7 @@ async def test_submit_streams_events_in_order_with_ttft_breakdown():
         placed = await nxt(stream)
         assert isinstance(placed, RequestPlaced)
         assert (placed.pe_engine, placed.de_node, placed.read_side, placed.attempt) == \
-            ("p0.e0", "d0", "pe", 0)
+            ("p0.e0", "d0", "pe", env.base)
         assert env.svc.request_state("r1") == "loading"
 
         await run_stages(p0, plan, tokens=5)
@@ -189,7 +195,7 @@ async def test_submit_streams_events_in_order_with_ttft_breakdown():
         assert min(parts) >= 0 and first.ttft_s == pytest.approx(sum(parts))
         done = await nxt(stream)
         assert isinstance(done, RequestFinished)
-        assert (done.tokens, done.hit_tokens, done.attempt) == (5, 8 * BT, 0)
+        assert (done.tokens, done.hit_tokens, done.attempt) == (5, 8 * BT, env.base)
         assert done.ttst_s is not None and done.ttst_s >= 0 and done.tpot_s >= 0
         assert done.ttft_s == first.ttft_s and done.e2e_s >= done.ttft_s
         assert await ended(stream)
@@ -249,7 +255,7 @@ async def test_cancel_ends_the_stream_and_revokes_dispatched_work():
         assert isinstance(failed, RequestFailed) and failed.code == ErrorCode.CANCELLED
         assert not failed.retryable and await ended(stream)
         revoked = (await d0.fetch()).revoked
-        assert [(r.request_id, r.attempt) for r in revoked] == [("c1", 0)]
+        assert [(r.request_id, r.attempt) for r in revoked] == [("c1", env.base)]
         assert (await p0.fetch()).plans == []
         assert await other.cancel("c1") is False         # already ended: no error
         with pytest.raises(NotFound):

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 import torch
 
-from common.errors import Cancelled, NotFound
+from common.errors import Cancelled, DeadlineExceeded, NotFound
 from integrations.vllm.counters import ConnectorCounters
 from integrations.vllm.decode_session import Post, inline
 from integrations.vllm.metadata import AsyncLoad, OpenRequest
@@ -127,10 +127,11 @@ class OffStep:
                 session = self._claim(op)
         except Exception as e:  # noqa: BLE001 -- an unusable hit is recomputed, never fatal
             log.warning("dualpath_open_failed", request_id=op.req_id, error=str(e))
-            # refused here, or the node never handed it within the claim's time: the node's
+            # refused here, the node never handed it within the claim's time, or its answer
+            # never came back (the claim may have been handed to us on the way): the node's
             # attempt still waits for this engine — tell it (a node that failed it already
             # answered Cancelled: nothing to tell)
-            if isinstance(e, (LayoutRefused, NotFound, ClaimStopped)):
+            if isinstance(e, (LayoutRefused, NotFound, ClaimStopped, DeadlineExceeded)):
                 self._source.abandon(op.dualpath_id, f"not opened by vLLM: {e}", op.attempt)
         else:
             hit = self._usable_hit(op, session)

@@ -45,6 +45,7 @@ from .decode import DecodeRequest
 from .handles import GeneratedBlock
 from .prefill import PrefillRequest
 from .prompt import PromptInfo
+from .request_queue import release_soon
 
 log = structlog.get_logger(__name__)
 
@@ -287,7 +288,12 @@ class EngineApiServer:
         sess = self._session(ctx)
         timeout = _timeout(msg.timeout_s)
         rid = msg.request_id
-        if rid in sess.prefill or rid in sess.decode:
+        held = self._claimed(sess, rid)
+        if held is not None and _gone(held):
+            # the node ended that attempt (a re-plan, the drop after a scheduler restart): its
+            # engine request learns it on its next call; a claim of the new one goes on
+            self._forget(sess, rid)
+        elif held is not None and (msg.attempt is None or held.info.attempt == msg.attempt):
             raise InvalidArgument(f"request {rid!r} is already claimed by {sess.engine_id}")
         port = self._open_port(sess)
         loop = asyncio.get_running_loop()
@@ -337,10 +343,20 @@ class EngineApiServer:
                        f"{self.node_id} within {timeout:.3g}s")
 
     def _assign(self, sess: EngineSession, items: list[Any]) -> Assigned:
-        """Register ``items`` with the session (before any await: a disconnect fails them)."""
+        """Register ``items`` with the session (before any await: a disconnect fails them).
+        An earlier attempt of the same id still held (its engine request still ending) is
+        superseded: failed, so its pages are freed and its engine calls are refused."""
         out = Assigned()
         for item in items:
             self.counters["requests_handed"] += 1
+            old = self._claimed(sess, item.request_id)
+            if old is not None:
+                self._forget(sess, item.request_id)
+                if not _gone(old):
+                    self.counters["claims_superseding"] += 1
+                    release_soon(old.fail(PeerFailed(
+                        f"attempt {old.info.attempt} of {item.request_id!r} superseded by "
+                        f"attempt {item.info.attempt}, claimed by {sess.engine_id}")))
             if isinstance(item, PrefillRequest):
                 sess.prefill[item.request_id] = item
                 out.prefill.append(PrefillAssigned(_prompt(item.info), item.hit_tokens))
@@ -428,6 +444,14 @@ class EngineApiServer:
         for key in [k for k in sess.blocks if k[0] == rid]:
             del sess.blocks[key]
 
+    @staticmethod
+    def _claimed(sess: EngineSession, rid: str) -> PrefillRequest | DecodeRequest | None:
+        return sess.prefill.get(rid) or sess.decode.get(rid)
+
+    def _forget(self, sess: EngineSession, rid: str) -> None:
+        sess.prefill.pop(rid, None)
+        self._forget_decode(sess, rid)
+
     # ------------------------------------------------------------------ both
     async def _fail(self, msg: FailRequest, ctx: CallContext) -> EngineOk:
         sess = self._session(ctx)
@@ -446,16 +470,21 @@ class EngineApiServer:
 
     async def _abandon(self, msg: AbandonRequest, ctx: CallContext) -> EngineOk:
         """The engine will not claim ``msg.request_id``: fail the attempt assigned to it now
-        (queued in its port, or still being prepared by the node), so the scheduler re-plans
-        it at once instead of at its deadline. A plan not here yet is waited for, rechecked
-        like a claim, up to the unknown-id grace."""
+        (queued in its port, still being prepared by the node, or handed to a claim whose
+        answer the engine never got), so the scheduler re-plans it at once instead of at its
+        deadline. A plan not here yet is waited for, rechecked like a claim, up to the
+        unknown-id grace."""
         sess = self._session(ctx)
         rid = msg.request_id
-        if rid in sess.prefill or rid in sess.decode:
-            raise InvalidArgument(f"request {rid!r} is claimed by {sess.engine_id}: give it up "
-                                  "with FailRequest")
         err = PeerFailed(f"engine {sess.engine_id} gave {rid!r} up before claiming it: "
                          f"{msg.reason[:300] or 'no reason given'}")
+        held = self._claimed(sess, rid)
+        if held is not None and (msg.attempt is None or held.info.attempt == msg.attempt):
+            # claimed, but the engine never saw the answer (its claim's deadline passed on
+            # the way back): it computes alone, so nothing may wait for it
+            self._forget(sess, rid)
+            await held.fail(err)
+            return self._abandoned(sess, rid, "claimed")
         port = self._open_port(sess)
         loop = asyncio.get_running_loop()
         end = loop.time() + min(_timeout(msg.timeout_s), UNKNOWN_GRACE_S)
@@ -495,6 +524,13 @@ class EngineApiServer:
         if not 0 <= off <= off + view.nbytes <= self.arena.nbytes:
             raise InternalError(f"engine API: view at {off} is outside the arena")
         return ArenaSlot(int(off), int(view.nbytes))
+
+
+def _gone(item: PrefillRequest | DecodeRequest) -> bool:
+    """The node no longer holds this attempt (it ended, or the node dropped it)."""
+    if isinstance(item, PrefillRequest):
+        return item.ended or item.dropped
+    return item.cancelled
 
 
 def _timeout(value: float) -> float:

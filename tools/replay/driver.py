@@ -191,7 +191,7 @@ def _apply(rec: RequestRecord, ev: Any) -> None:
             rec.hit_tokens = ev.hit_tokens
             rec.hit_shortfall_tokens = ev.hit_shortfall_tokens
         case RequestPlaced():
-            rec.attempts = ev.attempt + 1
+            rec.attempts += 1                # one placement per attempt
             rec.read_side, rec.pe_node, rec.de_node = ev.read_side, ev.pe_node, ev.de_node
             rec.hit_tokens = ev.hit_tokens
         case FirstToken():

@@ -34,12 +34,18 @@ path, so what the second path itself adds is measured apart from the rest of the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from common.config import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Section
 from common.kv import PRESETS as KV_PRESETS
 
 from services.compute_model.cost_model import PrefillLoad, cost_model
+
+# attempt numbers one scheduler epoch may use per request: its first plan and every re-plan
+# (``Scheduler.attempt_base``; ``max_replans`` stays below it)
+ATTEMPT_SPAN = 1 << 10
 
 Policy = Literal["basic", "dpl", "dualpath"]
 Placement = Literal["auto", "balanced", "round_robin"]
@@ -76,7 +82,7 @@ class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's datac
     # most pe_share × the cluster's mean PE load with the PE queue placed; 0 = β alone (paper)
     pe_share: float = 1.0
     z_factor: PositiveFloat = 1.05
-    max_replans: NonNegInt = 3
+    max_replans: Annotated[int, msgspec.Meta(ge=0, le=ATTEMPT_SPAN - 1)] = 3
 
     def __post_init__(self) -> None:
         # What a declared bound cannot say (the preset table, "0 or >= 1"); ValueError:

@@ -44,10 +44,19 @@ from collections.abc import Iterable
 from common.errors import AlreadyExists, InvalidArgument, NotFound
 
 from . import policy
-from .config import SchedulerConfig
+from .config import ATTEMPT_SPAN, SchedulerConfig
 from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReadSide,
                       ReplanResult, Request, Role, Telemetry)
 from .state import Engine, Group, Node, Pending
+
+
+def attempt_base(epoch: int) -> int:
+    """The first attempt number of scheduler epoch ``epoch``: epochs only grow (a plain
+    scheduler's is its start time in ns, counted here in ms — a restart takes far longer; an
+    elected one's is etcd's revision), so the bases of two epochs never overlap and stay below
+    2**53 (exact in every JSON client)."""
+    stamp = epoch // 1_000_000 if epoch >= 1 << 50 else epoch
+    return max(0, stamp) * ATTEMPT_SPAN
 
 
 class Scheduler:
@@ -56,6 +65,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None,
                  engines: Iterable[EngineSpec] = ()) -> None:
         self.config = cfg = config if config is not None else SchedulerConfig()
+        # a request's first attempt number; its re-plans count on from it. The service sets
+        # it per scheduler epoch (attempt_base), so a restarted scheduler never hands out an
+        # attempt number its predecessor used for the same request id — an engine request of
+        # the old attempt (still ending) can never act on the new one
+        self.attempt_base = 0
         self.alpha = cfg.resolved_alpha()
         self.beta = cfg.resolved_beta()
         self._read_mode = cfg.read_side_mode()
@@ -170,6 +184,7 @@ class Scheduler:
             raise InvalidArgument(f"request {rid!r} needs {request.hbm_bytes} B of DE HBM, more than "
                                   f"any decode engine has ({cap} B): shorten it or add memory")
         p = Pending(request, self._next_seq, self.pe_load(request.hit_tokens, request.new_tokens))
+        p.attempt = self.attempt_base
         self._next_seq += 1
         self._requests[rid] = p
         p.in_global = True
@@ -521,7 +536,8 @@ class Scheduler:
         The caller has already cleared the binding to the dead engine.
         """
         p.attempt += 1
-        if p.attempt > self.config.max_replans:
+        p.replans += 1
+        if p.replans > self.config.max_replans:
             self._requests.pop(p.request.request_id, None)
             self._release_all(p)
             return False

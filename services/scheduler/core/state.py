@@ -91,7 +91,7 @@ class Pending:
     """A request inside the scheduler, with its bindings as they are made."""
 
     __slots__ = ("request", "seq", "pe_tokens", "de_tokens", "group", "de", "pe", "read_node",
-                 "read_pending", "prefilled", "ticket", "in_global", "attempt")
+                 "read_pending", "prefilled", "ticket", "in_global", "attempt", "replans")
 
     def __init__(self, request: Request, seq: int, pe_tokens: int | None = None) -> None:
         self.request = request
@@ -109,4 +109,5 @@ class Pending:
         self.prefilled = False
         self.ticket = -1                   # valid PE-queue entry carries this ticket
         self.in_global = False             # sits in the global DE queue
-        self.attempt = 0
+        self.attempt = 0                   # the wire's attempt number (attempt_base + re-plans)
+        self.replans = 0                   # re-plans so far (bounded by max_replans)

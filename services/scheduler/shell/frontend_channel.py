@@ -197,6 +197,9 @@ class FrontendChannel:
             self.lifecycle.end(rs, Status.FAILED, rs.failed_event(e.code, e.message, e.retryable))
             raise
         rs.hbm_bytes = req.hbm_bytes
+        held = self.core.held(sub.request_id)
+        if held is not None:                # the core's first attempt number (this epoch's)
+            rs.attempt = held[1]
         self.work.kick()                    # queued: held fetches place it now
         q = self.core.queue_lengths()
         position = q["global"] + q["private"] + q["pe"] - 1

@@ -166,7 +166,8 @@ class RequestState:
         self.hit_lookup_failed = False   # the storage lookup failed: hit taken as 0
         self.hit_shortfall_tokens = 0    # stored by an earlier turn, not found (stored_prefix)
         self.hbm_bytes = 0
-        self.attempt = 0                 # the core's count of re-plans, copied at each one
+        self.attempt = 0                 # the core's attempt number, copied at submit and
+        #                                  at each re-plan (the epoch's base + re-plans)
         self.events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.t_submit = now
         self.deadline = deadline         # loop time, or None

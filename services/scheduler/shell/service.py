@@ -44,7 +44,7 @@ from common.rpc import CallContext, RpcServer
 from common.service import Service
 from services.config import ServicesConfig
 
-from ..core.scheduler import Scheduler
+from ..core.scheduler import Scheduler, attempt_base
 from .dispatch import Outboxes
 from .frontend_channel import FrontendChannel
 from .gate import STOP_RETRY_AFTER_S, Gate
@@ -97,6 +97,7 @@ class SchedulerService(Service):
         # the scheduler restarted and redelivers the results it kept (``recovery``). With
         # etcd it is the election's fencing epoch, 0 (standby: every call refused) until won.
         self.gate = Gate(node_id, time.time_ns() if epoch is None else epoch)
+        self.core.attempt_base = attempt_base(self.gate.epoch)
         self.kept = KeptResults(s.kept_results, s.kept_result_s)
         self.promised = PromisedPrefixes(s.max_sessions)    # what finished turns stored
         self.table = RequestTable(self.core, s.recent_requests)
@@ -150,6 +151,7 @@ class SchedulerService(Service):
     @epoch.setter
     def epoch(self, value: int) -> None:
         self.gate.epoch = value
+        self.core.attempt_base = attempt_base(value)
 
     def lease_unconfirmed(self, reason: str) -> None:
         """etcd mode: the leader lease went a whole lease without renewal. Every call is

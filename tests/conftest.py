@@ -32,6 +32,44 @@ def keep_logging():
     logging.root.setLevel(level)
 
 
+def _starts_engines(item: pytest.Item) -> bool:
+    return (item.get_closest_marker("vllm") is not None
+            and item.get_closest_marker("vllm_light") is None)
+
+
+@pytest.fixture(autouse=True)
+def inprocess_log(request: pytest.FixtureRequest):
+    """Real-engine tests: the in-process services (``local_datapath``) log at info, as JSON, to
+    ``<tmp_path>/inprocess.log`` beside the vLLM and front logs — what the failure digest reads
+    (tests/log_digest.py); elsewhere this is a no-op."""
+    if not _starts_engines(request.node):
+        yield None
+        return
+    path = request.getfixturevalue("tmp_path") / "inprocess.log"
+    saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
+    with open(path, "w", buffering=1) as stream:
+        configure_logging("info", json=True, stream=stream)
+        try:
+            yield path
+        finally:
+            structlog.configure(**saved)
+            logging.root.handlers[:] = handlers
+            logging.root.setLevel(level)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed real-engine test's report carries its logs' digest (tests/log_digest.py): CI
+    deletes the clone, and with it every log file, before anyone reads the failure."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and tmp is not None and _starts_engines(item):
+        from tests.log_digest import digest
+        report.sections.append(("dualpath logs of this test: warnings, errors, its requests",
+                                digest(tmp, str(report.longrepr))))
+
+
 class ReliabilityLog:
     """Rows for ``docs/reliability.md``: what a test injected or sent, and what came of it.
 

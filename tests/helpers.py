@@ -129,6 +129,45 @@ class VirtualTime:
         return False
 
 
+def holders(obj: Any, depth: int = 4, limit: int = 40) -> str:
+    """What keeps ``obj`` alive, as a tree of its referrers (type, and a frame's function or a
+    dict's first keys) ``depth`` levels up — for a leak assertion's message, so a leak seen
+    once on a loaded CI machine can be traced from its log alone."""
+    import gc
+    import types
+
+    gc.collect()
+    lines: list[str] = []
+    seen = {id(lines)}
+    here = inspect.currentframe()
+
+    def describe(r: Any) -> str:
+        if isinstance(r, types.FrameType):
+            return f"frame {r.f_code.co_name} ({r.f_code.co_filename}:{r.f_lineno})"
+        if isinstance(r, dict):
+            return f"dict keys={list(r)[:6]}"
+        if isinstance(r, (list, tuple, set)):
+            return f"{type(r).__name__} of {len(r)}"
+        return type(r).__qualname__
+
+    def walk(o: Any, level: int) -> None:
+        refs = gc.get_referrers(o)
+        seen.add(id(refs))                   # the walker's own lists are not holders
+        for r in refs:
+            if len(lines) >= limit or id(r) in seen or r is here:
+                continue
+            if isinstance(r, types.FrameType) and r.f_code in (walk.__code__, holders.__code__):
+                continue
+            seen.add(id(r))
+            lines.append("  " * level + describe(r))
+            if level + 1 < depth and not isinstance(r, types.ModuleType):
+                walk(r, level + 1)
+
+    seen.add(id(obj))
+    walk(obj, 0)
+    return "held by: " + (" | ".join(lines) or "nothing (only the weakref)")
+
+
 def reap(proc: Any) -> None:
     """End a test's child process (kill if it is still running) and close its pipes."""
     if proc.poll() is None:

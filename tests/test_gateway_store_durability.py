@@ -65,6 +65,30 @@ async def test_restart_rebuilds_index_and_cleans_temp_files(tmp_path):
         assert not foreign.exists() and store.stats()["temp_files_cleaned"] == 1
 
 
+async def test_a_temp_file_another_gateway_removed_first_is_not_counted(tmp_path, monkeypatch):
+    """Gateways sharing a root scan it at once at a cluster start: both may see one torn temp
+    file, and only the one whose unlink removed it counts it (once 3 were counted for 2)."""
+    cfg = make_cfg(tmp_path)
+    keys = rand_keys(2)
+    async with GatewayStore(cfg, SPEC) as store:
+        await store.write_blocks(keys, rand_blocks(2))
+        host, shard = store.backend.host, Path(store.backend.path_for(keys[0])).parent
+    mine, theirs = (shard / temp_name(k, host, 999_999_990 + i, 0) for i, k in enumerate(keys))
+    mine.write_bytes(b"torn")
+    theirs.write_bytes(b"torn")
+    real_unlink = os.unlink
+
+    def raced(path, *args, **kw):            # the other gateway's scan got there first
+        if os.fspath(path) == str(theirs):
+            real_unlink(path)
+        return real_unlink(path, *args, **kw)
+
+    monkeypatch.setattr(os, "unlink", raced)
+    async with GatewayStore(cfg, SPEC) as store:
+        assert not mine.exists() and not theirs.exists()
+        assert store.stats()["temp_files_cleaned"] == 1
+
+
 def test_kill9_mid_write_leaves_no_torn_block(tmp_path):
     root = tmp_path / "store"
     spec = KVSpec("crash-test", 16, 4096)                 # 4 MiB blocks: kills land mid-write

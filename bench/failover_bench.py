@@ -10,6 +10,10 @@ Frontends and nodes find the leader in etcd; a
 killed leader's standby takes over when the leader's etcd lease (``etcd.lease_s`` = 2 s)
 runs out, the frontends resubmit their open requests, the nodes re-register.
 
+``--tls``: the same with mutual TLS on every RPC hop (``[rpc] tls_*``: a CA and one
+certificate for 127.0.0.1 made at start with trustme; every process presents it as server
+and client) — the issue's "unchanged under TLS"; compare its failover p99 with a plain run.
+
 Headline: ``requests_lost`` (goal 0) — planned requests that did not finish with verified
 bytes. Also: failover time p50/p99 over the kills (kill → every node re-registered with the new
 leader and it sent its first plan; goal p99 ≤ 3 s with the default 2 s lease), election time
@@ -21,7 +25,10 @@ pages (goal 0), and the JCT with kills against the baseline's (ratio, same run).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -43,10 +50,12 @@ def _row(r) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("failover", __doc__.splitlines()[0])
     p.add_argument("-c", "--config", default=None, help="cluster TOML (default: embedded 1P2D)")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS on every RPC hop (a CA and certificate made at start)")
     args = p.parse_args(argv)
     from common.logging import configure_logging
     from tools.cluster.etcd_members import etcd_missing
-    from tools.cluster.failover import FailoverHarness
+    from tools.cluster.failover import FailoverHarness, mutual_tls_settings
     configure_logging("error", None)
     missing = etcd_missing()
     if missing:
@@ -54,9 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     agents, turns, kills = (12, 8, 1) if args.quick else (32, 16, 3)
     t0 = time.monotonic()
-    with FailoverHarness(args.config, echo=print) as h:
+    with contextlib.ExitStack() as stack:
+        rpc = mutual_tls_settings(Path(stack.enter_context(tempfile.TemporaryDirectory()))) \
+            if args.tls else None
+        h = stack.enter_context(FailoverHarness(args.config, echo=print, rpc=rpc))
         print(f"failover: {h.cluster.spec.shape} cluster + 3-member etcd + standby scheduler "
-              f"up in {time.monotonic() - t0:.1f} s; {agents} agents × ≤{turns} turns")
+              f"up in {time.monotonic() - t0:.1f} s; {agents} agents × ≤{turns} turns"
+              + ("; mutual TLS on every RPC hop" if args.tls else ""))
         base = asyncio.run(h.replay("baseline", agents, turns, kills=0))
         print(f"  baseline: {base.finished}/{base.planned} finished in {base.wall_s:.1f} s")
         hit = asyncio.run(h.replay("leader-kills", agents, turns, kills=kills))
@@ -112,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{jct_ratio if jct_ratio is None else round(jct_ratio, 3)}")
     write_results(args.out, "failover", headline("requests_lost", hit.lost, 0,
                                                  higher_is_better=False),
-                  {"quick": args.quick, "summary": summary, "replays": rows,
+                  {"quick": args.quick, "tls": args.tls, "summary": summary, "replays": rows,
                    "kills": [vars(k) for k in hit.kills], "leaked_pages_by_service": leaks,
                    "lost_detail": hit.lost_detail, "etcd_members": 3,
                    "etcd_lease_s": h.cluster.cfg.etcd.lease_s})

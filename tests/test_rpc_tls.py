@@ -73,6 +73,22 @@ async def test_call_over_tls(rig, pki):
     assert transport.get_extra_info("ssl_object") is not None      # really encrypted
 
 
+async def test_the_failover_bench_settings_are_mutual_tls(rig, tmp_path):
+    """``bench failover --tls`` (tools.cluster.failover.mutual_tls_settings): one certificate
+    every process presents as server and client; a client without it is refused."""
+    from tools.cluster.failover import mutual_tls_settings
+    cfg = msgspec.structs.replace(CFG, **mutual_tls_settings(tmp_path / "bench-pki"))
+    assert cfg.tls_require_client_cert
+    server = await rig.server(cfg=cfg)
+    client = await rig.client(server.port, cfg=cfg)
+    assert await client.call(Ping(b"bench")) == Pong(b"bench")
+    assert client._conn._writer.transport.get_extra_info("ssl_object") is not None
+    anonymous = await rig.client(server.port, connect=False, cfg=_once(msgspec.structs.replace(
+        cfg, tls_cert_file="", tls_key_file="")))
+    with pytest.raises((Unauthenticated, Unavailable)):     # the alert, or the close after it
+        await anonymous.call(Ping(b"no cert"), timeout=10)
+
+
 def test_call_over_tls_on_uvloop(pki):
     """Services run on uvloop: the server's start_tls upgrade must work there too."""
     async def main() -> None:

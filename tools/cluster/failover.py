@@ -88,11 +88,14 @@ class ReplayResult:
 class FailoverHarness(ChaosHarness):
     """A chaos cluster in etcd mode with a standby scheduler (see the module docstring)."""
 
-    def __init__(self, config: str | None = None, echo: Any = None, members: int = 3) -> None:
+    def __init__(self, config: str | None = None, echo: Any = None, members: int = 3,
+                 rpc: dict[str, Any] | None = None) -> None:
+        """``rpc``: ``[rpc]`` settings for every process and the harness's own clients
+        (``bench failover --tls`` passes the certificates of :func:`mutual_tls_settings`)."""
         super().__init__(config, echo)
         self.etcd = EtcdMembers(self._tmp / "etcd", members)    # ports chosen, not started
         self.cluster = chaos_cluster(config, self._tmp).with_overrides(
-            etcd={"endpoints": self.etcd.endpoints})
+            etcd={"endpoints": self.etcd.endpoints}, **({"rpc": rpc} if rpc else {}))
         self.launcher = ChaosLauncher(self.cluster)
         self.leader: Replica | None = None
         self.standby: Replica | None = None
@@ -317,3 +320,19 @@ async def _poll(cond: Any, timeout: float, interval: float = 0.02) -> Any:
     return None
 
 
+def mutual_tls_settings(root: Path) -> dict[str, Any]:
+    """A CA and one certificate for 127.0.0.1 made now (``trustme``, a dev dependency), as
+    ``[rpc]`` settings for mutual TLS on every hop: every process presents the same
+    certificate as server and as client (what ``tests/test_scheduler_failover.py`` does)."""
+    import trustme
+
+    root.mkdir(parents=True, exist_ok=True)
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = {name: str(root / name) for name in ("ca.pem", "cert.pem", "key.pem")}
+    ca.cert_pem.write_to_path(files["ca.pem"])
+    for blob in cert.cert_chain_pems:
+        blob.write_to_path(files["cert.pem"], append=True)
+    cert.private_key_pem.write_to_path(files["key.pem"])
+    return {"tls_cert_file": files["cert.pem"], "tls_key_file": files["key.pem"],
+            "tls_ca_file": files["ca.pem"], "tls_require_client_cert": True}

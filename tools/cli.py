@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "bench.engine_bench",
     "multihost": "bench.multihost_bench",
     "kvpath": "bench.kvpath_bench",
+    "gpu": "bench.gpu_bench",
 }
 
 COMMANDS: dict[str, str] = {

@@ -54,7 +54,10 @@ def layer_pattern(key: str, layer: int, nbytes: int, out: np.ndarray | None = No
     if out is None:
         return flat
     dst = out.reshape(-1)
-    dst[:] = flat
+    if isinstance(dst, np.ndarray):
+        dst[:] = flat
+    else:                       # a device (cupy) view of a pool on the GPU: one H2D copy
+        dst.set(flat)
     return dst
 
 

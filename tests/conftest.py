@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -22,14 +23,23 @@ def _logging() -> None:
     configure_logging("warning", json=False)
 
 
+@contextlib.contextmanager
+def restored_logging():
+    """structlog's configuration and the stdlib root logger as they were, after the block."""
+    saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+
+
 @pytest.fixture
 def keep_logging():
     """CLI entry points configure logging onto the (captured) stderr; put it back after."""
-    saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
-    yield
-    structlog.configure(**saved)
-    logging.root.handlers[:] = handlers
-    logging.root.setLevel(level)
+    with restored_logging():
+        yield
 
 
 def _starts_engines(item: pytest.Item) -> bool:
@@ -46,15 +56,9 @@ def inprocess_log(request: pytest.FixtureRequest):
         yield None
         return
     path = request.getfixturevalue("tmp_path") / "inprocess.log"
-    saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
-    with open(path, "w", buffering=1) as stream:
+    with open(path, "w", buffering=1) as stream, restored_logging():
         configure_logging("info", json=True, stream=stream)
-        try:
-            yield path
-        finally:
-            structlog.configure(**saved)
-            logging.root.handlers[:] = handlers
-            logging.root.setLevel(level)
+        yield path
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -12,7 +12,17 @@ region. Rows, by where the sender's pages are and where the receiver's arena is:
 * ``host->gpu`` — pageable host memory (numpy) into a device arena;
 * ``pinned->gpu`` — page-locked host memory (cupy's pinned allocator) into a device arena: what
   a node's pinned host arena gives the H2D copy engines;
-* ``gpu->host`` — a device source into a host arena (a write-back leaving the GPU).
+* ``gpu->host`` — a device source into a host arena (a write-back leaving the GPU);
+* ``host->gpu unstaged`` — the ``host->gpu`` bytes received straight into the device arena
+  (UCX's own cuda_copy pipeline, the path before pinned staging), for comparison.
+
+The child runs two transports, as nodes do: one whose hello says its pages come from device
+memory (``device_sources``: a pool on the GPU; the ``gpu->*`` rows, and the unstaged row, whose
+host pages it then sends as if they were device ones) and one that says host memory (a gateway,
+a pool on the host: ``host->gpu``, ``pinned->gpu``). A device arena receives from the second
+through the transport's pinned staging and one H2D copy per message
+(``common.transport.device_staging``); each row reports the messages staged
+(``staged_messages``: every message of the staged rows, none of the others).
 
 Baseline, in the same run: ``cudaMemcpy`` (``cupy.cuda.runtime.memcpy``) of the same bytes in
 the same direction in this process — device to device, pageable and pinned host to device,
@@ -52,8 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # the KV lane with UCX's CUDA transports (tests/test_transport.py's device test uses the same)
 UCX_OPTIONS = {"TLS": "tcp,sm,self,cuda_copy,cuda_ipc", "NET_DEVICES": "lo"}
 DRY_UCX_OPTIONS = {"TLS": "tcp,sm,self", "NET_DEVICES": "lo"}
-ROWS = (("gpu->gpu", "device", "device"), ("host->gpu", "host", "device"),
-        ("pinned->gpu", "pinned", "device"), ("gpu->host", "device", "host"))
+# (row, source kind, arena kind, the sending transport: says "device" or "host" sources)
+ROWS = (("gpu->gpu", "device", "device", "device"), ("host->gpu", "host", "device", "host"),
+        ("pinned->gpu", "pinned", "device", "host"), ("gpu->host", "device", "host", "device"),
+        ("host->gpu unstaged", "host", "device", "device"))
 
 
 def slots_of(count: int) -> list[tuple[int, int]]:
@@ -147,13 +159,17 @@ async def child_main(dry: bool, pages: int, extra: list[str]) -> None:
     sources = {kind: [mem.pattern(kind, 100 + lane, nbytes) for lane in range(LANES)]
                for kind in ("device", "host", "pinned")}
     mem.sync()
-    async with PageTransport(transport_config(dry, extra), "bench-gpu-sender") as transport:
-        print(json.dumps({"address": list(transport.address)}), flush=True)
+    cfg = transport_config(dry, extra)
+    async with PageTransport(cfg, "bench-gpu-host-sender") as host, \
+            PageTransport(cfg, "bench-gpu-device-sender", device_sources=True) as device:
+        senders = {"host": host, "device": device}
+        print(json.dumps({"address": {k: list(t.address) for k, t in senders.items()}}),
+              flush=True)
         while line := await reader.readline():
             cmd = json.loads(line)
             if cmd["op"] == "exit":
                 break
-            peer, slots = tuple(cmd["peer"]), slots_of(pages)
+            peer, slots, transport = tuple(cmd["peer"]), slots_of(pages), senders[cmd["via"]]
             await asyncio.gather(*(
                 transport.send(peer, tid, [sources[cmd["src"]][lane]], slots, 120.0)
                 for lane, tid in enumerate(cmd["tids"])))
@@ -170,21 +186,27 @@ async def transport_rows(mem: Memory, pages: int, reps: int, extra: list[str]) -
                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
     try:
-        peer = tuple((await asyncio.to_thread(read_reply, child.stdout))["address"])
+        peers = {k: tuple(v) for k, v in
+                 (await asyncio.to_thread(read_reply, child.stdout))["address"].items()}
         slots, nbytes = slots_of(pages), pages * PAGE
         rows = []
         async with PageTransport(transport_config(mem.dry, extra), "bench-gpu-receiver") as rx:
             arenas = {kind: [mem.empty(kind, region_bytes(pages)) for _ in range(LANES)]
                       for kind in ("device", "host")}
-            for name, src, dst in ROWS:
-                times = []
+            for name, src, dst, via in ROWS:
+                times, peer = [], peers[via]
+                staged0 = rx.stats()["device_staged_messages"]
+                for lane in range(LANES):     # no byte of an earlier row may pass for this one
+                    arenas[dst][lane].fill(0)
+                mem.sync()     # (the staged copies run on a non-blocking stream)
                 for _ in range(reps):
                     tids = [rx.new_transfer_id() for _ in range(LANES)]
                     handles = [await rx.expect(peer, tid, arenas[dst][lane], slots, 120.0)
                                for lane, tid in enumerate(tids)]
                     t0 = time.perf_counter()
                     child.stdin.write(json.dumps({"op": "send", "peer": list(rx.address),
-                                                  "tids": tids, "src": src}) + "\n")
+                                                  "tids": tids, "src": src,
+                                                  "via": via}) + "\n")
                     child.stdin.flush()
                     for h in handles:
                         await h.wait()
@@ -199,10 +221,13 @@ async def transport_rows(mem: Memory, pages: int, reps: int, extra: list[str]) -
                         raise SystemExit(f"{name}: lane {lane}: received bytes differ from sent")
                     verified += nbytes
                 total = LANES * nbytes
-                rows.append({"row": name, "src": src, "dst": dst, "bytes": total,
+                rows.append({"row": name, "src": src, "dst": dst, "sender": via,
+                             "bytes": total,
                              "gbps_best": total / min(times) / 1e9,
                              "gbps_median": total / statistics.median(times) / 1e9,
-                             "verified_bytes": verified})
+                             "verified_bytes": verified,
+                             "staged_messages": int(rx.stats()["device_staged_messages"]
+                                                    - staged0)})
         child.stdin.write(json.dumps({"op": "exit"}) + "\n")
         child.stdin.flush()
         child.wait(30)
@@ -273,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         row["memcpy_gbps"] = base
         row["vs_memcpy"] = None if base is None else row["gbps_best"] / base
     print_table(rows, ["row", "gbps_best", "gbps_median", "memcpy_gbps", "vs_memcpy",
-                       "verified_bytes"])
+                       "verified_bytes", "staged_messages"])
     g2g = next(r for r in rows if r["row"] == "gpu->gpu")
     value = g2g["vs_memcpy"] if g2g["vs_memcpy"] is not None else 0.0
     write_results(args.out, "gpu", headline("gpu_to_gpu_vs_memcpy", value, 0.5),

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check (docs/performance.md, "GPU memory"): run on a host with a CUDA device, in the
 # repository root, with Python's cupy installed. Under 5 minutes:
-#   1. `python -m bench.gpu_bench`: pages GPU->GPU, host->GPU (pageable and pinned) and GPU->host
-#      through the transport between two processes, byte-exact, GB/s against cudaMemcpy of the
-#      same bytes in the same direction;
+#   1. `python -m bench.gpu_bench`: pages GPU->GPU, host->GPU (pageable and pinned: through the
+#      transport's pinned staging + one H2D copy per message) and GPU->host through the transport
+#      between two processes, and host->GPU unstaged (UCX's own cuda_copy path, for comparison),
+#      byte-exact, GB/s against cudaMemcpy of the same bytes in the same direction;
 #   2. the data path with a node's pool on the device (tests/test_gpu_datapath.py: the PE's
-#      region, then the DE's) and the transport's device-arena test.
+#      buffer, then the DE's: both read paths, write-backs from device memory), the transport's
+#      device-arena test (direct from a device sender, staged from a host one) and the staging
+#      logic's own tests (tests/test_transport_device_staging.py, no GPU needed: this UCX).
 # Results go to $OUT (default: a new temporary folder): gpu_bench.json, gpu_bench.log,
 # gpu_tests.log. A host without network access installs the Python packages it lacks from the
 # wheels in $WHEELS (pip download them elsewhere: ucxx-cu12 and its libraries, msgspec,
@@ -28,9 +31,10 @@ rc=0
 echo "== 1. bench gpu (transport, two processes, vs cudaMemcpy)"
 timeout 240 "$PY" -m bench.gpu_bench --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-echo "== 2. the data path with a pool on the device; the transport's device-arena test"
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs --timeout 150 tests/test_gpu_datapath.py \
-    "tests/test_transport.py::test_device_arena_direct_messages" 2>&1 | tee "$OUT/gpu_tests.log"
+echo "== 2. the data path with a pool on the device (PE, DE); the transport's device-arena tests"
+timeout 220 "$PY" -m pytest -q -p no:cacheprovider -rs --timeout 150 tests/test_gpu_datapath.py \
+    "tests/test_transport.py::test_device_arena_direct_messages" \
+    tests/test_transport_device_staging.py 2>&1 | tee "$OUT/gpu_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 echo "== gpu check done: exit $rc"
 exit "$rc"

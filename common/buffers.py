@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -52,6 +53,50 @@ def _make_arena(nbytes: int, device: str, shm: bool = False, name: str = "pool")
             raise InvalidArgument("buffers.device = 'cuda' but no CUDA device is available")
         return cupy.empty(nbytes, dtype=cupy.uint8), None
     raise InvalidArgument(f"unknown buffer device {device!r}; use 'host' or 'cuda'")
+
+
+def host_copies(views: Sequence[Any]) -> list[np.ndarray]:
+    """``views`` with every device (cupy) view copied into host memory, host views as they
+    are: what code that takes host arrays only (a write-back to the storage gateway) is handed
+    from a pool on the GPU. The copies of one call share one page-locked buffer (a fast D2H,
+    and the transport then sends host memory), pageable if pinning fails. Blocking: call it
+    off the event loop (``asyncio.to_thread``). ``InternalError`` if a copy fails."""
+    device = [i for i, v in enumerate(views) if is_device_view(v)]
+    out = list(views)
+    if not device:
+        return out
+    import cupy  # lazy: only a pool on the GPU gets here
+
+    total = sum(int(views[i].nbytes) for i in device)
+    try:
+        import cupyx
+        buf = cupyx.empty_pinned(max(total, 1), dtype=np.uint8)
+    except Exception as e:   # no pinned memory to be had: pageable, slower and still correct
+        log.warning("host_copies_not_pinned", bytes=total, error=repr(e))
+        buf = np.empty(max(total, 1), np.uint8)
+    pos = 0
+    try:
+        for i in device:
+            v = views[i]
+            n = int(v.nbytes)
+            dst = buf[pos:pos + n]
+            with v.device:
+                flat = cupy.ascontiguousarray(v).reshape(-1).view(cupy.uint8)
+                try:
+                    cupy.asnumpy(flat, out=dst)     # synchronous D2H into dst
+                except TypeError:                   # a cupy without ``out``
+                    dst[:] = cupy.asnumpy(flat)
+            out[i] = dst
+            pos += n
+    except Exception as e:
+        raise InternalError(f"copying {total} B of device KV to host failed: "
+                            f"{type(e).__name__}: {e}") from e
+    return out
+
+
+def is_device_view(v: Any) -> bool:
+    """Whether ``v`` is device memory (a cupy view; anything with the CUDA array interface)."""
+    return hasattr(v, "__cuda_array_interface__") and not isinstance(v, np.ndarray)
 
 
 @dataclass(eq=False)
@@ -123,6 +168,7 @@ class PagePool:
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self.arena, self.shm = _make_arena(page_bytes * num_pages, device, shm, name)
+        self.on_device = device == "cuda"   # its pages are GPU memory (cupy views)
         self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted by first page, merged
         self._live: dict[int, Allocation] = {}
         self._next_id = 1

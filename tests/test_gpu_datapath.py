@@ -8,8 +8,13 @@ and the next one's by the DE (gateway → DE host buffer → the PE's device poo
 transport's CUDA lanes). The emulated engines verify every byte (``check=True``). The KV lane
 sends direct messages only (``pack_below_bytes = 0``): a device arena takes no packed ones.
 
-A DE loader's pool on the device is not supported yet (docs/performance.md, "GPU memory"):
-its write-backs hand device views to the gateway, which takes host arrays.
+Then the same with the DE loader's buffer on the device: the gateway's reads and the PE's
+returns land in it through pinned staging (host senders), its sends to the PE leave from
+device memory, and its write-backs copy device views to host memory before the gateway gets
+them (``NodeGateways.host_payloads``). Every receive into a device pool from a host sender
+goes through the transport's pinned staging and one H2D copy per message
+(``common.transport.device_staging``): both tests check it did, and that the write-backs
+landed (the second turn's hit is what the first wrote back).
 """
 
 from __future__ import annotations
@@ -54,18 +59,29 @@ async def sessions_until_both_read_sides(sched: SchedulerClient, most: int = 6) 
     return sides
 
 
+def staged(svc) -> float:
+    return svc.transport.stats()["device_staged_messages"]
+
+
 async def test_the_pe_pool_on_the_device_takes_both_read_paths(tmp_path):
     require_cuda()
     async with local_datapath(tmp_path, overrides=device_overrides("pe_receiver")) as c:
         assert all(type(s.pool.arena).__module__.startswith("cupy") for s in c.pe.values())
         async with SchedulerClient("127.0.0.1", c.scheduler.port, rpc=c.cfg.rpc) as sched:
             assert await sessions_until_both_read_sides(sched) == {"pe", "de"}
+        # the gateway (host memory) -> the PE's device pool: staged; the DE's host buffer is
+        # a host sender too
+        assert all(staged(s) > 0 for s in c.pe.values())
+        assert all(staged(s) == 0 for s in c.de.values())
 
 
-@pytest.mark.xfail(strict=True, reason="a DE pool on the device is not supported yet: its "
-                   "write-backs hand device views to the gateway (docs/performance.md)")
-async def test_a_de_pool_on_the_device(tmp_path):
+async def test_a_de_pool_on_the_device_takes_both_read_paths(tmp_path):
     require_cuda()
     async with local_datapath(tmp_path, overrides=device_overrides("de_loader")) as c:
+        assert all(type(s.pool.arena).__module__.startswith("cupy") for s in c.de.values())
         async with SchedulerClient("127.0.0.1", c.scheduler.port, rpc=c.cfg.rpc) as sched:
             assert await sessions_until_both_read_sides(sched) == {"pe", "de"}
+        for de in c.de.values():
+            assert staged(de) > 0                    # gateway reads, PE returns
+            assert de.counters["blocks_written"] > 0 and de.counters["writeback_failed"] == 0
+        assert all(staged(s) == 0 for s in c.pe.values())

@@ -214,14 +214,26 @@ async def test_device_arena_direct_messages():
         pytest.skip("no CUDA device")
     options = {"TLS": "tcp,sm,self,cuda_copy,cuda_ipc", "NET_DEVICES": "lo"}
     cfg = TransportConfig(traffic_classes={"kv": TrafficClassConfig(options=options)}, **CFG)
-    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
+    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b, \
+            PageTransport(cfg, "g", device_sources=True) as g:
         slots = [(0, 2 * MIB), (3 * MIB, MIB)]
-        data = pattern(13, 3 * MIB)
-        arena, tid = cupy.zeros(4 * MIB, dtype=cupy.uint8), a.new_transfer_id()
-        handle = await a.expect(b.address, tid, arena, slots, 20.0)
-        await b.send(a.address, tid, [cupy.asarray(data)], slots, 20.0)
-        await handle.wait()
-        assert np.array_equal(gather(cupy.asnumpy(arena), slots), data)
+        # (sender, its source): a host sender's pages land in pinned staging, then one H2D
+        # copy each (common.transport.device_staging); a device sender's go straight in; a
+        # device source from a sender that says host memory is staged too (UCX's D2H, then
+        # ours): slower, the same bytes
+        cases = [(g, "device", 0), (b, "host", 2), (b, "device", 2)]
+        for seed, (sender, kind, staged) in enumerate(cases):
+            data = pattern(13 + seed, 3 * MIB)
+            arena, tid = cupy.zeros(4 * MIB, dtype=cupy.uint8), a.new_transfer_id()
+            before = a.stats()["device_staged_messages"]
+            handle = await a.expect(sender.address, tid, arena, slots, 20.0)
+            src = cupy.asarray(data) if kind == "device" else data
+            cupy.cuda.Device().synchronize()
+            await sender.send(a.address, tid, [src], slots, 20.0)
+            await handle.wait()
+            assert np.array_equal(gather(cupy.asnumpy(arena), slots), data), (sender, kind)
+            assert a.stats()["device_staged_messages"] - before == staged, (sender, kind)
+        assert a.stats()["device_staging_in_use_bytes"] == 0
         with pytest.raises(InvalidArgument, match="device arenas need direct messages"):
             await a.expect(b.address, a.new_transfer_id(), arena, gapped(4, 4 * KIB), 1.0)
 

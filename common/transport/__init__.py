@@ -78,7 +78,10 @@ Objects (composed, none inherits another):
   (segments, fence locks, control messages, the copy).
 
 The modules beside them: ``plan`` (pure: message plan, tags, transfer ids,
-hello, staging pool), ``staging`` (pure: FIFO order of packed receives), ``ucx`` (the lazy
+hello, staging pool), ``staging`` (pure: FIFO order of packed receives), ``device_staging``
+(receives into device memory from a host-memory sender: pinned host staging, then one H2D
+copy per message on the copy engines; the copies are an injected engine, cupy's by default),
+``ucx`` (the lazy
 ``ucxx`` import, the UCX context, the link/transfer records and :class:`ReceiveHandle`),
 ``handshake`` (a memory-safe replacement for ucxx's endpoint handshake, installed on first
 use), ``ucx_env`` (UCX environment variables and the event-driven progress driver), ``rma``

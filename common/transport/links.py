@@ -48,8 +48,10 @@ class Links:
 
     def __init__(self, cfg: TransportConfig, node_id: str, ctx: Any, progress: WorkerProgress,
                  single_copy: bool, segment: LocalSegment | None = None,
-                 shm_nonce: int = 0, rma: RmaPath | None = None) -> None:
+                 shm_nonce: int = 0, rma: RmaPath | None = None,
+                 device_sources: bool = False) -> None:
         self.node_id = node_id
+        self.device_sources = device_sources     # said in our hello (device_staging)
         self.state = "running"
         # our worker's address, sent in the hello when single copy is allowed here (else b"")
         self.worker_address = bytes(ctx.worker.address.tobytes()) if single_copy else b""
@@ -237,7 +239,7 @@ class Links:
         link = Link(addr, ep, hello.node_id, single_copy=single,
                     peer_worker_address=hello.worker_address if single else b"",
                     peer_process=hello.process, shm_out=shm_out, shm_in=shm_in,
-                    peer_nonce=hello.shm_nonce)
+                    peer_nonce=hello.shm_nonce, peer_device=hello.device_sources)
         mine = self._hello()
         if self.rma is not None and rma_link(mine, hello):
             link.rma_in = bool(mine.rma_rkey)
@@ -358,7 +360,7 @@ class Links:
         return [{"peer": f"{link.addr[0]}:{link.addr[1]}", "node_id": link.node_id,
                  "send": "shm" if link.shm_out else "rma" if link.rma_out else "tag",
                  "receive": "shm" if link.shm_in else "rma" if link.rma_in else "tag",
-                 "single_copy": link.single_copy}
+                 "single_copy": link.single_copy, "peer_device": link.peer_device}
                 for link in self._all_links if link.usable]
 
     def usable_link(self) -> Link | None:
@@ -402,7 +404,8 @@ class Links:
                                        self._host_id, self._process_id, self._shm,
                                        seg.name if seg else "", seg.nbytes if seg else 0,
                                        self._shm_nonce,
-                                       **(self.rma.hello_fields() if self.rma else {})))
+                                       **(self.rma.hello_fields() if self.rma else {}),
+                                       device_sources=self.device_sources))
 
     async def _send_hello(self, ep: Any) -> None:
         u, buf = ucxx(), encode_hello(self._hello())

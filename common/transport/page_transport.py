@@ -19,6 +19,7 @@ import structlog
 
 from common.config import TransportConfig
 from common.errors import ConfigError, Unavailable
+from common.transport.device_staging import CopyEngine, DeviceStaging
 from common.transport.links import Links
 from common.transport.plan import TransferIdSource
 from common.transport.rma_path import RmaPath
@@ -48,16 +49,24 @@ _STATS = (
     "ucx_options_skipped", "shm_links", "shm_segments_mapped", "shm_transfers_sent",
     "shm_transfers_received", "shm_bytes_sent", "shm_bytes_received", "shm_pieces_copied",
     "shm_transfers_tag_fallback", "shm_commits_dropped", "shm_ready_dropped", "shm_fences",
-    "shm_fences_not_settled", "shm_sends_refused", "shm_ready_waiting", "shm_fences_held")
+    "shm_fences_not_settled", "shm_sends_refused", "shm_ready_waiting", "shm_fences_held",
+    "device_staged_messages", "device_staged_bytes", "device_copies_in_flight",
+    "device_copies_abandoned", "device_staging_in_use_bytes", "device_staging_peak_bytes",
+    "device_staging_capacity_bytes")
 
 
 class PageTransport:
     """UCX page transport of one process (one context/worker for the KV traffic class)."""
 
-    def __init__(self, cfg: TransportConfig, node_id: str, shm_arena: Any = None) -> None:
+    def __init__(self, cfg: TransportConfig, node_id: str, shm_arena: Any = None, *,
+                 device_sources: bool = False, copy_engine: CopyEngine | None = None) -> None:
         """``shm_arena``: the arena this transport receives into, when it lies in a
         ``/dev/shm`` segment (``PagePool(shm=True)``): same-host peers then copy pages
-        straight into it (``cfg.same_host = "shm"``, docs/datapath.md)."""
+        straight into it (``cfg.same_host = "shm"``, docs/datapath.md).
+        ``device_sources``: the pages this side sends come from device memory (a pool on
+        the GPU), said in the hello so that a device receiver takes them directly rather than
+        through pinned staging (:mod:`common.transport.device_staging`); ``copy_engine``: the
+        H2D copies of that staging (default cupy's, made on first use; tests inject one)."""
         if cfg.kv_class not in cfg.traffic_classes:
             raise ConfigError(f"transport.kv_class {cfg.kv_class!r} is not one of "
                               f"transport.traffic_classes {sorted(cfg.traffic_classes)}")
@@ -68,6 +77,7 @@ class PageTransport:
                 f"transport.staging_bytes ({cfg.staging_bytes}) must hold one message of "
                 f"max_message_bytes ({cfg.max_message_bytes}) rounded up to {STAGING_ALIGN} B")
         self._cfg, self.node_id = cfg, node_id
+        self._device_sources, self._copy_engine = device_sources, copy_engine
         self._ids = TransferIdSource()
         self._lock = asyncio.Lock()
         self._stopped = False    # stop() before start(): the transport never starts
@@ -129,9 +139,12 @@ class PageTransport:
                 rma = RmaPath(cfg.kv_mode, ctx.context.handle, self._rma_arena, progress,
                               options.get("TLS"))
                 links = Links(cfg, self.node_id, ctx, progress, single_copy=single,
-                              segment=segment, shm_nonce=nonce, rma=rma)
+                              segment=segment, shm_nonce=nonce, rma=rma,
+                              device_sources=self._device_sources)
                 shm = ShmTransfers(links, progress, segment, nonce)
-                transfers = Transfers(cfg, links, progress, shm)
+                transfers = Transfers(cfg, links, progress, shm,
+                                      DeviceStaging(cfg.staging_bytes, progress.kick,
+                                                    self._copy_engine))
                 links.listen()
             except BaseException:
                 if rma is not None:

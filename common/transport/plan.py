@@ -204,10 +204,18 @@ class StagingPool:
     """
 
     def __init__(self, nbytes: int, align: int = 4096,
-                 on_free: Callable[[], None] | None = None) -> None:
+                 on_free: Callable[[], None] | None = None,
+                 buffer: np.ndarray | None = None) -> None:
+        """``buffer``: the memory to hand out (e.g. page-locked, for H2D copies); default a
+        new private one."""
         if nbytes < 0 or align <= 0:
             raise InvalidArgument(f"staging of {nbytes} B aligned to {align} is not valid")
-        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        if buffer is not None and (not isinstance(buffer, np.ndarray) or buffer.nbytes != nbytes
+                                   or buffer.dtype != np.uint8 or buffer.ndim != 1
+                                   or not buffer.flags.c_contiguous):
+            raise InvalidArgument(f"a staging buffer must be a flat contiguous uint8 host "
+                                  f"array of {nbytes} B")
+        self.buffer = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer
         self.buffer[::4096] = 0  # fault the pages in now, not during the first transfer
         self._align = align
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []
@@ -294,6 +302,9 @@ class TransferHello(msgspec.Struct, array_like=True, frozen=True):
     rma_rkey: bytes = b""    # the packed remote key of the arena it receives into ("" = none)
     rma_base: int = 0        # that arena's address and size in its process
     rma_bytes: int = 0
+    # the pages it sends come from device memory (its pool is on a GPU): a device arena
+    # receives them directly; from a host sender it stages (:func:`stage_to_device`)
+    device_sources: bool = False
 
 
 def encode_hello(hello: TransferHello) -> np.ndarray:
@@ -406,6 +417,15 @@ class SourceMap:
 
 def is_device_array(buf: Any) -> bool:
     return hasattr(buf, "__cuda_array_interface__") and not isinstance(buf, np.ndarray)
+
+
+def stage_to_device(arena: Any, peer_sends_device: bool) -> bool:
+    """Whether receives into ``arena`` from a peer land in pinned host staging first, then
+    one H2D copy per message (:mod:`common.transport.device_staging`): ``arena`` is device
+    memory and the peer's hello says it sends host memory (``device_sources`` false: a
+    gateway, a node whose pool is on the host, an older peer). Device to device stays
+    direct (UCX's ``cuda_ipc``); host arenas never stage."""
+    return is_device_array(arena) and not peer_sends_device
 
 
 def check_flat_bytes(buf: Any, what: str, writable: bool = False) -> None:

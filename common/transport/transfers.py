@@ -22,12 +22,13 @@ import structlog
 from common.config import TransportConfig
 from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InvalidArgument,
                            PeerFailed, ProtocolError)
+from common.transport.device_staging import DeviceStaging
 from common.transport.links import Links
 from common.transport.shm_path import PATH_RMA, PATH_SHM, PATH_TAG
 from common.transport.shm_transfers import ShmTransfers
 from common.transport.plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
                                    SourceMap, StagingPool, check_flat_bytes, check_transfer_id,
-                                   is_device_array, plan_messages)
+                                   is_device_array, plan_messages, stage_to_device)
 from common.transport.staging import STAGING_ALIGN, StagingQueue
 from common.transport.ucx import Peer, ReceiveHandle, Transfer, ucxx
 from common.transport.ucx_env import WorkerProgress
@@ -45,9 +46,12 @@ class Transfers:
     """
 
     def __init__(self, cfg: TransportConfig, links: Links, progress: WorkerProgress,
-                 shm: ShmTransfers) -> None:
+                 shm: ShmTransfers, device: DeviceStaging) -> None:
+        """``device``: the pinned staging of receives into device memory from host senders
+        (:mod:`common.transport.device_staging`)."""
         self.counts: collections.Counter[str] = collections.Counter()
         self._cfg, self._links, self._progress, self._shm = cfg, links, progress, shm
+        self._device = device
         self._staging_pool: StagingPool | None = StagingPool(
             cfg.staging_bytes, align=STAGING_ALIGN, on_free=progress.kick)
         # packed receives waiting for staging (FIFO across transfers)
@@ -84,12 +88,18 @@ class Transfers:
 
     def unsettled(self) -> list[Any]:
         """At stop, after the drain: what the requests of each transfer still in flight point
-        into (the caller keeps it alive: UCX may still write there)."""
-        return [(t.keep, t.arena, t.commit) for t in self._active]
+        into (the caller keeps it alive: UCX may still write there), and the pinned staging
+        while an H2D copy may still read it."""
+        out: list[Any] = [(t.keep, t.arena, t.commit) for t in self._active]
+        if self._device.in_flight:
+            out.append(self._device.pool.buffer)
+        return out
 
     def close(self) -> None:
-        """Let go of the staging pool (a stop that orphans requests keeps it alive)."""
+        """Let go of the staging pool (a stop that orphans requests keeps it alive) and of
+        the H2D copy thread."""
         self._staging_pool = None
+        self._device.close()
 
     # ------------------------------------------------------------------ receive
 
@@ -104,7 +114,10 @@ class Transfers:
         order across transfers (:mod:`common.transport.staging`). ``deadline_s`` is the
         budget from now. Device (cupy) arenas take direct messages only. ``await
         handle.wait()`` before reading the arena; after a failure or ``await
-        handle.cancel()`` no receive targets it any more.
+        handle.cancel()`` no receive targets it any more. A device arena receiving from a
+        peer that sends host memory takes each direct message into pinned staging, then one
+        H2D copy (:mod:`common.transport.device_staging`); the handle completes after the
+        copies.
         """
         self._links.check_running()
         check_transfer_id(transfer_id)
@@ -120,7 +133,8 @@ class Transfers:
         if transfer_id in self._receiving:
             raise InvalidArgument(f"transfer id {transfer_id} is already expected")
         rx = Transfer(transfer_id, link, plan, plan[-1].stream_end if plan else 0,
-                      collections.deque(), collections.deque(), arena, keep=arena)
+                      collections.deque(), collections.deque(), arena, keep=arena,
+                      staged=stage_to_device(arena, link.peer_device))
         self._receiving[transfer_id] = rx
         self._active.add(rx)
         path = self._shm.path_for(link, arena)
@@ -159,8 +173,13 @@ class Transfers:
         if rx.link.single_copy:
             buf = np.zeros(COMMIT_BYTES, np.uint8)
             rx.commit = (ep.tag_recv(Array(buf), Tag(base | COMMIT_INDEX), mask), buf)
+        if rx.staged:
+            rx.keep = (arena, self._device.pool.buffer)   # (allocated on first use)
         for msg in rx.plan:
-            if not msg.packed:
+            if rx.staged:
+                if self._device.queue or not self._post_staged(rx, msg):
+                    self._device.queue.defer(rx, rx.deferred, msg)   # FIFO, as packed ones
+            elif not msg.packed:
                 off = msg.pieces[0][0]
                 req = ep.tag_recv(Array(arena[off:off + msg.nbytes]), Tag(base | msg.index), mask)
                 rx.posted.append((req, msg, None))
@@ -185,12 +204,39 @@ class Transfers:
         rx.posted.append((req, msg, stg))
         return True
 
+    def _post_staged(self, rx: Transfer, msg: MessagePlan) -> bool:
+        """Post direct message ``msg`` of a staged receive into pinned staging (False: no
+        room now); its H2D copy starts when it completed (:meth:`_receive_loop`)."""
+        pool = self._device.pool
+        stg = pool.try_alloc(msg.nbytes)
+        if stg is None:
+            return False
+        u = ucxx()
+        try:
+            req = rx.link.ep._ep.tag_recv(u.Array(pool.view(stg, msg.nbytes)),
+                                          u.Tag((rx.transfer_id << INDEX_BITS) | msg.index),
+                                          u.Mask)
+        except BaseException:
+            pool.free(stg)  # nothing was posted into it
+            raise
+        rx.posted.append((req, msg, stg))
+        return True
+
     def _drain_staging(self) -> None:
-        """Give free staging to waiting packed receives, oldest first (strict FIFO across
-        transfers: see :mod:`common.transport.staging` for the deadlock this prevents)."""
-        if self._staging_queue and self._links.running and \
-                self._staging_queue.drain(self._post_packed):
+        """Give free staging to waiting packed (and device-staged) receives, oldest first
+        (strict FIFO across transfers: see :mod:`common.transport.staging` for the deadlock
+        this prevents)."""
+        if not self._links.running:
+            return
+        posted = self._staging_queue.drain(self._post_packed) if self._staging_queue else 0
+        if self._device.queue:
+            posted += self._device.queue.drain(self._post_staged)
+        if posted:
             self._progress.kick()
+
+    def _leave_queues(self, t: Transfer) -> None:
+        self._staging_queue.remove(t)
+        self._device.queue.remove(t)
 
     async def _receive(self, rx: Transfer, deadline_at: float, deadline_s: float) -> None:
         try:
@@ -204,7 +250,7 @@ class Transfers:
         finally:
             self._receiving.pop(rx.transfer_id, None)
             self._active.discard(rx)
-            self._staging_queue.remove(rx)
+            self._leave_queues(rx)
 
     async def _receive_shm(self, rx: Transfer, deadline_at: float, deadline_s: float) -> None:
         """A transfer the sender copies into our segment or puts into our registered region:
@@ -229,17 +275,23 @@ class Transfers:
             self._active.discard(rx)
 
     async def _receive_loop(self, rx: Transfer) -> None:
-        posted, deferred, staging = rx.posted, rx.deferred, self._staging
-        while posted or deferred:
+        posted, deferred, copies, staging = rx.posted, rx.deferred, rx.copies, self._staging
+        while posted or deferred or copies:
             self._drain_staging()   # deferred messages are posted here, by any transfer's loop
-            err = self._staging_queue.failure(rx)
+            err = self._staging_queue.failure(rx) or self._device.queue.failure(rx)
             if err is not None:
                 raise err
+            if copies and copies[0].done:     # an H2D copy ended: its staging is free
+                self._device.finish(copies.popleft())
+                self._drain_staging()
+                continue
             if posted and posted[0][0].completed:
                 req, msg, stg = posted.popleft()
                 req.check_error()
                 self.counts["messages_received"] += 1
-                if stg is not None:
+                if stg is not None and rx.staged:
+                    copies.append(self._device.copy(rx.arena, msg, stg))
+                elif stg is not None:
                     self._scatter(rx.arena, msg, stg)
                     staging.free(stg)
                     self._drain_staging()
@@ -379,7 +431,7 @@ class Transfers:
     async def _fail(self, t: Transfer, exc: BaseException, side: str,
                     deadline_s: float) -> DualpathError:
         """Abort the endpoint, wait until no request of ``t`` is pending, type the error."""
-        self._staging_queue.remove(t)  # before any await: no receive is posted for it any more
+        self._leave_queues(t)  # before any await: no receive is posted for it any more
         err = self._classify(t, exc, side, deadline_s)
         if side == "receive":
             self._retire(t.transfer_id)
@@ -433,24 +485,29 @@ class Transfers:
             t.posted.append((t.commit[0], None, None))
             t.keep, t.commit = (t.keep, t.commit[1]), None
         end = time.monotonic() + _SETTLE_S
-        while self._links.progress_now():
+        while self._links.progress_now() or t.copies:
             pending: collections.deque[tuple[Any, Any, int | None]] = collections.deque()
             for entry in t.posted:
                 if not entry[0].completed:
                     pending.append(entry)
                 elif entry[2] is not None:
-                    self._staging.free(entry[2])
+                    (self._device.pool if t.staged else self._staging).free(entry[2])
             t.posted = pending
-            if not pending or time.monotonic() > end:
+            # an H2D copy still writes into the caller's arena: wait for it too
+            t.copies = collections.deque(c for c in t.copies if not self._device.release(c))
+            if (not pending and not t.copies) or time.monotonic() > end:
                 break
             await asyncio.sleep(0.001)
+        for c in t.copies:        # past the settle time: freed when it ends (logged)
+            self._device.abandon(c)
+        t.copies.clear()
         t.deferred.clear()
         if t.posted:  # their staging stays allocated and their buffers parked: UCX may still
             log.error("transfer_requests_not_settled", transfer_id=t.transfer_id,  # write
                       pending=len(t.posted))
-            pool = self._staging_pool
-            for req, _, _ in t.posted:
-                self._links.park(req, (t.keep, pool.buffer if pool else None))
+            packed = self._staging_pool
+            for req, _, _ in t.posted:   # (a staged receive's keep holds the pinned buffer)
+                self._links.park(req, (t.keep, packed.buffer if packed else None))
             t.posted = collections.deque()
 
     # ------------------------------------------------------------------ stats
@@ -468,6 +525,7 @@ class Transfers:
         out["staging_capacity_bytes"] = float(staging.capacity if staging else 0)
         out["transfers_active"] = float(len(self._active))
         out.update(self._shm.stats())
+        out.update(self._device.stats())
         return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -169,6 +169,7 @@ class Link:
     rma_peer: bool = False        # the peer may ask for RMA: sends wait for its READY
     rma_out: Any = None           # the peer's registered arena (rma.RemoteRegion): sends put
     rma_in: bool = False          # the peer may put into our registered arena
+    peer_device: bool = False     # the peer sends from device memory (its hello said so)
 
     @property
     def usable(self) -> bool:
@@ -189,6 +190,8 @@ class Transfer:
     task: asyncio.Task | None = None
     commit: Any = None            # receiver: the posted commit receive (single-copy links)
     keep: Any = None              # what the requests point into (sources / arena): see Links.park
+    staged: bool = False          # receiver: direct messages land in pinned staging, then H2D
+    copies: collections.deque = field(default_factory=collections.deque)  # their StagedCopy
 
 
 class ReceiveHandle:

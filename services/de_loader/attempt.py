@@ -266,6 +266,7 @@ class DecodeAttempt:
             return
         try:
             failpoint("de.writeback")
+            payloads = await self.io.gateways.host_payloads(payloads)  # a pool on the GPU
             done = await client.write_blocks(f"{self.request_id}#{self.attempt}", keys, payloads,
                                              min(self.remaining or s.writeback_timeout_s,
                                                  s.writeback_timeout_s))

@@ -104,7 +104,9 @@ class NodeBase(Service):
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
         s = self.settings
-        self.transport = PageTransport(self.cfg.transport, self.node_id, shm_arena=self.pool.arena)
+        # a pool on the GPU sends device memory: peers' device arenas take it directly
+        self.transport = PageTransport(self.cfg.transport, self.node_id, shm_arena=self.pool.arena,
+                                       device_sources=self.pool.on_device)
         await self.transport.start()
         self.gateways = NodeGateways(
             self.cfg.rpc, self.transport, self.pool.arena, self.spec, node_id=self.node_id,

@@ -8,12 +8,14 @@ is that read; the clients are cached per gateway address and closed with the nod
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
 from common.auth import load_secret
+from common.buffers import host_copies, is_device_view
 from common.config import RpcConfig
 from common.errors import DualpathError
 from common.faults import failpoint
@@ -78,6 +80,19 @@ class NodeGateways:
         except DualpathError as e:
             raise with_hop(e, "gateway") from None
         return reply.prefix_blocks, reply.nbytes
+
+    async def host_payloads(self, payloads: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        """A write-back's ``payloads`` (per block, its views) in host memory. The gateway takes
+        host arrays and a pool on the GPU hands out device views, so those leave the GPU here:
+        one D2H copy each into page-locked memory, in a worker thread (the event loop never
+        waits on the GPU; ``common.buffers.host_copies``). Host views pass as they are.
+        ``InternalError`` (a ``DualpathError``: the write-back fails, counted) on a failed
+        copy."""
+        flat = [v for p in payloads for v in p]
+        if not any(is_device_view(v) for v in flat):
+            return [list(p) for p in payloads]
+        copies = iter(await asyncio.to_thread(host_copies, flat))
+        return [[next(copies) for _ in p] for p in payloads]
 
     async def write_batch(self, per: int, timeout_s: float) -> int:
         """Blocks per WriteBlocks: ``per``, capped by what the local gateway states one write

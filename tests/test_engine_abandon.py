@@ -145,8 +145,12 @@ async def test_a_claim_is_not_refused_for_an_attempt_the_node_already_dropped(tm
     attempt waited for a claim until the front's deadline. A hold the node has dropped no
     longer refuses a claim; a live hold of an earlier attempt is superseded (failed) by the
     claim of the later one; a second claim of the same live attempt is still refused."""
-    async with local_datapath(tmp_path, scheduler=False, engines=False,
-                              overrides=sockets(tmp_path)) as c:
+    # the old hold's engine never releases its pages (this test's client does nothing), so
+    # each drop waits the node's engine_release_timeout_s for it: 1 s here, not 30
+    over = sockets(tmp_path)
+    for role in ("pe_receiver", "de_loader"):
+        over[role]["engine_release_timeout_s"] = 1.0
+    async with local_datapath(tmp_path, scheduler=False, engines=False, overrides=over) as c:
         eng = await client(tmp_path)
         pe = c.pe["p0"]
         toks = tokens(2 * BT + 5, 9)

@@ -35,11 +35,11 @@ from tools.vllm_serve import (ahttp, front, stop, tokenize, vllm_server,
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-TURNS = 6
+TURNS = 4           # a miss, then three hits (the kv_loading: false turn before the second)
 GEN = 16
 # an agent's turns: a long context, short appends (tool results); from turn 2 the hit is every
 # full block of the previous prompt + output, >= 90 % of the prompt once appends stay < ~60
-# tokens; turn 6 reaches 1,250 + 5 x (16 + 40) + 16 = 1,546 tokens of context
+# tokens; turn 4 reaches 1,250 + 3 x (16 + 40) + 16 = 1,434 tokens of context
 FIRST = 1250
 APPEND = 40
 STEP = 512          # vLLM's tokens per step (--max-num-batched-tokens): FIRST takes 3 chunks

@@ -14,7 +14,11 @@ region. Rows, by where the sender's pages are and where the receiver's arena is:
   a node's pinned host arena gives the H2D copy engines;
 * ``gpu->host`` — a device source into a host arena (a write-back leaving the GPU);
 * ``host->gpu unstaged`` — the ``host->gpu`` bytes received straight into the device arena
-  (UCX's own cuda_copy pipeline, the path before pinned staging), for comparison.
+  (UCX's own cuda_copy pipeline, the path before pinned staging), for comparison;
+* ``gpu->gpu runs`` and ``host->gpu runs`` — the same pages in contiguous slots (no gap), as a
+  request's pages are when the pool hands out one extent: the transport coalesces a run into
+  messages of up to ``transport.max_message_bytes`` (16 MiB), so these rows show what the
+  per-message cost of the gapped rows becomes with fewer, larger messages.
 
 The child runs two transports, as nodes do: one whose hello says its pages come from device
 memory (``device_sources``: a pool on the GPU; the ``gpu->*`` rows, and the unstaged row, whose
@@ -62,14 +66,24 @@ ROOT = Path(__file__).resolve().parents[1]
 # the KV lane with UCX's CUDA transports (tests/test_transport.py's device test uses the same)
 UCX_OPTIONS = {"TLS": "tcp,sm,self,cuda_copy,cuda_ipc", "NET_DEVICES": "lo"}
 DRY_UCX_OPTIONS = {"TLS": "tcp,sm,self", "NET_DEVICES": "lo"}
-# (row, source kind, arena kind, the sending transport: says "device" or "host" sources)
-ROWS = (("gpu->gpu", "device", "device", "device"), ("host->gpu", "host", "device", "host"),
-        ("pinned->gpu", "pinned", "device", "host"), ("gpu->host", "device", "host", "device"),
-        ("host->gpu unstaged", "host", "device", "device"))
+# (row, source kind, arena kind, the sending transport: says "device" or "host" sources,
+# the gap between slots: GAP = every page its own message, 0 = contiguous runs)
+ROWS = (("gpu->gpu", "device", "device", "device", GAP),
+        ("host->gpu", "host", "device", "host", GAP),
+        ("pinned->gpu", "pinned", "device", "host", GAP),
+        ("gpu->host", "device", "host", "device", GAP),
+        ("host->gpu unstaged", "host", "device", "device", GAP),
+        ("gpu->gpu runs", "device", "device", "device", 0),
+        ("host->gpu runs", "host", "device", "host", 0))
 
 
-def slots_of(count: int) -> list[tuple[int, int]]:
-    return [(i * (PAGE + GAP), PAGE) for i in range(count)]
+def slots_of(count: int, gap: int = GAP) -> list[tuple[int, int]]:
+    return [(i * (PAGE + gap), PAGE) for i in range(count)]
+
+
+def received(arena: Any, count: int, gap: int) -> Any:
+    """The pages of ``arena`` (slots ``slots_of(count, gap)``), concatenated."""
+    return arena[:count * (PAGE + gap)].reshape(count, PAGE + gap)[:, :PAGE].reshape(-1)
 
 
 def region_bytes(count: int) -> int:
@@ -169,7 +183,8 @@ async def child_main(dry: bool, pages: int, extra: list[str]) -> None:
             cmd = json.loads(line)
             if cmd["op"] == "exit":
                 break
-            peer, slots, transport = tuple(cmd["peer"]), slots_of(pages), senders[cmd["via"]]
+            peer, transport = tuple(cmd["peer"]), senders[cmd["via"]]
+            slots = slots_of(pages, cmd["gap"])
             await asyncio.gather(*(
                 transport.send(peer, tid, [sources[cmd["src"]][lane]], slots, 120.0)
                 for lane, tid in enumerate(cmd["tids"])))
@@ -188,13 +203,13 @@ async def transport_rows(mem: Memory, pages: int, reps: int, extra: list[str]) -
     try:
         peers = {k: tuple(v) for k, v in
                  (await asyncio.to_thread(read_reply, child.stdout))["address"].items()}
-        slots, nbytes = slots_of(pages), pages * PAGE
+        nbytes = pages * PAGE
         rows = []
         async with PageTransport(transport_config(mem.dry, extra), "bench-gpu-receiver") as rx:
             arenas = {kind: [mem.empty(kind, region_bytes(pages)) for _ in range(LANES)]
                       for kind in ("device", "host")}
-            for name, src, dst, via in ROWS:
-                times, peer = [], peers[via]
+            for name, src, dst, via, gap in ROWS:
+                times, peer, slots = [], peers[via], slots_of(pages, gap)
                 staged0 = rx.stats()["device_staged_messages"]
                 for lane in range(LANES):     # no byte of an earlier row may pass for this one
                     arenas[dst][lane].fill(0)
@@ -206,7 +221,7 @@ async def transport_rows(mem: Memory, pages: int, reps: int, extra: list[str]) -
                     t0 = time.perf_counter()
                     child.stdin.write(json.dumps({"op": "send", "peer": list(rx.address),
                                                   "tids": tids, "src": src,
-                                                  "via": via}) + "\n")
+                                                  "via": via, "gap": gap}) + "\n")
                     child.stdin.flush()
                     for h in handles:
                         await h.wait()
@@ -215,14 +230,14 @@ async def transport_rows(mem: Memory, pages: int, reps: int, extra: list[str]) -
                     await asyncio.to_thread(read_reply, child.stdout)
                 verified = 0
                 for lane in range(LANES):
-                    got = arenas[dst][lane].reshape(pages, PAGE + GAP)[:, :PAGE].reshape(-1)
+                    got = received(arenas[dst][lane], pages, gap)
                     want = mem.pattern(dst, 100 + lane, nbytes)
                     if not mem.equal(got, want):
                         raise SystemExit(f"{name}: lane {lane}: received bytes differ from sent")
                     verified += nbytes
                 total = LANES * nbytes
                 rows.append({"row": name, "src": src, "dst": dst, "sender": via,
-                             "bytes": total,
+                             "slot_gap_bytes": gap, "bytes": total,
                              "gbps_best": total / min(times) / 1e9,
                              "gbps_median": total / statistics.median(times) / 1e9,
                              "verified_bytes": verified,

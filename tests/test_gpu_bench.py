@@ -29,11 +29,13 @@ def test_a_host_dry_run_moves_and_verifies_every_row(tmp_path):
     doc = json.loads(out.read_text())
     rows = doc["results"]["rows"]
     assert [r["row"] for r in rows] == ["gpu->gpu", "host->gpu", "pinned->gpu", "gpu->host",
-                                        "host->gpu unstaged"]
+                                        "host->gpu unstaged", "gpu->gpu runs", "host->gpu runs"]
+    assert [r["slot_gap_bytes"] > 0 for r in rows] == [True] * 5 + [False] * 2
     assert all(r["verified_bytes"] == r["bytes"] > 0 and r["gbps_best"] > 0 for r in rows)
     # the staged rows come from the sender that says host memory, the others from the one
     # that says device memory; host arenas (all of a dry run's) never stage
-    assert [r["sender"] for r in rows] == ["device", "host", "host", "device", "device"]
+    assert [r["sender"] for r in rows] == ["device", "host", "host", "device", "device",
+                                           "device", "host"]
     assert all(r["staged_messages"] == 0 for r in rows)
     assert doc["results"]["dry_run"] and doc["headline"]["metric"] == "gpu_to_gpu_vs_memcpy"
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 from structlog.testing import capture_logs
 
 from tests.helpers import until
-from tools.cluster.loop_watch import watching
+from tools.cluster.loop_watch import LOOP_STALLS_FILE, watching
 
 
 def hold_the_loop(seconds: float) -> None:
@@ -24,3 +25,26 @@ async def test_a_blocked_loop_is_reported_once_with_the_blocking_stack():
     blocked = [e for e in logs if e["event"] == "event_loop_blocked"]
     assert len(blocked) == 1 and "hold_the_loop" in blocked[0]["stack"]
     assert len(watch.stalls) == 1 and 1.0 <= watch.stalls[0] < 3.0
+
+
+def hold_the_loop_and_the_gil(seconds: float) -> None:
+    """A C call that keeps the GIL while it blocks (``PyDLL``: ctypes does not release it):
+    the Python watcher thread cannot run until it returns."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+async def test_a_loop_stuck_in_a_c_call_holding_the_gil_gets_every_stack_dumped(tmp_path):
+    """What CI once saw (a 40-s stall reported only at its end, with the stack of wherever
+    the loop was by then): the C watchdog writes the stacks during the stall, GIL or not."""
+    dump = tmp_path / LOOP_STALLS_FILE
+    with capture_logs() as logs, watching(threshold_s=0.3, dump_to=dump,
+                                          dump_after_s=0.3) as watch:
+        hold_the_loop_and_the_gil(3.0)
+        await until(lambda: watch.stalls, what="the stall closed by the next tick")
+    text = dump.read_text()
+    assert "Timeout" in text and "hold_the_loop_and_the_gil" in text, text
+    assert "test_a_loop_stuck_in_a_c_call" in text         # the caller's frame too
+    # the Python watcher saw the stall only once the C call had returned
+    assert len(watch.stalls) == 1 and watch.stalls[0] >= 2.5
+    events = sorted(e["event"] for e in logs if e["event"].startswith("event_loop"))
+    assert events == ["event_loop_blocked", "event_loop_resumed"], events

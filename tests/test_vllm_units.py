@@ -219,3 +219,33 @@ def test_a_load_failure_policy_that_could_serve_wrong_kv_is_refused_at_start():
     with pytest.raises(ValueError, match="kv_consumer .* needs kv_load_failure_policy="
                                          "'recompute'"):
         check_failure_policy(True, "fail", False)
+
+
+class _Attachment:
+    """A stand-in ``SyncEngineClient`` whose claims raise ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error, self.closed = error, False
+
+    def claim_decode(self, request_id, timeout_s, attempt):
+        raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_claim_without_an_answer_keeps_the_attachment_a_broken_one_drops_it():
+    """The attachment is shared by every request of the instance: a claim that timed out
+    (the node slow) fails that request only, and the sessions already claimed through the
+    attachment keep it; a broken connection (PeerFailed) drops it, to re-attach."""
+    from common.errors import DeadlineExceeded, PeerFailed, Unavailable
+
+    src = EngineSource("/nonexistent", "d0.e0", "decode", SPEC, 1.0)
+    slow = src._client = _Attachment(DeadlineExceeded("ClaimRequest got no reply within 40s"))
+    with pytest.raises(DeadlineExceeded):
+        src.open_decode("r1", list(range(10)), 1.0)
+    assert src._client is slow and not slow.closed
+    broken = src._client = _Attachment(PeerFailed("peer closed"))
+    with pytest.raises((PeerFailed, Unavailable)):     # (re-attaching to no node: Unavailable)
+        src.open_decode("r2", list(range(10)), 1.0)
+    assert broken.closed and src._client is not broken

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, NotFound,
+from common.errors import (DualpathError, InvalidArgument, NotFound,
                            PeerFailed, Unavailable)
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
@@ -99,20 +99,28 @@ class EngineSource:
     def _claim_or_detach(self, method: str, request_id: str, timeout_s: float,
                          stop: Stop, attempt: int | None = None) -> Any:
         """Claim through the attachment. When the node is gone — its service died, stopped or
-        restarted (PeerFailed, Unavailable, no answer, a socket error) — drop the attachment:
-        a restarted node service is re-attached without restarting vLLM. An attachment that
-        was already dead before this request (the node restarted while we idled) is replaced
-        once at once, so the first request after a restart still loads through dualpath;
-        otherwise this request fails and vLLM recomputes it."""
+        restarted (PeerFailed, Unavailable, a socket error: the connection itself broke) —
+        drop the attachment: a restarted node service is re-attached without restarting vLLM.
+        An attachment that was already dead before this request (the node restarted while we
+        idled) is replaced once at once, so the first request after a restart still loads
+        through dualpath; otherwise this request fails and vLLM recomputes it.
+
+        A claim with no answer in time (DeadlineExceeded) fails this request only: the
+        attachment is shared by every request of this instance, and closing it would break
+        the sessions of the requests already claimed through it (their finish would reach a
+        closed client: the node would never hear of them). Seen in CI: one node stalled for
+        40 s, a claim timed out, the dropped attachment took a running request's session with
+        it, and that request hung until the front's deadline. A node that is really gone
+        closes the connection, which the next call sees as PeerFailed."""
         for retry in (False, True):
             stale = self._client is not None
             client = self.client()
             try:
                 return self._claim(getattr(client, method), request_id, timeout_s, stop,
                                    attempt)
-            except (PeerFailed, Unavailable, DeadlineExceeded, OSError) as e:
+            except (PeerFailed, Unavailable, OSError):
                 self._drop(client)
-                if retry or not stale or isinstance(e, DeadlineExceeded):
+                if retry or not stale:
                     raise
         raise AssertionError("unreachable")
 

@@ -46,7 +46,7 @@ from tools.engine_sim.kv_pattern import full_block
 
 from .config import ROLE_SERVICE, Cluster, service_config
 from .emulated import attach_engines, attach_remote_engines
-from .loop_watch import LoopStallWatch, watching
+from .loop_watch import LOOP_STALLS_FILE, LoopStallWatch, watching
 
 if TYPE_CHECKING:
     from tools.cluster.stub_nodes import StubCluster
@@ -214,7 +214,9 @@ async def local_datapath(root: Path, *, prefill: Sequence[str] = ("p0",),
     cfg = _cfg(data)
     c = InProcessCluster(cfg, spec_from_config(cfg.kv))
     async with contextlib.AsyncExitStack() as stack:
-        c.loop_watch = stack.enter_context(watching())
+        # a stall of the shared loop past 10 s writes every thread's stack to this file
+        # (tools/cluster/loop_watch.py: even one inside a C call holding the GIL)
+        c.loop_watch = stack.enter_context(watching(dump_to=Path(root) / LOOP_STALLS_FILE))
         for node in (*prefill, *decode):
             c.gateways[node] = await start_gateway(stack, _cfg(data), node, spec=c.spec)
         sched_port = 0

@@ -61,7 +61,7 @@ def host_copies(views: Sequence[Any]) -> list[np.ndarray]:
     from a pool on the GPU. The copies of one call share one page-locked buffer (a fast D2H,
     and the transport then sends host memory), pageable if pinning fails. Blocking: call it
     off the event loop (``asyncio.to_thread``). ``InternalError`` if a copy fails."""
-    device = [i for i, v in enumerate(views) if is_device_view(v)]
+    device = [i for i, v in enumerate(views) if is_device_array(v)]
     out = list(views)
     if not device:
         return out
@@ -82,10 +82,7 @@ def host_copies(views: Sequence[Any]) -> list[np.ndarray]:
             dst = buf[pos:pos + n]
             with v.device:
                 flat = cupy.ascontiguousarray(v).reshape(-1).view(cupy.uint8)
-                try:
-                    cupy.asnumpy(flat, out=dst)     # synchronous D2H into dst
-                except TypeError:                   # a cupy without ``out``
-                    dst[:] = cupy.asnumpy(flat)
+                cupy.asnumpy(flat, out=dst)     # synchronous D2H into dst
             out[i] = dst
             pos += n
     except Exception as e:
@@ -94,8 +91,9 @@ def host_copies(views: Sequence[Any]) -> list[np.ndarray]:
     return out
 
 
-def is_device_view(v: Any) -> bool:
-    """Whether ``v`` is device memory (a cupy view; anything with the CUDA array interface)."""
+def is_device_array(v: Any) -> bool:
+    """Whether ``v`` is device memory (a cupy array or view; anything with the CUDA array
+    interface)."""
     return hasattr(v, "__cuda_array_interface__") and not isinstance(v, np.ndarray)
 
 
@@ -168,7 +166,6 @@ class PagePool:
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self.arena, self.shm = _make_arena(page_bytes * num_pages, device, shm, name)
-        self.on_device = device == "cuda"   # its pages are GPU memory (cupy views)
         self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted by first page, merged
         self._live: dict[int, Allocation] = {}
         self._next_id = 1

@@ -356,13 +356,13 @@ async def test_the_cupy_engine_copies_in_order_and_calls_back(monkeypatch):
 
 
 def test_host_copies_leave_host_views_alone_and_copy_device_ones(monkeypatch):
-    from common.buffers import host_copies, is_device_view
+    from common.buffers import host_copies, is_device_array
     host = np.arange(8, dtype=np.uint8)
     assert host_copies([host])[0] is host           # no cupy needed without device views
     stand_in_cupy(monkeypatch)
     dev = _DeviceArray(np.arange(16, dtype=np.uint8))
     out = host_copies([host, dev])
-    assert out[0] is host and isinstance(out[1], np.ndarray) and not is_device_view(out[1])
+    assert out[0] is host and isinstance(out[1], np.ndarray) and not is_device_array(out[1])
     assert np.array_equal(out[1], np.arange(16, dtype=np.uint8))
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from common.buffers import is_device_array
 from common.errors import InvalidArgument, ProtocolError
 
 # Tag layout (64-bit UCX tag): ``transfer_id << INDEX_BITS | message_index``.
@@ -413,10 +414,6 @@ class SourceMap:
         while self.starts[i] + self.views[i].nbytes <= pos:
             i += 1
         return i
-
-
-def is_device_array(buf: Any) -> bool:
-    return hasattr(buf, "__cuda_array_interface__") and not isinstance(buf, np.ndarray)
 
 
 def stage_to_device(arena: Any, peer_sends_device: bool) -> bool:

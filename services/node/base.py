@@ -26,7 +26,7 @@ from typing import Any, TYPE_CHECKING
 import structlog
 
 from common.auth import load_secret
-from common.buffers import PagePool
+from common.buffers import PagePool, is_device_array
 from common.errors import DualpathError, InvalidArgument
 from common.kv import KVSpec, spec_from_config
 from common.protocol import (Stage, EngineInfo, EngineLoad, FetchWorkReply, GetStats,
@@ -106,7 +106,7 @@ class NodeBase(Service):
         s = self.settings
         # a pool on the GPU sends device memory: peers' device arenas take it directly
         self.transport = PageTransport(self.cfg.transport, self.node_id, shm_arena=self.pool.arena,
-                                       device_sources=self.pool.on_device)
+                                       device_sources=is_device_array(self.pool.arena))
         await self.transport.start()
         self.gateways = NodeGateways(
             self.cfg.rpc, self.transport, self.pool.arena, self.spec, node_id=self.node_id,

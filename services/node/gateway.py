@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 
 from common.auth import load_secret
-from common.buffers import host_copies, is_device_view
+from common.buffers import host_copies, is_device_array
 from common.config import RpcConfig
 from common.errors import DualpathError
 from common.faults import failpoint
@@ -89,7 +89,7 @@ class NodeGateways:
         ``InternalError`` (a ``DualpathError``: the write-back fails, counted) on a failed
         copy."""
         flat = [v for p in payloads for v in p]
-        if not any(is_device_view(v) for v in flat):
+        if not any(is_device_array(v) for v in flat):
             return [list(p) for p in payloads]
         copies = iter(await asyncio.to_thread(host_copies, flat))
         return [[next(copies) for _ in p] for p in payloads]

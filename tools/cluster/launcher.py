@@ -364,7 +364,9 @@ class Launcher:
         safe = name.replace(":", "-")
         log = self.log_dir / f"{safe}.log"
         ready = self.state_dir / f"{safe}.ready" if cmd.service in SERVICES else None
-        env = dict(os.environ, **cmd.env) if cmd.env else None
+        # PYTHONNODEBUGRANGES: Python 3.11's tracebacks race in the ast module across threads
+        # (docs/deploy.md, "Python 3.11"); a caller's own setting wins
+        env = {"PYTHONNODEBUGRANGES": "1", **os.environ, **cmd.env}
         if ready is not None:
             ready.unlink(missing_ok=True)
             argv = argv + ["--ready-file", str(ready)]

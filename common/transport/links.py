@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,20 @@ from common.transport.ucx_env import (WorkerProgress, local_host_id, local_proce
 log = structlog.get_logger("common.transport")
 
 _GONE_CHECKS, _GONE_RECHECK_S = 5, 2.0  # is a failed single-copy peer's process gone?
+
+
+def _link_closed(links_ref: weakref.ref[Links], link_ref: weakref.ref[Link]) -> None:
+    """An endpoint's close callback, holding its transport and link only weakly.
+
+    ucxx's ``Endpoint`` has a ``weakref.finalize`` (a global registry) whose arguments hold
+    the raw ``UCXEndpoint``, and that holds its close callback: a bound method of the
+    transport there made the ``Endpoint`` reachable from the registry through its own link,
+    so it was never collected and never closed — nor the worker, context and page pools
+    behind the transport (every in-process cluster that moved a page leaked its arenas:
+    10 GB of /dev/shm mappings by the end of the suite)."""
+    links, link = links_ref(), link_ref()
+    if links is not None and link is not None:
+        links._on_link_closed(link)
 
 
 class Links:
@@ -111,7 +126,12 @@ class Links:
             ep.abort()
 
     def close(self) -> None:
-        """Abort the single-copy endpoints, close the listener and let go of the context."""
+        """Abort every endpoint (their close callbacks removed first: nothing of this
+        transport runs after it closed), close the listener and let go of the context."""
+        for link in self._all_links | set(self._links.values()):
+            if link.ep._ep is not None:
+                link.ep._ep.remove_close_callback()
+                link.ep.abort()
         for ep in self._data_eps.values():
             ep.abort()
         self._data_eps.clear()
@@ -343,7 +363,7 @@ class Links:
             link.ep.abort()
             raise Unavailable(f"page transport of {self.node_id} is stopping")
         self._all_links.add(link)
-        link.ep.set_close_callback(self._on_link_closed, cb_args=(link,))
+        link.ep.set_close_callback(_link_closed, cb_args=(weakref.ref(self), weakref.ref(link)))
         current = self._links.get(link.addr)
         if current is None or not current.usable:
             self._links[link.addr] = link

@@ -13,17 +13,23 @@ holding it) and, when the loop runs again, ``event_loop_resumed`` with the stall
 That watcher is a Python thread: it needs the GIL, so a loop thread stuck *inside a C call
 that holds the GIL* (a blocking call in an extension) stops it too, and it can only report
 the stall afterwards, with the stack of wherever the loop thread is by then (seen in CI: a
-40-s stall reported at its end). So the watch also re-arms ``faulthandler``'s C watchdog on
-every tick (``dump_to``): a loop that has not ticked for ``dump_after_s`` gets every
-thread's Python stack written to that file *during* the stall, without the GIL. The C
-watchdog is one per process: the last watch started owns it.
+40-s stall reported at its end). So with ``dump_to`` each tick also pushes back a POSIX
+timer (:class:`StallAlarm`: ``timer_settime``, one syscall); a loop that has not ticked for
+``dump_after_s`` lets it fire, and ``faulthandler``'s C signal handler writes every thread's
+Python stack to that file *during* the stall, without the GIL. (A first version re-armed
+``faulthandler.dump_traceback_later`` on every tick instead: each re-arm joins one watchdog
+thread and starts another while holding the GIL, and under CI's load one re-arm itself held
+the loop 1.2 s.) The signal's handler is one per process: it writes to the newest watch's file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import faulthandler
+import os
+import signal
 import sys
 import threading
 import time
@@ -39,6 +45,73 @@ log = structlog.get_logger("loop_watch")
 # where an in-process cluster's stall dumps go, in its root (tools/cluster/inprocess.py); a
 # failed real-engine test's report carries its tail (tests/log_digest.py)
 LOOP_STALLS_FILE = "loop-stalls.log"
+# the signal of the stall dumps: a real-time one no library here uses
+STALL_SIGNAL = signal.SIGRTMIN + 5
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+class _Sigevent(ctypes.Structure):      # struct sigevent (Linux): 64 bytes
+    _fields_ = [("sigev_value", ctypes.c_void_p), ("sigev_signo", ctypes.c_int),
+                ("sigev_notify", ctypes.c_int), ("_pad", ctypes.c_int * 12)]
+
+
+_CLOCK_MONOTONIC, _SIGEV_THREAD_ID = 1, 4
+
+# The dump files of the watches alive now, newest last. faulthandler has one handler for the
+# signal: it writes to the newest watch's file, and is removed only with the last watch (the
+# signal's default action would end the process should another watch's timer fire).
+_dump_files: list[IO[str]] = []
+_dump_files_lock = threading.Lock()
+
+
+def _register_dump(file: IO[str]) -> None:
+    with _dump_files_lock:
+        _dump_files.append(file)
+        faulthandler.register(STALL_SIGNAL, file=file, all_threads=True)
+
+
+def _unregister_dump(file: IO[str]) -> None:
+    with _dump_files_lock:
+        _dump_files.remove(file)
+        if _dump_files:
+            faulthandler.register(STALL_SIGNAL, file=_dump_files[-1], all_threads=True)
+        else:
+            faulthandler.unregister(STALL_SIGNAL)
+
+
+class StallAlarm:
+    """A one-shot POSIX timer on the monotonic clock that sends :data:`STALL_SIGNAL` to the
+    thread ``thread_id`` (a native id: Linux's ``SIGEV_THREAD_ID``) — the watcher's, so the
+    signal never interrupts a system call of the stalled code; :meth:`push` re-arms it (a
+    syscall: no thread, nothing waited for), :meth:`close` deletes it. Linux only."""
+
+    def __init__(self, thread_id: int) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._timer = ctypes.c_void_p()
+        event = _Sigevent(sigev_signo=STALL_SIGNAL, sigev_notify=_SIGEV_THREAD_ID)
+        event._pad[0] = thread_id               # the union's _tid
+        if self._libc.timer_create(_CLOCK_MONOTONIC, ctypes.byref(event),
+                                   ctypes.byref(self._timer)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"timer_create: {os.strerror(err)}")
+
+    def push(self, after_s: float) -> None:
+        """Fire ``after_s`` from now (0: never), replacing any earlier arming."""
+        whole = int(after_s)
+        spec = _Itimerspec(it_value=_Timespec(whole, int((after_s - whole) * 1e9)))
+        self._libc.timer_settime(self._timer, 0, ctypes.byref(spec), None)
+
+    def close(self) -> None:
+        if self._timer:
+            self._libc.timer_delete(self._timer)
+            self._timer = ctypes.c_void_p()
 
 
 class LoopStallWatch:
@@ -50,6 +123,7 @@ class LoopStallWatch:
         self.loop, self.threshold_s, self.tick_s = loop, threshold_s, tick_s
         self.dump_to, self.dump_after_s = dump_to, dump_after_s
         self._dump_file: IO[str] | None = None
+        self._alarm: StallAlarm | None = None
         self.stalls: list[float] = []            # seconds, one per stall past the threshold
         self._last = time.monotonic()
         self._blocked_since: float | None = None
@@ -64,15 +138,22 @@ class LoopStallWatch:
         self._loop_thread = threading.get_ident()
         if self.dump_to is not None:
             self._dump_file = open(self.dump_to, "a")     # noqa: SIM115 -- closed in stop()
-        self._tick()
+            _register_dump(self._dump_file)
         self._thread.start()
+        if self._dump_file is not None:
+            assert self._thread.native_id is not None       # set once started
+            self._alarm = StallAlarm(self._thread.native_id)
+        self._tick()
 
     def stop(self) -> None:
         self._stop.set()
         if self._handle is not None:
             self._handle.cancel()
+        if self._alarm is not None:
+            self._alarm.close()           # (Linux drops a signal of it still pending)
+            self._alarm = None
         if self._dump_file is not None:
-            faulthandler.cancel_dump_traceback_later()
+            _unregister_dump(self._dump_file)
             self._dump_file.close()
             self._dump_file = None
         self._thread.join(timeout=5 * self.tick_s + 1.0)
@@ -84,9 +165,14 @@ class LoopStallWatch:
             self._blocked_since = None
             self.stalls.append(now - since)
             log.warning("event_loop_resumed", stalled_s=round(self.stalls[-1], 3))
+            if self._dump_file is not None and self.stalls[-1] >= self.dump_after_s:
+                self._dump_file.write(f"== the loop stood still {self.stalls[-1]:.1f} s "
+                                      f"until {time.strftime('%H:%M:%S')} (stacks above: "
+                                      f"written {self.dump_after_s:g} s into it)\n")
+                self._dump_file.flush()
         self._last = now
-        if self._dump_file is not None:        # the loop ran: push the C watchdog back
-            faulthandler.dump_traceback_later(self.dump_after_s, file=self._dump_file)
+        if self._alarm is not None:            # the loop ran: push the C dump back
+            self._alarm.push(self.dump_after_s)
         self._handle = self.loop.call_later(self.tick_s, self._tick)
 
     def _watch(self) -> None:

@@ -57,8 +57,14 @@ def engine_runs(tmp_path_factory):
     # instance (misses, then a hit), then a fresh instance beside the model's own KV, both
     # reading what the first stored
     with ThreadPoolExecutor(max_workers=2) as pool:
-        plain, first = pool.map(lambda a: run_check(python, *a), [("plain", *m, *p),
-                                                                 ("run", *m, *p, *s)])
+        plain, first = pool.map(lambda a: run_check(python, *a, with_log=True),
+                                [("plain", *m, *p), ("run", *m, *p, *s)])
+        # what the next two read: every full block of both prompts, written by the first
+        # (ci37, under load: the hf_kv read found none — say so, with the first run's log)
+        stored = [o["stored"] for o in first["outputs"]]
+        assert all(stored), (f"the first instance did not store its blocks: stored={stored}, "
+                             f"dualpath={[o['dualpath'] for o in first['outputs']]}, its "
+                             "warnings:\n" + "\n".join(first["log_tail"]))
         fresh, hf = pool.map(lambda a: run_check(python, *a), [("run", *m, *p, *s),
                                                               ("hf_kv", *m, *p, *s)])
     return {"prompts": prompts, "plain": plain, "first": first, "fresh": fresh, "hf": hf,

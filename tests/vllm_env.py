@@ -35,8 +35,10 @@ def require_vllm() -> tuple[Path, Path]:
 
 
 def run_check(python: Path, *args: str, timeout: float = 1500,
-              script: str = "geometry_check.py") -> dict:
-    """Run ``tests/vllm_checks/<script>`` in the vLLM venv; its RESULT line as a dict."""
+              script: str = "geometry_check.py", with_log: bool = False) -> dict:
+    """Run ``tests/vllm_checks/<script>`` in the vLLM venv; its RESULT line as a dict
+    (``with_log``: plus its last warnings and errors under ``"log_tail"``, for a caller's
+    failure message)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
     proc = subprocess.Popen([str(python), str(REPO / "tests" / "vllm_checks" / script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
@@ -49,4 +51,8 @@ def run_check(python: Path, *args: str, timeout: float = 1500,
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
         f"check {args[0]} failed (rc {proc.returncode}):\n{(stdout + stderr)[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    if with_log:
+        result["log_tail"] = [ln for ln in stderr.splitlines()
+                              if "WARNING" in ln or "ERROR" in ln or "rror" in ln][-40:]
+    return result

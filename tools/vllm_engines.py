@@ -145,7 +145,11 @@ def datapath_overrides(root: Path, buffer_mib: int = 192, **extra: dict) -> dict
         # vLLM instances on 2 busy cores, where a loop stall can outlast the default 1 s
         # hit-lookup budget (a CI run: 3 lookups timed out and their turns planned hit 0; the
         # cause found there — probes queued behind bulk reads — is fixed in the gateway)
-        "scheduler_service": {"hit_lookup_timeout_s": 10.0}}
+        "scheduler_service": {"hit_lookup_timeout_s": 10.0},
+        # a page-transport handshake needs both of its ends progressed, here by that one loop:
+        # a 7.5-s stall of it under CI's load (ci37) outlasted the default 5-s connect, and the
+        # attempt failed over to a recompute
+        "transport": {"connect_timeout_s": 30.0}}
     out.update(extra)
     return out
 

@@ -6,8 +6,12 @@ attention splits each (block, head) region in halves, K then V. *Inside* the hal
 kernel (``cpu_attn_reshape_and_cache``, ISA ``vec``) keeps **K transposed, ``[head_size,
 block_size]``**, and V row-major, ``[block_size, head_size]`` — measured: the stored bytes
 against transformers' K/V of the same prefix, cosine 1.0000 for that layout and < 0.2 for
-row-major K or any ``[head/x, block, x]`` tiling (docs/vllm.md). Other ISAs (``amx``, ``neon``,
-``vec16``) may pack differently and are refused by the connector until measured.
+row-major K or any ``[head/x, block, x]`` tiling (docs/vllm.md). ISA ``amx`` (bf16 on CPUs with
+AMX tiles) packs both halves in tiles, measured by writing known K/V through the same kernel:
+**K ``[block/16, head/2, 16 tokens, 2 dims]``** and **V ``[head/16, block/2, 16 dims, 2
+tokens]``** (``CacheGeometry.amx_views``; the geometry check compares both ways against the
+kernel on such a CPU). Other ISAs (``neon``, ``vec16`` …) may pack differently and are refused
+by the connector until measured.
 
 **dualpath side** (the byte layout of B for vLLM models, docs/vllm.md): token-major, and per
 token ``[2 (K then V), num_kv_heads, head_size]`` elements of the model's dtype, little-endian —
@@ -22,13 +26,13 @@ tensors built once per request — no per-token Python loop. Token ``t`` of a re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 
 # the CPU attention ISAs whose in-block layout was measured (see the module docstring)
-VERIFIED_ISAS = ("vec",)
+VERIFIED_ISAS = ("vec", "amx")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class CacheGeometry:
     head_size: int
     block_size: int
     dtype: torch.dtype
+    isa: str = "vec"                 # vLLM's CPU attention ISA: which in-block layout
 
     @property
     def token_bytes(self) -> int:
@@ -55,6 +60,25 @@ class CacheGeometry:
             raise ValueError(f"vLLM KV cache layer is not contiguous (strides {cache.stride()})")
         _, heads, block_size, two_head = cache.shape
         return cls(int(heads), int(two_head) // 2, int(block_size), cache.dtype)
+
+    def for_isa(self, isa: str) -> CacheGeometry:
+        """This geometry under ``isa``'s in-block layout; ValueError where it is not known."""
+        if isa == "amx" and (self.dtype.itemsize != 2 or self.block_size % 16
+                             or self.head_size % 16):
+            raise ValueError(f"ISA 'amx' with {self.dtype}, block {self.block_size}, head "
+                             f"{self.head_size}: layout not measured")
+        if isa not in VERIFIED_ISAS:
+            raise ValueError(f"ISA {isa!r}: layout not measured")
+        return self if isa == self.isa else replace(self, isa=isa)
+
+    def amx_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ISA ``amx``: the K half as ``[blocks, heads, bs/16, head/2, 16, 2]`` (token
+        ``16·i + r``, dims ``2·j``, ``2·j + 1``) and the V half as ``[blocks, heads, head/16,
+        bs/2, 16, 2]`` (dims ``16·i + r``, tokens ``2·j``, ``2·j + 1``): views."""
+        n, h, bs, d = cache.shape[0], self.num_kv_heads, self.block_size, self.head_size
+        halves = cache.view(n, h, 2, bs * d)
+        return (halves[:, :, 0].view(n, h, bs // 16, d // 2, 16, 2),
+                halves[:, :, 1].view(n, h, d // 16, bs // 2, 16, 2))
 
     def k_view(self, cache: torch.Tensor) -> torch.Tensor:
         """``[num_blocks, heads, head_size, block_size]``: the K half, transposed (a view)."""
@@ -105,8 +129,15 @@ def gather_layer_into(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlot
     """Copy one layer's KV of ``slots`` into ``dst`` (``uint8 [tokens, B]``, e.g. an arena view)."""
     _check_bytes(geom, slots, dst)
     kv = _typed(geom, slots, dst)                                         # [n, 2, heads, head]
-    kv[:, 0] = geom.k_view(cache)[slots.block_index, :, :, slots.offset]  # [n, heads, head]
-    kv[:, 1] = geom.v_view(cache)[slots.block_index, :, slots.offset]
+    b, o = slots.block_index, slots.offset
+    if geom.isa == "amx":
+        k, v = geom.amx_views(cache)
+        n, h, d = slots.tokens, geom.num_kv_heads, geom.head_size
+        kv[:, 0] = k[b, :, o // 16, :, o % 16, :].reshape(n, h, d)       # [n, heads, d/2, 2]
+        kv[:, 1] = v[b, :, :, o // 2, :, o % 2].reshape(n, h, d)         # [n, heads, d/16, 16]
+        return
+    kv[:, 0] = geom.k_view(cache)[b, :, :, o]                             # [n, heads, head]
+    kv[:, 1] = geom.v_view(cache)[b, :, o]
 
 
 def scatter_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
@@ -114,8 +145,15 @@ def scatter_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
     """Write ``src`` (``uint8 [tokens, B]``, dualpath layout) into the cache at ``slots``."""
     _check_bytes(geom, slots, src)
     kv = _typed(geom, slots, src.contiguous())
-    geom.k_view(cache)[slots.block_index, :, :, slots.offset] = kv[:, 0]
-    geom.v_view(cache)[slots.block_index, :, slots.offset] = kv[:, 1]
+    b, o = slots.block_index, slots.offset
+    if geom.isa == "amx":
+        k, v = geom.amx_views(cache)
+        n, h, d = slots.tokens, geom.num_kv_heads, geom.head_size
+        k[b, :, o // 16, :, o % 16, :] = kv[:, 0].reshape(n, h, d // 2, 2)
+        v[b, :, :, o // 2, :, o % 2] = kv[:, 1].reshape(n, h, d // 16, 16)
+        return
+    geom.k_view(cache)[b, :, :, o] = kv[:, 0]
+    geom.v_view(cache)[b, :, o] = kv[:, 1]
 
 
 def scatter_range(geom: CacheGeometry, cache: torch.Tensor, block_ids: Sequence[int],
@@ -131,7 +169,7 @@ def scatter_range(geom: CacheGeometry, cache: torch.Tensor, block_ids: Sequence[
         raise ValueError(f"KV bytes must be uint8 [{stop - start}, {geom.token_bytes}], got "
                          f"{src.dtype} {tuple(src.shape)}")
     first, last = -(-start // bs), stop // bs          # blocks [first, last) covered whole
-    if last <= first:
+    if last <= first or geom.isa != "vec":             # (amx: token by token)
         scatter_layer(geom, cache, token_slots(block_ids, bs, start, stop), src)
         return
     if last > len(block_ids):                          # before any write

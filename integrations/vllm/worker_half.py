@@ -38,7 +38,7 @@ from integrations.vllm.geometry import (
     token_slots,
 )
 from integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta, Finish, ReqStep
-from integrations.vllm.off_step import OffStep, Sessions, refuse_unverified
+from integrations.vllm.off_step import LayoutRefused, OffStep, Sessions, refuse_unverified
 from integrations.vllm.sessions import KVSource
 from services.engine_api.blocking import SyncPrefillHandle
 
@@ -125,7 +125,14 @@ class WorkerHalf:
         """Refuse (every request recomputes) on a CPU attention ISA whose in-block KV layout
         was not measured: wrong KV must never reach the cache (geometry.VERIFIED_ISAS)."""
         ctx = self._vllm_config.compilation_config.static_forward_context.get(self._name_of[0])
-        refuse_unverified(getattr(ctx, "isa", None), VERIFIED_ISAS)
+        isa = getattr(ctx, "isa", None)
+        refuse_unverified(isa, VERIFIED_ISAS)
+        assert self._geom is not None and isinstance(isa, str)
+        if self._geom.isa != isa:             # known only once vLLM built its attention
+            try:
+                self._geom = self._geom.for_isa(isa)
+            except ValueError as e:
+                raise LayoutRefused(str(e)) from None
 
     def _copy_hit(self, session: Any, layer: int, start: int, stop: int,
                   block_ids: list[int]) -> None:

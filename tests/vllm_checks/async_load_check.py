@@ -101,7 +101,7 @@ class Rig:
 
     def _layout(self) -> None:
         if not self.layout_ok:
-            raise LayoutRefused("isa 'amx' not verified")
+            raise LayoutRefused("isa 'neon' not verified")
 
     def _copy(self, session, layer, start, stop, blocks) -> None:
         if session._req.broken:

@@ -63,6 +63,7 @@ def roundtrip() -> dict:
     touched = torch.zeros(40, dtype=torch.bool)
     touched[block_ids] = True
     return {
+        "amx": amx_against_the_kernel(),
         "token_bytes": geom.token_bytes,
         "bytes_shape": list(data.shape),
         "k_equal": bool(torch.equal(kv[:, 0], k_ref)),
@@ -71,6 +72,48 @@ def roundtrip() -> dict:
         "untouched_zero": bool((fresh[~touched] == 0).all()),
         "range_equal": range_equal,
     }
+
+
+def amx_against_the_kernel() -> dict | None:
+    """On a CPU with AMX (None elsewhere): K/V written by vLLM's own ``amx`` kernel, gathered
+    back by the connector's layout, equal what was written; the connector's scatter (token
+    path and block path) writes the kernel's bytes — for head sizes 64 and 128."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from integrations.vllm.geometry import (
+        CacheGeometry,
+        gather_layer,
+        scatter_layer,
+        scatter_range,
+        token_slots,
+    )
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    torch.manual_seed(1)
+    out = {}
+    for head in (64, 128):
+        cache = torch.zeros(12, 3, 128, 2 * head, dtype=torch.bfloat16)
+        key_cache, value_cache = cache.view(12, 3, 256, head).chunk(2, dim=2)
+        tokens, block_ids = 333, [5, 2, 9]
+        key = torch.randn(tokens, 3, head).to(torch.bfloat16)
+        value = torch.randn(tokens, 3, head).to(torch.bfloat16)
+        slot_mapping = torch.tensor([block_ids[t // 128] * 128 + t % 128 for t in range(tokens)])
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, "amx")
+        geom = CacheGeometry.of_cache(cache).for_isa("amx")
+        slots = token_slots(block_ids, 128, 0, tokens)
+        data = gather_layer(geom, cache, slots)
+        got = data.view(torch.bfloat16).view(tokens, 2, 3, head)
+        by_token, by_range = torch.zeros_like(cache), torch.zeros_like(cache)
+        scatter_layer(geom, by_token, slots, data)
+        scatter_range(geom, by_range, block_ids, 0, tokens, data)
+        out[head] = {
+            "gather_equal": bool(torch.equal(got[:, 0], key) and torch.equal(got[:, 1], value)),
+            "scatter_equal": bool(torch.equal(by_token.view(torch.int16), cache.view(torch.int16))
+                                  and torch.equal(by_range.view(torch.int16),
+                                                  cache.view(torch.int16)))}
+    return out
 
 
 def make_llm(model: str, store: str | None):

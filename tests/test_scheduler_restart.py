@@ -271,7 +271,11 @@ async def test_a_clean_stop_fails_requests_for_resubmission_and_the_client_resub
         await run_to_first_token(p0, plan)
         await d0.report("r", plan.attempt, "finished", tokens=2)
         assert isinstance(await reading, RequestFinished)
-        assert not any(isinstance(e, RequestFailed) for e in seen) and fe.resubmits == 1
+        # resubmitted, and the frontend never saw the failure. Not "exactly once": a
+        # resubmission sent within the backoff (0-50 ms) can still go out on the stopping
+        # scheduler's connection as it closes (BrokenPipe, counted, sent again: 2 in one CI
+        # run); the new scheduler took it (queued above) and its one final came through
+        assert not any(isinstance(e, RequestFailed) for e in seen) and fe.resubmits >= 1
         await p0.close()
         await d0.close()
     finally:

@@ -129,15 +129,9 @@ def gather_layer_into(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlot
     """Copy one layer's KV of ``slots`` into ``dst`` (``uint8 [tokens, B]``, e.g. an arena view)."""
     _check_bytes(geom, slots, dst)
     kv = _typed(geom, slots, dst)                                         # [n, 2, heads, head]
-    b, o = slots.block_index, slots.offset
-    if geom.isa == "amx":
-        k, v = geom.amx_views(cache)
-        n, h, d = slots.tokens, geom.num_kv_heads, geom.head_size
-        kv[:, 0] = k[b, :, o // 16, :, o % 16, :].reshape(n, h, d)       # [n, heads, d/2, 2]
-        kv[:, 1] = v[b, :, :, o // 2, :, o % 2].reshape(n, h, d)         # [n, heads, d/16, 16]
-        return
-    kv[:, 0] = geom.k_view(cache)[b, :, :, o]                             # [n, heads, head]
-    kv[:, 1] = geom.v_view(cache)[b, :, o]
+    (k, k_at, _), (v, v_at, _) = _places(geom, cache, slots)
+    kv[:, 0] = k[k_at].reshape(kv[:, 0].shape)
+    kv[:, 1] = v[v_at].reshape(kv[:, 1].shape)
 
 
 def scatter_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
@@ -145,15 +139,9 @@ def scatter_layer(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots,
     """Write ``src`` (``uint8 [tokens, B]``, dualpath layout) into the cache at ``slots``."""
     _check_bytes(geom, slots, src)
     kv = _typed(geom, slots, src.contiguous())
-    b, o = slots.block_index, slots.offset
-    if geom.isa == "amx":
-        k, v = geom.amx_views(cache)
-        n, h, d = slots.tokens, geom.num_kv_heads, geom.head_size
-        k[b, :, o // 16, :, o % 16, :] = kv[:, 0].reshape(n, h, d // 2, 2)
-        v[b, :, :, o // 2, :, o % 2] = kv[:, 1].reshape(n, h, d // 16, 16)
-        return
-    geom.k_view(cache)[b, :, :, o] = kv[:, 0]
-    geom.v_view(cache)[b, :, o] = kv[:, 1]
+    (k, k_at, k_shape), (v, v_at, v_shape) = _places(geom, cache, slots)
+    k[k_at] = kv[:, 0].reshape(k_shape)
+    v[v_at] = kv[:, 1].reshape(v_shape)
 
 
 def scatter_range(geom: CacheGeometry, cache: torch.Tensor, block_ids: Sequence[int],
@@ -185,6 +173,24 @@ def scatter_range(geom: CacheGeometry, cache: torch.Tensor, block_ids: Sequence[
     geom.v_view(cache)[ids] = kv[:, :, 1].permute(0, 2, 1, 3)      # [n, heads, bs, head]
     if stop > tail:
         scatter_layer(geom, cache, token_slots(block_ids, bs, tail, stop), src[tail - start:])
+
+
+Place = tuple[torch.Tensor, tuple, tuple[int, ...]]
+
+
+def _places(geom: CacheGeometry, cache: torch.Tensor, slots: TokenSlots) -> tuple[Place, Place]:
+    """Where the K and the V of ``slots`` live under ``geom.isa``'s layout: per half a view of
+    the cache, the index that picks the tokens' elements from it, and the shape they come in
+    (each reshapes to and from ``[n, heads, head]``)."""
+    b, o = slots.block_index, slots.offset
+    n, h, d = slots.tokens, geom.num_kv_heads, geom.head_size
+    if geom.isa == "amx":
+        k, v = geom.amx_views(cache)
+        return ((k, (b, slice(None), o // 16, slice(None), o % 16), (n, h, d // 2, 2)),
+                (v, (b, slice(None), slice(None), o // 2, slice(None), o % 2),
+                 (n, h, d // 16, 16)))
+    return ((geom.k_view(cache), (b, slice(None), slice(None), o), (n, h, d)),
+            (geom.v_view(cache), (b, slice(None), o), (n, h, d)))
 
 
 def _check_bytes(geom: CacheGeometry, slots: TokenSlots, buf: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ def run_check(python: Path, *args: str, timeout: float = 1500,
     assert proc.returncode == 0 and lines, (
         f"check {args[0]} failed (rc {proc.returncode}):\n{(stdout + stderr)[-4000:]}")
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    if with_log:
-        result["log_tail"] = [ln for ln in stderr.splitlines()
-                              if "WARNING" in ln or "ERROR" in ln or "rror" in ln][-40:]
+    if with_log:      # vLLM logs "WARNING", the connector's structlog "[warning  ]" (stdout)
+        result["log_tail"] = [ln for ln in (stdout + stderr).splitlines()
+                              if "warning" in ln.lower() or "error" in ln.lower()][-40:]
     return result

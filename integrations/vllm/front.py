@@ -131,7 +131,11 @@ class Front:
 
     async def _start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
-        self.http = aiohttp.ClientSession(timeout=timeout)
+        # idle connections to vLLM are dropped here before vLLM (uvicorn, keep-alive 5 s) drops
+        # them: with aiohttp's 15 s, a request sent on a connection the server was closing
+        # failed "Server disconnected" (a CI run: a turn after a service restart's idle gap)
+        self.http = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(keepalive_timeout=4.0))
         await self.sched.connect(timeout=10.0)
 
     async def _stop(self, app: web.Application) -> None:

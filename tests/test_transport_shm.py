@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from common.buffers import PagePool
 from common.config import TransportConfig
 from common.errors import DeadlineExceeded, PeerFailed, Unavailable
-from common.transport import PageTransport
+from common.transport import PageTransport, shm_transfers
 from common.transport.plan import (HELLO_BYTES, TransferHello, decode_hello, encode_hello,
                                    shm_link)
 from common.transport.shm_path import (COMMIT, Control, Fence, copy_stream, slots_digest,
@@ -219,6 +219,22 @@ async def test_shm_transfers_are_byte_exact_in_one_copy(pools):
         # not 200 (shm_path.stream_runs)
         assert 3 <= sb["shm_pieces_copied"] < 1 + 200 + 6, sb["shm_pieces_copied"]
         assert sa["transfers_received_ok"] == 3 and sa["bytes_received"] == sb["shm_bytes_sent"]
+
+
+async def test_split_copies_are_byte_exact_planned_here_or_in_a_thread(pools):
+    """A transfer of 4 MiB or more is copied by two threads walking one plan of runs, made on
+    the loop for up to ``_PLAN_HERE_SLOTS`` slots and in a copy thread beyond: both byte-exact
+    (gapped 4 KiB and 2 KiB pages, one source view and several)."""
+    assert shm_transfers._SPLIT_FROM_BYTES <= 4 * MIB
+    here = shm_transfers._PLAN_HERE_SLOTS
+    async with shm_pair(pools) as (a, b):
+        arena = pools[0].arena
+        for seed, (count, size, split) in enumerate([(here, 4 * KIB, 1), (2 * here, 2 * KIB, 1),
+                                                     (2 * here, 2 * KIB, 7)]):
+            slots = gapped(count, size)
+            assert count * size >= shm_transfers._SPLIT_FROM_BYTES
+            await move(a, b, arena, slots, seed=40 + seed, split=split)
+        assert b.stats()["shm_transfers_sent"] == 3 and a.stats()["messages_received"] == 0
 
 
 async def test_many_transfers_in_flight_both_ways(pools):

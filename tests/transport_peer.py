@@ -64,7 +64,8 @@ def slow_down_copies(pause_s: float) -> None:
 
     fast = shm_transfers.copy_stream
 
-    def slow(src, dst, slots, stop: threading.Event, share: int = 0, shares: int = 1) -> int:
+    def slow(src, dst, slots, stop: threading.Event, share: int = 0, shares: int = 1,
+             runs=None) -> int:
         stream = np.concatenate(list(src)) if len(src) > 1 else src[0]
         lo, hi = share_bounds(sum(n for _, n in slots), share, shares)
         copies, pos = 0, 0

@@ -21,7 +21,7 @@ from common.config import TransportConfig
 from common.errors import ConfigError, Unavailable
 from common.transport.device_staging import CopyEngine, DeviceStaging
 from common.transport.links import Links
-from common.transport.plan import TransferIdSource
+from common.transport.plan import Slots, TransferIdSource
 from common.transport.rma_path import RmaPath
 from common.transport.shm_path import LocalSegment
 from common.transport.shm_transfers import ShmTransfers
@@ -225,13 +225,13 @@ class PageTransport:
         return await self.links.endpoint(peer, deadline_s)
 
     async def expect(self, peer: Peer, transfer_id: int, arena: Any,
-                     slots: Sequence[tuple[int, int]], deadline_s: float) -> ReceiveHandle:
+                     slots: Slots, deadline_s: float) -> ReceiveHandle:
         """Post every receive of ``transfer_id`` from ``peer`` into ``arena`` ``slots`` now
         (see :meth:`Transfers.expect`); ``await handle.wait()`` before reading the arena."""
         return await self.transfers.expect(peer, transfer_id, arena, slots, deadline_s)
 
     async def send(self, peer: Peer, transfer_id: int, src: Sequence[Any],
-                   slots: Sequence[tuple[int, int]], deadline_s: float,
+                   slots: Slots, deadline_s: float,
                    inflight: int | None = None) -> None:
         """Send the concatenation of ``src`` into the receiver's ``slots`` (its PageSlots);
         returns when every message has left (see :meth:`Transfers.send`)."""

@@ -25,6 +25,10 @@ import numpy as np
 from common.buffers import is_device_array
 from common.errors import InvalidArgument, ProtocolError
 
+# A receiver's slots: (offset, nbytes) pairs in stream order, or those pairs as an [n, 2]
+# int64 array (:func:`slot_array`: what a transfer converts them to once and passes on).
+Slots = Sequence[tuple[int, int]] | np.ndarray
+
 # Tag layout (64-bit UCX tag): ``transfer_id << INDEX_BITS | message_index``.
 # 20 index bits allow 1,048,575 messages per transfer (4 GiB even at 4 KiB messages);
 # the remaining 44 bits hold the transfer id: 20 random epoch bits + 24 counter bits.
@@ -64,7 +68,7 @@ class MessagePlan:
         return self.stream_offset + self.nbytes
 
 
-def plan_messages(slots: Sequence[tuple[int, int]], max_message_bytes: int,
+def plan_messages(slots: Slots, max_message_bytes: int,
                   pack_below_bytes: int) -> list[MessagePlan]:
     """Cut the receiver's ``slots`` into messages (deterministic; both sides call it).
 
@@ -86,7 +90,7 @@ def plan_messages(slots: Sequence[tuple[int, int]], max_message_bytes: int,
     return plan
 
 
-def slot_array(slots: Sequence[tuple[int, int]]) -> np.ndarray:
+def slot_array(slots: Slots) -> np.ndarray:
     """``slots`` as an ``[n, 2]`` int64 array (offset, nbytes); InvalidArgument if not pairs
     of integers or any is negative."""
     if isinstance(slots, np.ndarray):
@@ -104,14 +108,13 @@ def slot_array(slots: Sequence[tuple[int, int]]) -> np.ndarray:
         return np.zeros((0, 2), np.int64)
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise InvalidArgument(f"slots must be (offset, nbytes) pairs, got shape {arr.shape}")
-    bad = (arr < 0).any(axis=1)
-    if bad.any():
-        off, n = arr[int(np.argmax(bad))].tolist()
+    if arr.min() < 0:              # (one reduction: the common case costs no more)
+        off, n = arr[int(np.argmax((arr < 0).any(axis=1)))].tolist()
         raise InvalidArgument(f"slot ({off}, {n}) has a negative offset or length")
     return arr
 
 
-def _merge_runs(slots: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+def _merge_runs(slots: Slots) -> tuple[np.ndarray, np.ndarray]:
     """Non-empty slots, those contiguous with the one before merged: (offsets, lengths)."""
     arr = slot_array(slots)
     arr = arr[arr[:, 1] > 0]

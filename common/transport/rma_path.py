@@ -38,7 +38,7 @@ import structlog
 
 from common.errors import PeerFailed
 from common.transport import rma
-from common.transport.plan import is_device_array
+from common.transport.plan import Slots, is_device_array
 from common.transport.shm_path import stream_pieces
 from common.transport.ucx import Link
 from common.transport.ucx_env import WorkerProgress
@@ -144,7 +144,7 @@ class RmaPath:
     # ------------------------------------------------------------------ send
 
     async def put_stream(self, link: Link, abort: Any, tid: int, src: Sequence[Any],
-                         slots: Sequence[tuple[int, int]], offset: int) -> int:
+                         slots: Slots, offset: int) -> int:
         """Put the concatenation of ``src`` into the receiver's ``slots`` (its arena starts
         ``offset`` bytes into its registered region), then flush; returns the puts issued.
         A failure part-way calls ``abort(link, reason)`` and waits until UCX completed every
@@ -224,7 +224,7 @@ class RmaPath:
         return out
 
 
-def _pieces(src: Sequence[Any], slots: Sequence[tuple[int, int]]
+def _pieces(src: Sequence[Any], slots: Slots
             ) -> Iterator[tuple[np.ndarray, int]]:
     """(host view, receiver offset) per piece (``shm_path.stream_pieces``); device views are
     staged through host memory."""

@@ -24,11 +24,12 @@ from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InvalidAr
                            PeerFailed, ProtocolError)
 from common.transport.device_staging import DeviceStaging
 from common.transport.links import Links
-from common.transport.shm_path import PATH_RMA, PATH_SHM, PATH_TAG
+from common.transport.shm_path import PATH_RMA, PATH_SHM, PATH_TAG, check_within
 from common.transport.shm_transfers import ShmTransfers
 from common.transport.plan import (COMMIT_BYTES, COMMIT_INDEX, INDEX_BITS, MessagePlan,
-                                   SourceMap, StagingPool, check_flat_bytes, check_transfer_id,
-                                   is_device_array, plan_messages, stage_to_device)
+                                   Slots, SourceMap, StagingPool, check_flat_bytes,
+                                   check_transfer_id, is_device_array, plan_messages,
+                                   slot_array, stage_to_device)
 from common.transport.staging import STAGING_ALIGN, StagingQueue
 from common.transport.ucx import Peer, ReceiveHandle, Transfer, ucxx
 from common.transport.ucx_env import WorkerProgress
@@ -104,7 +105,7 @@ class Transfers:
     # ------------------------------------------------------------------ receive
 
     async def expect(self, peer: Peer, transfer_id: int, arena: Any,
-                     slots: Sequence[tuple[int, int]], deadline_s: float) -> ReceiveHandle:
+                     slots: Slots, deadline_s: float) -> ReceiveHandle:
         """Post every receive of ``transfer_id`` from ``peer`` into ``arena`` ``slots`` now.
 
         ``slots`` are ``(offset, nbytes)`` runs of the flat uint8 ``arena`` (the registered
@@ -125,24 +126,27 @@ class Transfers:
             raise InvalidArgument(f"transfer id {transfer_id} is in use or was aborted; "
                                   "take a new one from new_transfer_id()")
         check_flat_bytes(arena, "arena", writable=True)
-        plan = plan_messages(slots, self._cfg.max_message_bytes, self._cfg.pack_below_bytes)
-        self._check_slots(plan, arena)
+        # the slots become one array once: every step after (plan, digest, bounds) takes it
+        pairs = slot_array(slots)
+        check_within(pairs, int(arena.nbytes))
         loop = asyncio.get_running_loop()
         deadline_at = loop.time() + deadline_s
         link = await self._links.link_to((peer[0], peer[1]), deadline_at)
         if transfer_id in self._receiving:
             raise InvalidArgument(f"transfer id {transfer_id} is already expected")
-        rx = Transfer(transfer_id, link, plan, plan[-1].stream_end if plan else 0,
-                      collections.deque(), collections.deque(), arena, keep=arena,
+        path = self._shm.path_for(link, arena)
+        # messages only for the tag path: a copy or a put needs no message plan
+        plan = self._message_plan(pairs, arena) if path == PATH_TAG else []
+        rx = Transfer(transfer_id, link, plan, int(pairs[:, 1].sum()), collections.deque(),
+                      collections.deque(), arena, keep=arena,
                       staged=stage_to_device(arena, link.peer_device))
         self._receiving[transfer_id] = rx
         self._active.add(rx)
-        path = self._shm.path_for(link, arena)
         try:
             if path == PATH_TAG:
                 self._post_receives(rx)
             if link.shm_in or link.rma_in:   # the sender waits for our word on how it travels
-                self._shm.announce(rx, arena, slots, path)
+                self._shm.announce(rx, arena, pairs, path)
         except BaseException as e:
             self._receiving.pop(transfer_id, None)
             self._active.discard(rx)
@@ -157,15 +161,14 @@ class Transfers:
             raise
         return handle
 
-    def _check_slots(self, plan: list[MessagePlan], arena: Any) -> None:
-        size = int(arena.nbytes)
-        for msg in plan:
-            if msg.packed and is_device_array(arena):
-                raise InvalidArgument("device arenas need direct messages: make the slots "
-                                      "contiguous or set transport.pack_below_bytes = 0")
-            for off, n in msg.pieces:
-                if off + n > size:
-                    raise InvalidArgument(f"slot ({off}, {n}) ends beyond the arena ({size} B)")
+    def _message_plan(self, slots: np.ndarray, arena: Any = None) -> list[MessagePlan]:
+        """The tag path's messages over ``slots`` (InvalidArgument: too many, or packed ones
+        for a device ``arena``)."""
+        plan = plan_messages(slots, self._cfg.max_message_bytes, self._cfg.pack_below_bytes)
+        if is_device_array(arena) and any(msg.packed for msg in plan):
+            raise InvalidArgument("device arenas need direct messages: make the slots "
+                                  "contiguous or set transport.pack_below_bytes = 0")
+        return plan
 
     def _post_receives(self, rx: Transfer) -> None:
         u, ep, base = ucxx(), rx.link.ep._ep, rx.transfer_id << INDEX_BITS
@@ -318,7 +321,7 @@ class Transfers:
     # ------------------------------------------------------------------ send
 
     async def send(self, peer: Peer, transfer_id: int, src: Sequence[Any],
-                   slots: Sequence[tuple[int, int]], deadline_s: float,
+                   slots: Slots, deadline_s: float,
                    inflight: int | None = None) -> None:
         """Send the concatenation of ``src`` into the receiver's ``slots`` (its PageSlots).
 
@@ -334,27 +337,31 @@ class Transfers:
         for i, view in enumerate(src):
             check_flat_bytes(view, f"src[{i}]")
         source = SourceMap(src)
-        plan = plan_messages(slots, self._cfg.max_message_bytes, self._cfg.pack_below_bytes)
-        total = plan[-1].stream_end if plan else 0
+        pairs = slot_array(slots)      # once: plan, digest and bounds take the array
+        total = int(pairs[:, 1].sum())
         if source.nbytes != total:
             raise InvalidArgument(f"transfer {transfer_id}: source holds {source.nbytes} B but "
                                   f"the receiver's slots hold {total} B")
         loop = asyncio.get_running_loop()
         deadline_at = loop.time() + deadline_s
         link = await self._links.link_to((peer[0], peer[1]), deadline_at)
-        tx = Transfer(transfer_id, link, plan, total, collections.deque(), collections.deque(),
-                      keep=tuple(src))
+        told = link.shm_out is not None or link.rma_peer   # the receiver says how it travels
+        # the tag path's messages, planned (and refused if too many) before anything is sent;
+        # a link that may copy or put plans them only if the receiver asks for tags
+        tx = Transfer(transfer_id, link, [] if told else self._message_plan(pairs), total,
+                      collections.deque(), collections.deque(), keep=tuple(src))
         self._active.add(tx)
         try:
             async with asyncio.timeout_at(deadline_at):
-                if link.shm_out is not None or link.rma_peer:  # the receiver says how
+                if told:
                     ready = await self._shm.ready(link, transfer_id)  # (shm_transfers)
                     if ready.path in (PATH_SHM, PATH_RMA):
                         await (self._shm.send if ready.path == PATH_SHM
-                               else self._shm.send_rma)(tx, src, slots, ready)
+                               else self._shm.send_rma)(tx, src, pairs, ready)
                         self.counts["transfers_sent_ok"] += 1
                         self.counts["bytes_sent"] += total
                         return
+                    tx.plan = self._message_plan(pairs)
                 device = any(is_device_array(v) for v in src)
                 ep = link.ep if device else await self._links.data_ep(link)
                 await self._send_loop(tx, ep, source, device,

@@ -55,14 +55,21 @@ NIXL = {"per_block_gbps": (3.4, 3.6), "coalesced_gbps": (4.3, 5.1)}
 MiB = 1 << 20
 
 
-def config(max_tokens: int, lookahead: int, per_pull: int, in_flight: int = 2) -> DualpathConfig:
+# --path: how the layers cross between the two processes (docs/datapath.md): the production
+# default (same host: one copy into the PE's /dev/shm buffer), UCX tag messages, or RMA puts
+PATHS = {"default": {}, "tag": {"same_host": "ucx", "kv_mode": "tag"},
+         "rma": {"same_host": "ucx", "kv_mode": "rma"}}
+
+
+def config(max_tokens: int, lookahead: int, per_pull: int, in_flight: int = 2,
+           path: str = "default") -> DualpathConfig:
     region = (max_tokens + 64) * SPEC.bytes_per_token
     buffer = region + 64 * MiB
     node = {"buffer_bytes": buffer, "page_bytes": 1 * MiB, "engines": 1,
             "alloc_timeout_s": 30.0}
     return build_config({
         "kv": {"preset": "deepseek-v3.2"},
-        "transport": {"staging_bytes": 32 * MiB},
+        "transport": {"staging_bytes": 32 * MiB, **PATHS[path]},
         "pe_receiver": {**node, "lookahead_layers": lookahead, "layers_per_pull": per_pull,
                         "pulls_in_flight": in_flight},
         "de_loader": {**node, "writeback": False},
@@ -73,12 +80,12 @@ def config(max_tokens: int, lookahead: int, per_pull: int, in_flight: int = 2) -
 
 # ---------------------------------------------------------------- child: the DE loader
 
-async def child_main(max_tokens: int, lookahead: int, per_pull: int) -> None:
+async def child_main(max_tokens: int, lookahead: int, per_pull: int, path: str) -> None:
     from services.de_loader.service import DELoaderService
     from tools.engine_sim.engines import EngineHost
 
     configure_logging("warning", json=False)
-    cfg = config(max_tokens, lookahead, per_pull)
+    cfg = config(max_tokens, lookahead, per_pull, path=path)
 
     async def prefilled(region, info):       # the DE buffer already holds the hit KV
         return info.hit_tokens
@@ -138,7 +145,9 @@ class Bench:
         self.sizes = SIZES
         self.lookahead, self.per_pull = args.lookahead, args.layers_per_pull
         self.in_flight = getattr(args, "pulls_in_flight", 2)
-        self.cfg = config(max(self.sizes), self.lookahead, self.per_pull, self.in_flight)
+        self.path = args.path
+        self.cfg = config(max(self.sizes), self.lookahead, self.per_pull, self.in_flight,
+                          self.path)
         self.n = 0
 
     async def __aenter__(self) -> Bench:
@@ -147,7 +156,7 @@ class Bench:
         self.child = subprocess.Popen(
             [sys.executable, "-m", "bench.datapath_bench", "--child",
              "--max-tokens", str(max(self.sizes)), "--lookahead", str(self.lookahead),
-             "--layers-per-pull", str(self.per_pull)],
+             "--layers-per-pull", str(self.per_pull), "--path", self.path],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pe = PEReceiverService(self.cfg, "p0", spec=SPEC)
         await self.pe.start()
@@ -324,8 +333,12 @@ async def bench_main(args) -> tuple[list[dict], dict, dict]:
         hit = b.sizes[0]
         load = rows[0]["layer_bytes"] / (rows[0]["pull_gbps_median"] * 1e9)
         overlap = await b.overlap(hit, load)
+        stats = b.pe.transport.stats()
+    # which path carried the bytes (the PE's transport counts each): --path's proof
+    received = {k: stats.get(k, 0.0) for k in ("bytes_received", "shm_bytes_received",
+                                               "rma_bytes_received", "messages_received")}
     return rows, overlap, {"lookahead_layers": b.lookahead, "layers_per_pull": b.per_pull,
-                           "pulls_in_flight": b.in_flight}
+                           "pulls_in_flight": b.in_flight, "received": received}
 
 
 COLUMNS = ["hit_tokens", "pull_gbps", "raw_gbps", "ratio", "memcpy_gbps", "vs_nixl_coalesced",
@@ -343,9 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers-per-pull", type=int, default=4, help="layers per PullLayers")
     parser.add_argument("--pulls-in-flight", type=int, default=3,
                         help="PullLayers calls outstanding at once")
+    parser.add_argument("--path", choices=sorted(PATHS), default="default",
+                        help="how layers cross: the production default (same host: one copy "
+                             "into the PE's shared buffer), UCX tag messages, or RMA puts")
     args = parser.parse_args(argv)
     if args.child:
-        run(child_main(args.max_tokens, args.lookahead, args.layers_per_pull))
+        run(child_main(args.max_tokens, args.lookahead, args.layers_per_pull, args.path))
         return 0
     configure_logging("warning", json=False)
     start, load_before = time.perf_counter(), os.getloadavg()
@@ -365,11 +381,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{head_row['vs_nixl_coalesced']:.2f}x the best coalesced figure (goal >= 1.2x); "
           f"memcpy {head_row['memcpy_gbps']:.2f} GB/s")
     load = {"before": load_before, "after": os.getloadavg()}
+    got = settings["received"]
+    print(f"path {args.path}: the PE received {got['bytes_received'] / 1e9:.2f} GB, "
+          f"{got['shm_bytes_received'] / 1e9:.2f} GB by one copy, "
+          f"{got['rma_bytes_received'] / 1e9:.2f} GB by RMA puts, "
+          f"{got['messages_received']:.0f} tag messages")
     print(f"{time.perf_counter() - start:.1f} s, load average {load}")
     write_results(args.out, "datapath",
                   headline("de_to_pe_vs_raw_ucxx", head_row["ratio"], 0.85),
                   {"rows": rows, "overlap": overlap, "nixl_reference": NIXL,
-                   "settings": settings, "quick": args.quick, "loadavg": load,
+                   "settings": settings, "path": args.path, "quick": args.quick, "loadavg": load,
                    "model": msgspec.to_builtins(SPEC)})
     return 0
 

@@ -53,7 +53,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from bench.report import bench_parser, headline, print_table, read_json, send_json, write_results
+from bench.report import (Spinner, bench_parser, headline, print_table, read_json, send_json,
+                          write_results)
 from common.config import TransportConfig
 from common.logging import configure_logging
 from common.service import run
@@ -271,18 +272,6 @@ async def paired(reps: int, page: Callable[[], Awaitable[float]], copy: Callable
     return {"gbps": nbytes / min(pages) / 1e9, "memcpy_gbps": nbytes / min(copies) / 1e9,
             "vs_memcpy": statistics.median(c / p for p, c in zip(pages, copies)),
             "runs_gbps": [nbytes / p / 1e9 for p in pages]}
-
-
-class Spinner:
-    """A third process busy on one core for the ``busy`` rows."""
-
-    def __enter__(self) -> Spinner:
-        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 async def measure(quick: bool) -> list[dict]:

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,3 +63,16 @@ async def read_json(child, what: str) -> dict:
     if not line:
         raise RuntimeError(f"benchmark {what} process exited")
     return json.loads(line)
+
+
+class Spinner:
+    """A process busy on one core for the time of a ``with`` block: a benchmark's ``busy`` rows
+    (how a path holds up when another job takes a core, as on a shared host)."""
+
+    def __enter__(self) -> Spinner:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -153,7 +153,7 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         fp_file.write_text("pe.handoff.send=kill")
         os.kill(victim.pid, signal.SIGUSR1)
         turn = asyncio.create_task(agents.turn(1))
-        await asyncio.to_thread(_wait_dead, victim)
+        await asyncio.to_thread(wait_dead, victim)
         await asyncio.to_thread(launcher.restart, "pe_receiver:p0")
         check_answered(await turn)
 
@@ -166,9 +166,9 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         # 4. the scheduler dies with a request in flight; restarted on its port
         sched = state.proc("scheduler")
         turn = asyncio.create_task(agents.turn(0))
-        await _in_flight(front)
+        await front_in_flight(front)
         os.kill(sched.pid, signal.SIGKILL)
-        await asyncio.to_thread(_wait_dead, sched)
+        await asyncio.to_thread(wait_dead, sched)
         await asyncio.to_thread(launcher.restart, "scheduler")
         check_answered(await turn)
 
@@ -182,14 +182,14 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         await asyncio.to_thread(launcher.down)
 
 
-def _wait_dead(proc, timeout_s: float = 120.0) -> None:
+def wait_dead(proc, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while alive(proc):
         assert time.monotonic() < deadline, f"{proc.name} did not die"
         time.sleep(0.05)
 
 
-async def _in_flight(front: str, timeout_s: float = 60.0) -> None:
+async def front_in_flight(front: str, timeout_s: float = 60.0) -> None:
     """Until the front has a request running (its in-flight gauge)."""
     deadline = time.monotonic() + timeout_s
     while True:

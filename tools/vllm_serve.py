@@ -22,6 +22,7 @@ import shlex
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,17 +134,21 @@ PROMPT_HEADROOM = 48
 def front_argv(python: str, model: str, scheduler: str, urls: dict[str, str],
                model_name: str = "smollm2", timeout_s: float = 900.0,
                port: int | None = None, host: str | None = None,
-               max_model_len: int = 2048) -> list[str]:
+               max_model_len: int = 2048, etcd: Sequence[str] = (),
+               etcd_prefix: str = "/dualpath") -> list[str]:
     """The front's command line over the scheduler and each engine's URL (``port`` None:
     any free port, printed on its READY line; ``host`` None: loopback); prompts up to the
-    instances' ``max_model_len`` less :data:`PROMPT_HEADROOM` (the front's default at 2048)."""
+    instances' ``max_model_len`` less :data:`PROMPT_HEADROOM` (the front's default at 2048).
+    With ``etcd`` endpoints the front follows the elected scheduler leader there
+    (``scheduler`` is then only the first address it knows)."""
     longer = max_model_len != 2048
     return [python, "-m", "integrations.vllm.front", "--model-name", model_name,
             "--tokenizer", model, "--scheduler", scheduler, "--request-timeout-s",
             str(timeout_s), *[a for e, u in urls.items() for a in ("--engine", f"{e}={u}")],
             *(["--port", str(port)] if port is not None else []),
             *(["--host", host] if host is not None else []),
-            *(["--max-prompt-tokens", str(max_model_len - PROMPT_HEADROOM)] if longer else [])]
+            *(["--max-prompt-tokens", str(max_model_len - PROMPT_HEADROOM)] if longer else []),
+            *(["--etcd", ",".join(etcd), "--etcd-prefix", etcd_prefix] if etcd else [])]
 
 
 async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: int,

@@ -129,14 +129,9 @@ class FailoverHarness(ChaosHarness):
             self.etcd.stop()
 
     def _spawn_standby(self, argv: list[str]) -> Replica:
-        argv = _without(argv, ("--port", "--ready-file"))
-        ready = self._tmp / f"ready-replica-{len(self._spawned)}"
-        log = open(self._tmp / f"replica-{len(self._spawned)}.log", "ab")
-        proc = subprocess.Popen(argv + ["--port", str(free_port()), "--ready-file", str(ready)],
-                                stdout=subprocess.DEVNULL, stderr=log)
-        log.close()
-        self._spawned.append(proc)
-        return Replica(proc, ready, argv)
+        replica = spawn_standby(argv, self._tmp, len(self._spawned))
+        self._spawned.append(replica.proc)
+        return replica
 
     def resolver(self) -> Any:
         from services.scheduler.client.leader import LeaderResolver
@@ -160,12 +155,12 @@ class FailoverHarness(ChaosHarness):
         t_kill = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.kill(old.pid, signal.SIGKILL)
-        info = await _poll(new.elected, DEADLINE_S)
+        info = await poll_until(new.elected, DEADLINE_S)
         if info is not None:
             k.election_s, k.new_epoch = time.monotonic() - t_kill, info.get("epoch")
-        if await _poll(self._new_leader_placing, DEADLINE_S * 2, interval=0.02):
+        if await poll_until(self._new_leader_placing, DEADLINE_S * 2, interval=0.02):
             k.failover_s = time.monotonic() - t_kill
-        if await _poll(self._new_leader_finished, DEADLINE_S * 2, interval=0.05):
+        if await poll_until(self._new_leader_finished, DEADLINE_S * 2, interval=0.05):
             k.first_finish_s = time.monotonic() - t_kill
         self._reap(old)
         self.leader, self.standby = new, self._spawn_standby(old.argv)
@@ -290,6 +285,20 @@ def _base_id(rid: str) -> str:
     return head if sep and tail.isdigit() else rid
 
 
+def spawn_standby(argv: list[str], directory: Path, index: int) -> Replica:
+    """A scheduler replica from ``argv`` (a replica's command line: the same config, so the
+    same ``[etcd]``) on a free port, its ready file and log ``replica-<index>`` in
+    ``directory``: it campaigns in etcd and is elected — its ready file appears — once the
+    leader's lease lapses. The caller stops it (by pid)."""
+    argv = _without(argv, ("--port", "--ready-file"))
+    ready = directory / f"ready-replica-{index}"
+    log = open(directory / f"replica-{index}.log", "ab")
+    proc = subprocess.Popen(argv + ["--port", str(free_port()), "--ready-file", str(ready)],
+                            stdout=subprocess.DEVNULL, stderr=log)
+    log.close()
+    return Replica(proc, ready, argv)
+
+
 def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     out, skip = [], False
     for a in argv:
@@ -307,7 +316,7 @@ def alive_popen(p: subprocess.Popen) -> bool:
     return p.poll() is None
 
 
-async def _poll(cond: Any, timeout: float, interval: float = 0.02) -> Any:
+async def poll_until(cond: Any, timeout: float, interval: float = 0.02) -> Any:
     """``cond()`` (sync or async) until truthy; its value, or None after ``timeout``."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -99,14 +99,16 @@ def instance_commands(cluster: Cluster, model: Path,
 def front_command(cluster: Cluster, model: Path, scheduler: tuple[str, int],
                   instances: dict[str, str], port: int | None = None) -> Command:
     """The OpenAI front over the scheduler and ``instances`` (engine id -> URL), on ``port``
-    (None: ``[cluster] front_port``)."""
+    (None: ``[cluster] front_port``); in etcd mode (``[etcd] endpoints``) it follows the
+    elected scheduler leader there, as the node services do."""
     from tools.vllm_engines import REPO, VLLM_PYTHON
     from tools.vllm_serve import front_argv
 
-    spec = cluster.spec
+    spec, etcd = cluster.spec, cluster.cfg.etcd
     argv = front_argv(str(VLLM_PYTHON), str(model), f"{scheduler[0]}:{scheduler[1]}",
                       instances, port=spec.front_port if port is None else port,
-                      host=spec.host, max_model_len=spec.vllm_max_model_len)
+                      host=spec.host, max_model_len=spec.vllm_max_model_len,
+                      etcd=etcd.endpoints, etcd_prefix=etcd.prefix)
     return Command("front", "front", "front", argv, {"PYTHONPATH": str(REPO)}, None)
 
 

@@ -86,6 +86,17 @@ def test_the_loopback_copy_frees_every_fixed_port(tmp_path):
     assert len(ports) == 3 and 0 not in ports
 
 
+def test_in_etcd_mode_the_front_follows_the_elected_leader(tmp_path):
+    """``[etcd] endpoints``: ``cluster up`` starts the front with ``--etcd`` as the node
+    services follow the leader there; without them, the static scheduler address only."""
+    static = front_command(on_loopback(CONFIG_1P2D, tmp_path), tmp_path, ("127.0.0.1", 1), {})
+    assert "--etcd" not in static.argv
+    cluster = on_loopback(CONFIG_1P2D, tmp_path,
+                          sections={"etcd": {"endpoints": ["h1:1", "h2:2"], "prefix": "/x"}})
+    argv = front_command(cluster, tmp_path, ("127.0.0.1", 1), {}).argv
+    assert argv[argv.index("--etcd"):][:4] == ["--etcd", "h1:1,h2:2", "--etcd-prefix", "/x"]
+
+
 def test_a_longer_model_length_reaches_every_instance_and_the_fronts_prompt_limit(tmp_path):
     cluster = on_loopback(CONFIG_1P2D, tmp_path, vllm_max_model_len=4608,
                           sections={"pe_receiver": {"buffer_bytes": 384 << 20}})

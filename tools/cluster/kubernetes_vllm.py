@@ -63,9 +63,8 @@ def front(cluster: Cluster, opts: KubeOptions) -> list[dict[str, Any]]:
     urls = {f"{n.id}.e0": engine_url(n, opts) for n in cluster.spec.nodes}
     scheduler = f"{service_host(f'{APP}-scheduler', opts)}:{cluster.spec.scheduler_port}"
     argv = front_argv(PYTHON, MODEL, scheduler, urls, port=FRONT_PORT, host="$(POD_IP)",
-                      max_model_len=cluster.spec.vllm_max_model_len)
-    argv += ["--etcd", ",".join(etcd_endpoints(cluster, opts)),
-             "--etcd-prefix", cluster.cfg.etcd.prefix]
+                      max_model_len=cluster.spec.vllm_max_model_len,
+                      etcd=etcd_endpoints(cluster, opts), etcd_prefix=cluster.cfg.etcd.prefix)
     rpc = cluster.cfg.rpc
     for flag, path in (("--auth-secret-file", rpc.auth_secret_file),
                        ("--rpc-tls-ca-file", rpc.tls_ca_file),

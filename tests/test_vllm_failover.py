@@ -52,11 +52,12 @@ ELECTED_S = 30.0        # lease 2 s: the standby is elected within a few seconds
 async def test_standby_takes_over_a_killed_leader_under_real_engines(tmp_path):
     python, model = require_vllm()
     require_etcd()
-    etcd = EtcdMembers(tmp_path / "etcd", 1).start()
+    etcd = EtcdMembers(tmp_path / "etcd", 1)              # ports chosen, nothing started yet
     launcher = ChaosLauncher(on_loopback(CONFIG, tmp_path / "cluster",
                                          sections={"etcd": {"endpoints": etcd.endpoints}}))
     spawned: list = []                       # standby replicas this test started
     try:
+        etcd.start()
         state = await asyncio.to_thread(launcher.up)
         front = str(state.proc("front").url)
         assert "--etcd" in launcher.commands["front"].argv     # cluster up wired it

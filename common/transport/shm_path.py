@@ -167,8 +167,8 @@ def stream_runs(src: Sequence[Any], slots: Slots) -> Iterator[Run]:
 
 
 def plan_runs(src: Sequence[Any], slots: Slots) -> list[Run]:
-    """:func:`stream_runs` as a list: planned once per transfer (in a copy thread, never on
-    the event loop), then walked by every thread that copies a share of it."""
+    """:func:`stream_runs` as a list: planned once per transfer, then walked by every thread
+    that copies a share of it (where it is planned: ``ShmTransfers._copy``)."""
     return list(stream_runs(src, slots))
 
 

@@ -70,9 +70,14 @@ def key_of_block_name(name: str) -> str | None:
         return None
 
 
+def payload_hasher() -> xxhash.xxh3_64:
+    """A streaming payload checksum: ``update`` piece by piece, then ``intdigest()``."""
+    return xxhash.xxh3_64()
+
+
 def payload_checksum(views: Sequence) -> int:
     """xxh3_64 over the concatenation of ``views`` (scattered payloads hash like one buffer)."""
-    h = xxhash.xxh3_64()
+    h = payload_hasher()
     for v in views:
         h.update(v)
     return h.intdigest()

@@ -71,6 +71,7 @@ GAP = 4 * KIB
 PAGES = 32                     # pages per transfer (32 MiB)
 REGIONS = 4                    # regions rotated on each side: 4 x 32 MiB = 4x a 32 MiB LLC
 SMALL_PAGES = 1024             # 4 KiB pages per small transfer
+SMALL_TRANSFERS = 16           # transfers per 4 KiB phase
 COPY_SET = REGIONS * PAGES * PAGE
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -321,7 +322,10 @@ async def measure_row(rx: Receiver, load: str, reps: int, n: int, nbytes: int, c
     moved_gb = (reps + 1) * nbytes / 1e9
     row["sender_cpu_s_per_gb"] = (proc_cpu_seconds(rx.child.pid) - sender_cpu0) / moved_gb
     row["memcpy_cpu_s_per_gb"] = 1 / row["memcpy_gbps"]
-    small_pages = SMALL_PAGES * (4 if quick else 16)
+    # 16 transfers in both modes: a phase is timed from the command to the sender (a pipe
+    # round trip and the child's wake-up) to the last commit, and with 4 transfers (5 ms)
+    # that fixed part was a fifth of it and the spread 0.73–1.18M pages/s between phases
+    small_pages = SMALL_PAGES * SMALL_TRANSFERS
     small = min([await rx.transfers(SMALL, SMALL_PAGES, small_pages // SMALL_PAGES)
                  for _ in range(3)])
     return {"path": rx.path, "load": load, "page_bytes": PAGE, "inflight": INFLIGHT, **row,
@@ -340,7 +344,7 @@ def nixl_row(quick: bool, idle_memcpy_gbps: float) -> dict | str:
     n = REGIONS * (1 if quick else 2)
     proc = subprocess.run([sys.executable, "-m", "bench.nixl_peer", "--reps",
                            str(5 if quick else 11), "--transfers", str(n), "--small-pages",
-                           str(SMALL_PAGES * (4 if quick else 16))],
+                           str(SMALL_PAGES * SMALL_TRANSFERS)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
     if proc.returncode != 0 or not lines:

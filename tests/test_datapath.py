@@ -115,6 +115,52 @@ async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path, p
         await no_leaks(c)
 
 
+async def test_the_scheduler_sends_a_pe_no_more_prompts_than_its_buffer_holds(tmp_path,
+                                                                             monkeypatch):
+    """``pe_buffer_admission`` on. A PE buffer of 8 pages (64 KiB; a 256-token test-small prompt's KV fills 4) and a β
+    that would admit every request: six sessions at once all finish, and the PE never held
+    more than two attempts — the rest waited in the scheduler's PE queue. (Without the
+    check all six reach the PE, and four wait at its pool, each up to ``alloc_timeout_s``,
+    then fail and are re-planned, three times at most: docs/vllm.md, β raised.)"""
+    from services.pe_receiver.service import PEReceiverService
+    held: list[int] = []
+    real = PEReceiverService.submit_plan
+
+    def counting(self, plan):
+        att = real(self, plan)
+        held.append(len(self.attempts))
+        return att
+
+    monkeypatch.setattr(PEReceiverService, "submit_plan", counting)
+    cfg = {"pe_receiver": {"buffer_bytes": 8 * 64 * 1024},
+           "scheduler": {"beta_tokens": 10**6, "pe_buffer_admission": True}}
+    async with local_datapath(tmp_path, overrides=cfg) as c, \
+            SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
+        pe = c.pe["p0"]
+        assert pe.engine_hbm() == 8 * pe.pool.page_bytes == 8 * 64 * 1024
+        toks = [tokens(4 * BT, 40 + i) for i in range(6)]
+        events = await asyncio.gather(*(sched.run(f"b{i}", f"s{i}", len(t), 3, token_ids=t,
+                                                  deadline_s=30) for i, t in enumerate(toks)))
+        assert all(isinstance(ev, RequestFinished) for ev in events), events
+        assert len(held) == 6 and max(held) <= 2, held
+        await no_leaks(c)
+        assert [load.free_hbm_bytes for load in pe.engine_loads()] == [pe.engine_hbm()]
+
+
+async def test_pe_telemetry_reports_its_buffer_share_less_what_its_attempts_hold(tmp_path):
+    async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
+        pe = c.pe["p0"]
+        share, page = pe.engine_hbm(), pe.pool.page_bytes
+        toks = tokens(2 * BT + 9, 21)              # 137 tokens x 1 KiB: 3 pages of 64 KiB
+        pe.submit_plan(plan(c, "fb", toks, 0, "none"))
+        [load] = pe.engine_loads()
+        assert (load.engine_id, load.seq, load.free_hbm_bytes) == ("p0.e0", 1, share - 3 * page)
+        h = await asyncio.wait_for(pe.ports["p0.e0"].next_request(), 5)
+        await h.fail(None)
+        await no_leaks(c)
+        assert pe.engine_loads()[0].free_hbm_bytes == share
+
+
 # ---------------------------------------------------------------- byte-exact, engine API level
 
 class RecordingEngines:

@@ -151,6 +151,75 @@ def test_pe_queue_is_fifo_by_arrival_across_de_groups():
     assert [a.request_id for a in s.on_pe_group_fetch("P")] == [f"r{i}" for i in range(6)]
 
 
+@pytest.mark.parametrize("mode", ["dualpath", "basic"])
+def test_a_pe_node_gets_no_more_prompts_than_its_buffer_holds(mode):
+    """Two PEs on one node sharing its buffer, which holds four 110-token prompts' KV (10 B a
+    token), and a β that would take them all: of six requests four are placed, two wait in
+    the PE queue; a prefill done frees its room and the next fetch places the next in line."""
+    per_token, cap = 10, 4 * 110 * 10 + 5
+    specs = [EngineSpec("p0", Role.PREFILL, "P", hbm_capacity_bytes=cap),
+             EngineSpec("p1", Role.PREFILL, "P", hbm_capacity_bytes=cap)]
+    s = Scheduler(cfg(policy=mode, beta_tokens=10**6, pe_buffer_admission=True), one_de(specs))
+    for i in range(6):
+        s.submit(Request.sized(f"r{i}", "s", 100, 10, 5, per_token))
+    bind_all(s)
+    first = s.on_pe_group_fetch("P")
+    assert [a.request_id for a in first] == ["r0", "r1", "r2", "r3"]
+    assert sorted(a.pe_engine for a in first) == ["p0", "p0", "p1", "p1"]
+    assert s.pe_queue() == ["r4", "r5"] and s.on_pe_group_fetch("P") == []
+    assert s.engine_report("p0").free_hbm_bytes == 5
+    s.prefill_done(first[0].request_id)
+    again = s.on_pe_group_fetch("P")
+    assert [a.request_id for a in again] == ["r4"]
+    # the node's own figure replaces the core's: a full buffer reported blocks the node
+    s.prefill_done(again[0].request_id)
+    load(s, ("p0", 2, 220, 0), ("p1", 2, 220, 0))
+    assert s.on_pe_group_fetch("P") == []
+    load(s, ("p0", 2, 220, 1100), ("p1", 2, 220, 1100))
+    assert [a.request_id for a in s.on_pe_group_fetch("P")] == ["r5"]
+
+
+@pytest.mark.parametrize("bypass", [0, 2])
+def test_small_prompts_pass_a_head_that_does_not_fit_yet_within_its_bypass_budget(bypass):
+    """One PE with room for 100 tokens of KV: a 60-token prompt is placed, a 90-token head
+    does not fit beside it; the 20-token prompts behind it are placed past it (first fit) up
+    to ``pe_buffer_bypass``, then the head keeps its turn: when room frees it goes next."""
+    s = Scheduler(cfg(beta_tokens=10**6, pe_buffer_admission=True, pe_buffer_bypass=bypass),
+                  one_de([EngineSpec("p0", Role.PREFILL, "P", hbm_capacity_bytes=1000)]))
+    for rid, new in [("a", 60), ("big", 90), ("s1", 10), ("s2", 10), ("s3", 10)]:
+        s.submit(Request.sized(rid, "s", 0, new, 0, 10))
+    bind_all(s)
+    placed = [a.request_id for a in s.on_pe_group_fetch("P")]
+    assert placed == ["a", *["s1", "s2"][:bypass]]
+    assert s.pe_queue()[0] == "big"
+    assert s.on_pe_group_fetch("P") == []                       # budget spent / strict order
+    for rid in placed:
+        s.prefill_done(rid)
+    assert [a.request_id for a in s.on_pe_group_fetch("P")][0] == "big"
+
+
+def test_an_idle_pe_node_takes_a_prompt_larger_than_its_buffer():
+    """Never waits for ever: a prompt larger than the whole buffer goes to a node holding
+    nothing (and fails there, typed), not left in the queue."""
+    s = Scheduler(cfg(pe_buffer_admission=True),
+                  one_de([EngineSpec("p0", Role.PREFILL, "P", hbm_capacity_bytes=100)]))
+    s.submit(Request.sized("big", "s", 0, 50, 0, 10))        # 500 B of prompt KV
+    s.submit(Request.sized("next", "s", 0, 5, 0, 10))
+    bind_all(s)
+    assert [a.request_id for a in s.on_pe_group_fetch("P")] == ["big"]
+    assert s.pe_queue() == ["next"]
+
+
+def test_buffer_admission_is_off_by_default_and_unchecked_without_a_stated_buffer():
+    tiny = [EngineSpec("p0", Role.PREFILL, "P", hbm_capacity_bytes=100)]
+    for admit, specs in ((False, tiny), (True, [pe("p0", "P")])):
+        s = Scheduler(cfg(beta_tokens=10**6, pe_buffer_admission=admit), one_de(specs))
+        for i in range(5):
+            s.submit(Request.sized(f"r{i}", "s", 100, 10, 0, 10**9))
+        bind_all(s)
+        assert len(s.on_pe_group_fetch("P")) == 5
+
+
 # ============================================================================ DE phase 1
 
 def _three_de_groups(**kw) -> Scheduler:

@@ -20,7 +20,8 @@ from common.protocol.frontend import CancelRequest, GetClusterStatus, SubmitRequ
 # again with a higher epoch. Sequence and rules: docs/frontend-api.md ("Node services").
 
 class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An engine a group leader registers; ``hbm_capacity_bytes`` = HBM for KV (DEs)."""
+    """An engine a group leader registers; ``hbm_capacity_bytes`` = HBM for KV (DEs), the
+    engine's share of its node's KV buffer (PEs; 0: not stated, not checked)."""
 
     engine_id: str
     role: str
@@ -75,7 +76,8 @@ class HeartbeatReply(Message, tag="sched.node.heartbeat.reply", frozen=True):
 
 
 class EngineLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Telemetry of one engine (paper §6.1): unfinished requests, their tokens, free HBM."""
+    """Telemetry of one engine (paper §6.1): unfinished requests, their tokens, free HBM (DEs)
+    or free buffer share (PEs)."""
 
     engine_id: str
     seq: int

@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any, TYPE_CHECKING
 
+import msgspec
+
 from common.errors import DualpathError, InvalidArgument
 from common.kv import KVSpec
 from common.protocol import (AdminRequest, DataPathReply, EngineLoad, Endpoint,
@@ -140,10 +142,26 @@ class PEReceiverService(NodeBase):
         return client
 
     # ------------------------------------------------------------------ telemetry
+    def engine_hbm(self) -> int:
+        """The node's buffer, registered with each engine (the scheduler keeps it per node):
+        every attempt stages its whole prompt's KV here, so the scheduler sends the node no
+        more prompts than it holds (``policy.has_buffer_room``)."""
+        return self.pool.num_pages * self.pool.page_bytes
+
+    def free_buffer_bytes(self) -> int:
+        """The pool's free pages less those of attempts received and not allocated yet."""
+        page, per_token = self.pool.page_bytes, self.spec.bytes_per_token
+        pending = sum(-(-(att.plan.hit_tokens + att.plan.new_tokens) * per_token // page)
+                      for att in self.attempts.values() if att.region is None)
+        return max(self.pool.free_pages - pending, 0) * page
+
     def engine_loads(self) -> list[EngineLoad]:
-        """seq/tok per engine: attempts received and not yet prefilled (paper §6.1)."""
-        return plan_loads(self.ports, (att.plan for att in self.attempts.values()
-                                       if not att.finished_prefill), self._pe_load)
+        """seq/tok per engine: attempts received and not yet prefilled (paper §6.1); with
+        each, the node's free buffer (:meth:`free_buffer_bytes`)."""
+        loads = plan_loads(self.ports, (att.plan for att in self.attempts.values()
+                                        if not att.finished_prefill), self._pe_load)
+        free = self.free_buffer_bytes()
+        return [msgspec.structs.replace(load, free_hbm_bytes=free) for load in loads]
 
     def node_counters(self) -> dict[str, float]:
         return {"attempts_live": float(len(self.attempts)),

@@ -58,12 +58,31 @@ from .state import Engine, Group, Node, Pending
 
 # --------------------------------------------------------------------------- PE placement
 
-def pick_pe(engines: Sequence[Engine], alpha: int, beta: float) -> Engine | None:
-    """Algorithm 1's choice: smallest tok_e in C2, else in C3; ``None`` if every engine is C1."""
+def has_buffer_room(e: Engine, need: int) -> bool:
+    """Whether the KV buffer of PE ``e``'s node (shared by its PEs) holds ``need`` more bytes.
+
+    Not checked where the node stated no buffer (capacity 0). A node holding nothing always
+    has room, so a prompt larger than the whole buffer is still placed once and fails at the
+    node with its typed error instead of waiting here for ever. Why at all: a PE that
+    is sent more prompts than its buffer holds makes each wait at the node for room, bounded
+    (``alloc_timeout_s``, then a re-plan, three at most), and fails them — seen in
+    ``bench engine_agents`` with β raised (docs/vllm.md); here they wait in the PE queue,
+    bounded by their own deadline.
+    """
+    n = e.node
+    cap = n.buffer_cap
+    return not cap or n.buffer_free >= need or n.buffer_free >= cap
+
+
+def pick_pe(engines: Sequence[Engine], alpha: int, beta: float, need: int = 0) -> Engine | None:
+    """Algorithm 1's choice: smallest tok_e in C2, else in C3; ``None`` if every engine is C1
+    (or has no buffer room for ``need`` bytes of prompt KV: :func:`has_buffer_room`)."""
     best2 = best3 = None
     for e in engines:
         t = e.tok
         if t > beta:                       # C1: overloaded, never gets work
+            continue
+        if need and not has_buffer_room(e, need):
             continue
         if e.node.read_q <= alpha:         # C2: short read queue, preferred
             if best2 is None or t < best2.tok:
@@ -85,13 +104,14 @@ def pe_share_limit(queued: int, total_tok: int, n_engines: int, factor: float) -
     return factor * (queued + total_tok) / n_engines
 
 
-def pick_pe_round_robin(group: Group, beta: float) -> Engine | None:
-    """Baseline: the next engine in cyclic order that is not above β (β kept as flow control)."""
+def pick_pe_round_robin(group: Group, beta: float, need: int = 0) -> Engine | None:
+    """Baseline: the next engine in cyclic order that is not above β (β kept as flow control)
+    and has buffer room for ``need`` bytes (:func:`has_buffer_room`)."""
     engines = group.engines
     n = len(engines)
     for k in range(n):
         i = (group.rr + k) % n
-        if engines[i].tok <= beta:
+        if engines[i].tok <= beta and (not need or has_buffer_room(engines[i], need)):
             group.rr = (i + 1) % n
             return engines[i]
     return None

@@ -52,6 +52,12 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def prompt_tokens(self) -> int:
         return self.hit_tokens + self.new_tokens
 
+    @property
+    def prompt_kv_bytes(self) -> int:
+        """The prompt's share of ``hbm_bytes``: the KV a PE stages in its node's buffer."""
+        total = self.prompt_tokens + self.gen_tokens
+        return self.hbm_bytes * self.prompt_tokens // total
+
     @classmethod
     def sized(cls, request_id: str, session_id: str, hit_tokens: int, new_tokens: int,
               gen_tokens: int, kv_bytes_per_token: int) -> Request:
@@ -67,7 +73,10 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: Role
     node_id: str
     group_id: str | None = None
-    hbm_capacity_bytes: int = 0   # DEs: HBM for request KV; 0 = unknown until telemetry reports it
+    # DEs: HBM for request KV; PEs: the engine's share of its node's KV buffer (every attempt
+    # stages its whole prompt's KV there). 0 = unknown until telemetry reports it (PEs: not
+    # checked)
+    hbm_capacity_bytes: int = 0
 
 
 class EngineReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -39,7 +39,7 @@ HBM and nodes' read_q; without it the core keeps its own count from its decision
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common.errors import AlreadyExists, InvalidArgument, NotFound
 
@@ -123,6 +123,9 @@ class Scheduler:
         node.engines.append(engine)
         if spec.role is Role.PREFILL:
             self._n_pe += 1
+            if spec.hbm_capacity_bytes > node.buffer_cap:      # the node's whole PE buffer
+                node.buffer_free += spec.hbm_capacity_bytes - node.buffer_cap
+                node.buffer_cap = spec.hbm_capacity_bytes
         self._max_hbm_known = False
 
     def remove_engine(self, engine_id: str) -> ReplanResult:
@@ -249,21 +252,58 @@ class Scheduler:
             share = policy.pe_share_limit(self._pe_queued, self._pe_tok, self._n_pe, self._pe_share)
             if share < beta:
                 beta = share
+        def choose(need: int) -> Engine | None:
+            return pick(engines, alpha, beta, need) if pick else \
+                policy.pick_pe_round_robin(g, beta, need)
+
+        admit_by_buffer = self.config.pe_buffer_admission
+
+        def below_beta() -> bool:           # some PE is not C1 (β alone; changes nothing)
+            return any(e.tok <= beta for e in engines)
+
         out: list[Assignment] = []
         while heap:
             _, ticket, p = heap[0]
             if p.ticket != ticket:          # stale entry (re-planned or cancelled)
                 heapq.heappop(heap)
                 continue
-            e = pick(engines, alpha, beta) if pick else policy.pick_pe_round_robin(g, beta)
-            if e is None:                   # C2 and C3 empty: end the fetch
+            e = choose(p.request.prompt_kv_bytes if admit_by_buffer else 0)
+            if e is None:                   # C2 and C3 empty (or no buffer room): end the fetch
+                if admit_by_buffer and self._bypass_budget(p) > 0 and below_beta():
+                    out.extend(self._place_past(p, choose, below_beta))
                 break
             heapq.heappop(heap)
-            p.ticket = -1
-            self._pe_waiting -= 1
-            self._pe_queued -= p.pe_tokens
+            self._dequeue(p)
             out.append(self._place(p, e))
         return out
+
+    def _bypass_budget(self, head: Pending) -> int:
+        return self.config.pe_buffer_bypass - head.bypassed
+
+    def _place_past(self, head: Pending, choose: Callable[[int], Engine | None],
+                    below_beta: Callable[[], bool]) -> list[Assignment]:
+        """First fit past a head that no PE's buffer takes yet: later requests in arrival
+        order that fit one, up to the head's bypass budget (``pe_buffer_bypass``), while some
+        PE is below β. Their heap entries go stale (ticket -1) and are dropped when reached."""
+        out: list[Assignment] = []
+        window = 8 * self.config.pe_buffer_bypass
+        for _, ticket, p in heapq.nsmallest(window + 1, self._pe_queue)[1:]:
+            if p.ticket != ticket or p is head:
+                continue
+            if self._bypass_budget(head) <= 0 or not below_beta():
+                break
+            e = choose(p.request.prompt_kv_bytes)
+            if e is not None:
+                self._dequeue(p)
+                out.append(self._place(p, e))
+                head.bypassed += 1
+        return out
+
+    def _dequeue(self, p: Pending) -> None:
+        """Take ``p`` off the PE queue's counts (its heap entry is popped or left stale)."""
+        p.ticket = -1
+        self._pe_waiting -= 1
+        self._pe_queued -= p.pe_tokens
 
     # ------------------------------------------------------------------ telemetry
     def apply_telemetry(self, telemetry: Telemetry) -> None:
@@ -275,9 +315,11 @@ class Scheduler:
                 continue
             if e.role is Role.PREFILL:
                 self._pe_tok += r.tok - e.tok
-            e.seq, e.tok = r.seq, r.tok
-            if r.free_hbm_bytes is not None:
+                if r.free_hbm_bytes is not None:    # PEs: their node's free buffer
+                    e.node.buffer_free = r.free_hbm_bytes
+            elif r.free_hbm_bytes is not None:
                 e.free_hbm = r.free_hbm_bytes
+            e.seq, e.tok = r.seq, r.tok
         for node_id, q in telemetry.read_q.items():
             n = nodes.get(node_id)
             if n is not None:
@@ -306,16 +348,16 @@ class Scheduler:
         return Phase.DECODING if p.prefilled else Phase.PLACED
 
     def engine_report(self, engine_id: str) -> EngineReport:
-        """The core's current view of one engine (seq_e, tok_e, free HBM)."""
+        """The core's current view of one engine (seq_e, tok_e, free HBM; a PE: its node's
+        free buffer where the node stated one)."""
         e = self._engines.get(engine_id)
         if e is None:
             raise NotFound(f"engine {engine_id!r} is not registered")
-        return EngineReport(e.engine_id, e.seq, e.tok, e.free_hbm)
+        return _report(e)
 
     def engine_reports(self, role: Role | None = None) -> list[EngineReport]:
         """Every engine's current figures (for a cluster-status reply), in registration order."""
-        return [EngineReport(e.engine_id, e.seq, e.tok, e.free_hbm) for e in self._engines.values()
-                if role is None or e.role is role]
+        return [_report(e) for e in self._engines.values() if role is None or e.role is role]
 
     def read_planned(self) -> dict[str, int]:
         """Hit tokens planned onto each registered node's storage link so far (0 included)."""
@@ -432,6 +474,7 @@ class Scheduler:
         """Bind the PE, choose the read side, count the read on that node's queue."""
         p.pe = e
         e.add(p, p.pe_tokens)
+        e.node.take_buffer(p.request.prompt_kv_bytes)
         self._pe_tok += p.pe_tokens
         r, de = p.request, p.de
         assert de is not None
@@ -506,6 +549,8 @@ class Scheduler:
         e = p.pe
         assert e is not None
         before = e.tok
+        if p.request.request_id in e.requests:
+            e.node.give_buffer(p.request.prompt_kv_bytes)
         e.release(p, p.pe_tokens)
         self._pe_tok += e.tok - before
 
@@ -572,3 +617,8 @@ class Scheduler:
 
 def _by_seq(p: Pending) -> int:
     return p.seq
+
+
+def _report(e: Engine) -> EngineReport:
+    free = e.node.buffer_free if e.role is Role.PREFILL and e.node.buffer_cap else e.free_hbm
+    return EngineReport(e.engine_id, e.seq, e.tok, free)

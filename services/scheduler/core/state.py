@@ -17,9 +17,9 @@ from .records import Request, Role
 
 
 class Node:
-    """A machine: its storage link's disk-read queue, in tokens."""
+    """A machine: its storage link's disk-read queue, in tokens, and its PE buffer."""
 
-    __slots__ = ("node_id", "read_q", "read_v", "engines")
+    __slots__ = ("node_id", "read_q", "read_v", "engines", "buffer_cap", "buffer_free")
 
     def __init__(self, node_id: str, read_v: int = 0) -> None:
         self.node_id = node_id
@@ -27,6 +27,17 @@ class Node:
         # read tokens sent to this node's storage link so far, floored (policy.read_side)
         self.read_v = read_v
         self.engines: list[Engine] = []
+        # the PE buffer every prefill attempt of the node stages its prompt's KV in, shared by
+        # the node's PEs (bytes; cap 0: not stated, not checked — policy.has_buffer_room)
+        self.buffer_cap = 0
+        self.buffer_free = 0
+
+    def take_buffer(self, nbytes: int) -> None:
+        self.buffer_free -= nbytes
+
+    def give_buffer(self, nbytes: int) -> None:
+        free = self.buffer_free + nbytes
+        self.buffer_free = free if free < self.buffer_cap else self.buffer_cap
 
 
 class Engine:
@@ -91,7 +102,8 @@ class Pending:
     """A request inside the scheduler, with its bindings as they are made."""
 
     __slots__ = ("request", "seq", "pe_tokens", "de_tokens", "group", "de", "pe", "read_node",
-                 "read_pending", "prefilled", "ticket", "in_global", "attempt", "replans")
+                 "read_pending", "prefilled", "ticket", "in_global", "attempt", "replans",
+                 "bypassed")
 
     def __init__(self, request: Request, seq: int, pe_tokens: int | None = None) -> None:
         self.request = request
@@ -111,3 +123,4 @@ class Pending:
         self.in_global = False             # sits in the global DE queue
         self.attempt = 0                   # the wire's attempt number (attempt_base + re-plans)
         self.replans = 0                   # re-plans so far (bounded by max_replans)
+        self.bypassed = 0                  # requests placed past it while no PE buffer took it

@@ -252,6 +252,7 @@ class Scheduler:
             share = policy.pe_share_limit(self._pe_queued, self._pe_tok, self._n_pe, self._pe_share)
             if share < beta:
                 beta = share
+
         def choose(need: int) -> Engine | None:
             return pick(engines, alpha, beta, need) if pick else \
                 policy.pick_pe_round_robin(g, beta, need)

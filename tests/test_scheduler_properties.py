@@ -71,7 +71,7 @@ def _run(shape, ops, check=None) -> list:
 
 
 def _snapshot(s: Scheduler) -> tuple[dict, dict, int]:
-    queued = sorted((seq, p.request.request_id) for seq, t, p in s._pe_queue if p.ticket == t)
+    queued = [(p.seq, p.request.request_id) for p in s._pe_queue.live()]
     return ({e.engine_id: e.tok for e in s._engines.values()},
             {n.node_id: n.read_q for n in s._nodes.values()},
             sum(s._requests[rid].pe_tokens for _, rid in queued))

@@ -76,8 +76,9 @@ def test_pe_share_sums_follow_every_change():
     def check():
         pes = [e for e in s._engines.values() if e.role is Role.PREFILL]
         assert s._pe_tok == sum(e.tok for e in pes)
-        live = [p for _, t, p in s._pe_queue if p.ticket == t]
-        assert s._pe_queued == sum(p.pe_tokens for p in live)
+        live = s._pe_queue.live()
+        assert s._pe_queue.tokens == sum(p.pe_tokens for p in live)
+        assert s._pe_queue.waiting == len(live)
         assert s._n_pe == len(pes)
 
     for i in range(30):

@@ -202,6 +202,25 @@ def shorter_queue_side(pe_node: Node, de_node: Node) -> ReadSide:
     return ReadSide.PE if pe_node.read_q <= de_node.read_q else ReadSide.DE
 
 
+def charge_write(sent: int, write: int, mean: int, credit: int) -> int:
+    """A node's link volume (``Node.read_v``) after a write-back of ``write`` tokens is
+    counted on it, with the reads' floor (mean − credit).
+
+    Why: a DE node's link also carries every write-back (≈ new + generated tokens), on a
+    miss-heavy workload most of its traffic; counting reads alone levelled the *reads* over
+    all nodes and sent ~2/3 of the hits (1P2D) onto DE links saturated by writes while the
+    PE's link idled (docs/workloads.md "Never worse than basic"). Writes lift a node at most
+    to the mean plus the credit: a miss-heavy phase's write-backs must not keep every read off
+    that node long after it (a read queue more than two credits longer on the other side
+    still sends reads here).
+    """
+    v = (sent if sent > mean - credit else mean - credit) + write
+    cap = mean + credit
+    if v > cap:
+        v = cap if cap > sent else sent
+    return v
+
+
 def read_side(pe_node: Node, de_node: Node, floor: int) -> ReadSide:
     """Shorter read queue plus what the node has been sent above ``floor``; a tie: PE.
 

@@ -38,13 +38,13 @@ HBM and nodes' read_q; without it the core keeps its own count from its decision
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable
 
 from common.errors import AlreadyExists, InvalidArgument, NotFound
 
 from . import policy
 from .config import ATTEMPT_SPAN, SchedulerConfig
+from .pe_queue import PEQueue
 from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReadSide,
                       ReplanResult, Request, Role, Telemetry)
 from .state import Engine, Group, Node, Pending
@@ -80,7 +80,6 @@ class Scheduler:
         self.pe_load = cfg.pe_load_counter()    # (hit, new) -> PE load (tok_e, β's unit)
         self._pe_share = cfg.pe_share
         self._pe_tok = 0                     # Σ tok_e over all PEs (policy.pe_share_limit)
-        self._pe_queued = 0                  # Σ PE load of the requests in the PE queue
         self._n_pe = 0
         self._nodes: dict[str, Node] = {}
         # operations view (docs/kubernetes.md): hit tokens planned onto each node's storage
@@ -92,9 +91,8 @@ class Scheduler:
         self._requests: dict[str, Pending] = {}
         self._global: list[Pending] = []
         self._global_sorted = True
-        self._pe_queue: list[tuple[int, int, Pending]] = []
-        self._pe_waiting = 0
-        self._counter = 0            # registration order and PE-queue tickets
+        self._pe_queue = PEQueue()
+        self._counter = 0            # registration order
         self._next_seq = 0
         self._rr_groups = 0
         self._alternate: dict[str, int] = {}    # dpl: PE/DE alternation per DE node
@@ -244,12 +242,12 @@ class Scheduler:
         g = self._group(Role.PREFILL, group_id)
         if telemetry is not None:
             self.apply_telemetry(telemetry)
-        heap, engines, alpha = self._pe_queue, g.engines, self.alpha
+        queue, engines, alpha = self._pe_queue, g.engines, self.alpha
         beta: float = float(self.beta)
         pick = policy.pick_pe if self._balanced else None
-        if pick is not None and self._pe_queued > 0:
+        if pick is not None and queue.waiting > 0:
             # fixed for the whole fetch: a placement moves load from the queue to a PE
-            share = policy.pe_share_limit(self._pe_queued, self._pe_tok, self._n_pe, self._pe_share)
+            share = policy.pe_share_limit(queue.tokens, self._pe_tok, self._n_pe, self._pe_share)
             if share < beta:
                 beta = share
 
@@ -263,48 +261,31 @@ class Scheduler:
             return any(e.tok <= beta for e in engines)
 
         out: list[Assignment] = []
-        while heap:
-            _, ticket, p = heap[0]
-            if p.ticket != ticket:          # stale entry (re-planned or cancelled)
-                heapq.heappop(heap)
-                continue
+        while (p := queue.head()) is not None:
             e = choose(p.request.prompt_kv_bytes if admit_by_buffer else 0)
             if e is None:                   # C2 and C3 empty (or no buffer room): end the fetch
-                if admit_by_buffer and self._bypass_budget(p) > 0 and below_beta():
+                if admit_by_buffer and p.bypassed < self.config.pe_buffer_bypass and below_beta():
                     out.extend(self._place_past(p, choose, below_beta))
                 break
-            heapq.heappop(heap)
-            self._dequeue(p)
+            queue.remove(p)
             out.append(self._place(p, e))
         return out
-
-    def _bypass_budget(self, head: Pending) -> int:
-        return self.config.pe_buffer_bypass - head.bypassed
 
     def _place_past(self, head: Pending, choose: Callable[[int], Engine | None],
                     below_beta: Callable[[], bool]) -> list[Assignment]:
         """First fit past a head that no PE's buffer takes yet: later requests in arrival
         order that fit one, up to the head's bypass budget (``pe_buffer_bypass``), while some
-        PE is below β. Their heap entries go stale (ticket -1) and are dropped when reached."""
+        PE is below β."""
         out: list[Assignment] = []
-        window = 8 * self.config.pe_buffer_bypass
-        for _, ticket, p in heapq.nsmallest(window + 1, self._pe_queue)[1:]:
-            if p.ticket != ticket or p is head:
-                continue
-            if self._bypass_budget(head) <= 0 or not below_beta():
+        for p in self._pe_queue.after_head(8 * self.config.pe_buffer_bypass):
+            if head.bypassed >= self.config.pe_buffer_bypass or not below_beta():
                 break
             e = choose(p.request.prompt_kv_bytes)
             if e is not None:
-                self._dequeue(p)
+                self._pe_queue.remove(p)
                 out.append(self._place(p, e))
                 head.bypassed += 1
         return out
-
-    def _dequeue(self, p: Pending) -> None:
-        """Take ``p`` off the PE queue's counts (its heap entry is popped or left stale)."""
-        p.ticket = -1
-        self._pe_waiting -= 1
-        self._pe_queued -= p.pe_tokens
 
     # ------------------------------------------------------------------ telemetry
     def apply_telemetry(self, telemetry: Telemetry) -> None:
@@ -373,7 +354,7 @@ class Scheduler:
     def queue_lengths(self) -> dict[str, int]:
         """Requests waiting for a DE (global, private) and for a PE; how many are held in all."""
         private = sum(len(g.private) for g in self._groups[Role.DECODE].values())
-        return {"global": len(self._global), "private": private, "pe": self._pe_waiting,
+        return {"global": len(self._global), "private": private, "pe": self._pe_queue.waiting,
                 "total": len(self._requests)}
 
     def group_ids(self, role: Role) -> list[str]:
@@ -385,8 +366,7 @@ class Scheduler:
 
     def pe_queue(self) -> list[str]:
         """Request ids waiting for a PE (DE already bound), in FIFO order."""
-        live = sorted(e for e in self._pe_queue if e[2].ticket == e[1])
-        return [p.request.request_id for _, _, p in live]
+        return self._pe_queue.ids()
 
     # ------------------------------------------------------------------ internals
     def _tick(self) -> int:
@@ -460,16 +440,9 @@ class Scheduler:
             p.group = None
             p.de = e
             e.add(p, p.de_tokens, hbm)
-            self._push_pe(p)
+            self._pe_queue.push(p)
             out.append(DEBinding(p.request.request_id, e.engine_id, e.node.node_id, hbm))
         return out
-
-    def _push_pe(self, p: Pending) -> None:
-        self._counter = t = self._counter + 1          # = self._tick(), inlined (hot path)
-        p.ticket = t
-        heapq.heappush(self._pe_queue, (p.seq, t, p))
-        self._pe_waiting += 1
-        self._pe_queued += p.pe_tokens
 
     def _place(self, p: Pending, e: Engine) -> Assignment:
         """Bind the PE, choose the read side, count the read on that node's queue."""
@@ -481,24 +454,10 @@ class Scheduler:
         assert de is not None
         side, node = self._read_side(r.hit_tokens, e.node, de.node)
         w = int((r.new_tokens + r.gen_tokens) * self._write_weight)
-        if w > 0:
-            # The write-back (≈ new + generated tokens, by the DE's node) counts in what that
-            # node's storage link has been sent, with the reads' floor. Why: a DE node's link
-            # also carries every write-back, on a miss-heavy workload most of its traffic;
-            # counting reads alone levelled the *reads* over all nodes and sent ~2/3 of the
-            # hits (1P2D) onto DE links saturated by writes while the PE's link idled
-            # (docs/workloads.md "Never worse than basic").
-            # Writes lift a node at most to the mean plus the credit: a miss-heavy phase's
-            # write-backs must not keep every read off that node long after it (a read queue
-            # more than two credits longer on the other side still sends reads here).
+        if w > 0:                           # the write-back on the DE node's link
             dn = de.node
-            mean = self._read_mean()
-            v0 = dn.read_v
-            v = (v0 if v0 > mean - self.read_credit else mean - self.read_credit) + w
-            cap = mean + self.read_credit
-            if v > cap:
-                v = cap if cap > v0 else v0
-            self._read_sum += v - v0
+            v = policy.charge_write(dn.read_v, w, self._read_mean(), self.read_credit)
+            self._read_sum += v - dn.read_v
             dn.read_v = v
         if node is not None:
             node.read_q += r.hit_tokens
@@ -569,10 +528,7 @@ class Scheduler:
         if p.in_global:
             self._global.remove(p)
             p.in_global = False
-        if p.ticket >= 0:
-            p.ticket = -1
-            self._pe_waiting -= 1
-            self._pe_queued -= p.pe_tokens
+        self._pe_queue.remove(p)
         p.pe = p.de = p.group = None
         p.prefilled = False
 
@@ -595,7 +551,7 @@ class Scheduler:
             p.pe = None
             p.prefilled = False
             if p.ticket < 0:
-                self._push_pe(p)
+                self._pe_queue.push(p)
             return True
         self._release_all(p)
         self._to_global(p)

@@ -117,11 +117,11 @@ async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path, p
 
 async def test_the_scheduler_sends_a_pe_no_more_prompts_than_its_buffer_holds(tmp_path,
                                                                              monkeypatch):
-    """``pe_buffer_admission`` on. A PE buffer of 8 pages (64 KiB; a 256-token test-small prompt's KV fills 4) and a β
-    that would admit every request: six sessions at once all finish, and the PE never held
-    more than two attempts — the rest waited in the scheduler's PE queue. (Without the
-    check all six reach the PE, and four wait at its pool, each up to ``alloc_timeout_s``,
-    then fail and are re-planned, three times at most: docs/vllm.md, β raised.)"""
+    """``pe_buffer_admission`` (on by default). A PE buffer of 8 pages (64 KiB; a 256-token
+    test-small prompt's KV fills 4) and a β that would admit every request: six sessions at
+    once all finish, and the PE never held more than two attempts — the rest waited in the
+    scheduler's PE queue. (Without the check all six reach the PE, and four wait at its pool,
+    each up to ``alloc_timeout_s``, then fail and are re-planned, three times at most.)"""
     from services.pe_receiver.service import PEReceiverService
     held: list[int] = []
     real = PEReceiverService.submit_plan

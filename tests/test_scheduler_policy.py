@@ -198,6 +198,18 @@ def test_small_prompts_pass_a_head_that_does_not_fit_yet_within_its_bypass_budge
     assert [a.request_id for a in s.on_pe_group_fetch("P")][0] == "big"
 
 
+def test_past_a_blocked_head_the_smallest_prompts_go_first():
+    """Room for 40 tokens beside the first request, the head (90) does not fit: behind it
+    35, 10, 10, 10 — the three 10s are placed (arrival order would take the 35 and stop)."""
+    s = Scheduler(cfg(beta_tokens=10**6, pe_buffer_admission=True),
+                  one_de([EngineSpec("p0", Role.PREFILL, "P", hbm_capacity_bytes=1000)]))
+    for rid, new in [("a", 60), ("big", 90), ("m", 35), ("s1", 10), ("s2", 10), ("s3", 10)]:
+        s.submit(Request.sized(rid, "s", 0, new, 0, 10))
+    bind_all(s)
+    assert [a.request_id for a in s.on_pe_group_fetch("P")] == ["a", "s1", "s2", "s3"]
+    assert s.pe_queue() == ["big", "m"]
+
+
 def test_an_idle_pe_node_takes_a_prompt_larger_than_its_buffer():
     """Never waits for ever: a prompt larger than the whole buffer goes to a node holding
     nothing (and fails there, typed), not left in the queue."""
@@ -210,7 +222,8 @@ def test_an_idle_pe_node_takes_a_prompt_larger_than_its_buffer():
     assert s.pe_queue() == ["next"]
 
 
-def test_buffer_admission_is_off_by_default_and_unchecked_without_a_stated_buffer():
+def test_buffer_admission_can_be_turned_off_and_is_unchecked_without_a_stated_buffer():
+    assert SchedulerConfig().pe_buffer_admission             # on by default
     tiny = [EngineSpec("p0", Role.PREFILL, "P", hbm_capacity_bytes=100)]
     for admit, specs in ((False, tiny), (True, [pe("p0", "P")])):
         s = Scheduler(cfg(beta_tokens=10**6, pe_buffer_admission=admit), one_de(specs))

@@ -82,14 +82,14 @@ class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's datac
     # most pe_share × the cluster's mean PE load with the PE queue placed; 0 = β alone (paper)
     pe_share: float = 1.0
     z_factor: PositiveFloat = 1.05
-    # PE buffer admission (policy.has_buffer_room; off by default, docs/datapath.md "Buffer
-    # room"): place a request on a PE only when its node's buffer holds its prompt's KV, so
+    # PE buffer admission (policy.has_buffer_room; docs/datapath.md "Buffer admission in the
+    # scheduler"): place a request on a PE only when its node's buffer holds its prompt's KV, so
     # over-admission waits in the PE queue instead of failing at the node's pool after
     # alloc_timeout_s. Then, when the queue's head fits no node yet, at most pe_buffer_bypass
-    # later requests that fit are placed past it (first fit), after which the head waits for
-    # room and the rest behind it (no starvation); 0 = strict arrival order.
-    pe_buffer_admission: bool = False
-    pe_buffer_bypass: NonNegInt = 32
+    # later requests that fit are placed past it (smallest prompts first), after which the
+    # head waits for room and the rest behind it (no starvation); 0 = strict arrival order.
+    pe_buffer_admission: bool = True
+    pe_buffer_bypass: NonNegInt = 256
     max_replans: Annotated[int, msgspec.Meta(ge=0, le=ATTEMPT_SPAN - 1)] = 3
 
     def __post_init__(self) -> None:

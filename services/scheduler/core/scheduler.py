@@ -273,11 +273,14 @@ class Scheduler:
 
     def _place_past(self, head: Pending, choose: Callable[[int], Engine | None],
                     below_beta: Callable[[], bool]) -> list[Assignment]:
-        """First fit past a head that no PE's buffer takes yet: later requests in arrival
-        order that fit one, up to the head's bypass budget (``pe_buffer_bypass``), while some
-        PE is below β."""
+        """Past a head that no PE's buffer takes yet: the later requests that fit one, the
+        smallest prompts first (ties in arrival order), up to the head's bypass budget
+        (``pe_buffer_bypass``), while some PE is below β. Smallest first is what keeps the
+        median TTFT (docs/datapath.md "Buffer admission in the scheduler")."""
         out: list[Assignment] = []
-        for p in self._pe_queue.after_head(8 * self.config.pe_buffer_bypass):
+        behind = self._pe_queue.after_head(8 * self.config.pe_buffer_bypass)
+        behind.sort(key=_prompt_kv_bytes)
+        for p in behind:
             if head.bypassed >= self.config.pe_buffer_bypass or not below_beta():
                 break
             e = choose(p.request.prompt_kv_bytes)
@@ -574,6 +577,10 @@ class Scheduler:
 
 def _by_seq(p: Pending) -> int:
     return p.seq
+
+
+def _prompt_kv_bytes(p: Pending) -> int:
+    return p.request.prompt_kv_bytes
 
 
 def _report(e: Engine) -> EngineReport:

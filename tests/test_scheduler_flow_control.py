@@ -75,6 +75,32 @@ async def test_telemetry_counts_decisions_the_leader_has_not_received_yet():
         assert env.svc.request_state("r3") == "queued"
 
 
+async def test_pe_buffer_telemetry_counts_plans_the_leader_has_not_received_yet():
+    # Two PEs sharing a buffer for three 100-token prompts; one plan per fetch reply. The
+    # leader's free figure knows only what it received: plans still in the outbox, for
+    # either engine, are taken off it, so a fourth prompt waits.
+    async with running({"beta_tokens": 10**6, "pe_load": "tokens"}, max_plans_per_fetch=1) as env:
+        need = 100 * env.svc.kv.bytes_per_token
+        p0 = await env.node("p0", "prefill", engines=2, buffer=3 * need)
+        d0 = await env.node("d0", "decode", engines=1)
+        fe = await env.client()
+        streams = [fe.submit(f"r{i}", "s", 100, 2) for i in range(5)]
+        for s in streams:
+            await nxt(s)
+        await d0.fetch()
+
+        def loads(free: int) -> list[EngineLoad]:
+            return [EngineLoad(f"p0.e{i}", 0, 0, free) for i in range(2)]
+
+        first = await p0.fetch(loads(3 * need))                 # places r0, r1, r2: full
+        assert [p.request_id for p in first.plans] == ["r0"] and first.more
+        assert env.svc.request_state("r3") == "queued"
+        second = await p0.fetch(loads(2 * need))                # r0 allocated; r1, r2 unsent
+        assert [p.request_id for p in second.plans] == ["r1"]
+        assert env.core.engine_report("p0.e0").free_hbm_bytes == 0
+        assert env.svc.request_state("r3") == "queued"
+
+
 async def test_pe_receiver_telemetry_matches_the_cores_own_pe_accounting():
     # Default unit: prefill-cost-weighted tokens. The leader reports its engines' tok with the
     # PE receiver's own function over the plans it holds; the outbox adds the undelivered ones.

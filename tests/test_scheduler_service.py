@@ -67,8 +67,10 @@ class Env:
         return self.core.attempt_base
 
     async def node(self, node_id: str, role: str, engines: int = 2, hbm: int = HBM,
-                   service: str | None = None, epoch: int | None = None) -> NodeSession:
-        infos = [EngineInfo(f"{node_id}.e{i}", role, hbm if role == "decode" else 0)
+                   service: str | None = None, epoch: int | None = None,
+                   buffer: int = 0) -> NodeSession:
+        """``hbm``: each DE's HBM; ``buffer``: a prefill node's PE buffer (0: not stated)."""
+        infos = [EngineInfo(f"{node_id}.e{i}", role, hbm if role == "decode" else buffer)
                  for i in range(engines)]
         s = NodeSession(RPC, "127.0.0.1", self.svc.port, node_id=node_id,
                         service=service or ("pe_receiver" if role == "prefill" else "de_loader"),

@@ -164,9 +164,14 @@ def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
     if not msg.engines and msg.read_q_tokens is None:
         return None
     extra = pending_load(box, requests, pe_load)
+    # a PE reports its node's free buffer (shared by the node's PEs): less the prompt KV of
+    # every plan for any of them still in the outbox
+    node_bytes = sum(extra.get(e.engine_id, (0, 0, 0))[2] for e in reg.engines)
     reports = []
     for load in msg.engines:
         s, t, h = extra.get(load.engine_id, (0, 0, 0))
+        if reg.role == "prefill":
+            h = node_bytes
         free = None if load.free_hbm_bytes is None else max(load.free_hbm_bytes - h, 0)
         reports.append(EngineReport(load.engine_id, load.seq + s, load.tok + t, free))
     read_q = {} if msg.read_q_tokens is None else {reg.node_id: msg.read_q_tokens}
@@ -176,10 +181,11 @@ def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
 def pending_load(box: Outbox, requests: Mapping[str, RequestState],
                  pe_load: Callable[[int, int], int] | None = None
                  ) -> dict[str, tuple[int, int, int]]:
-    """Per engine: (requests, load, HBM bytes) decided but not yet delivered to the leader.
+    """Per engine: (requests, load, bytes) decided but not yet delivered to the leader.
 
-    A DE's load is the tokens it will hold (raw); a PE's is ``pe_load(hit, new)`` of the plan,
-    the core's unit (raw prompt tokens when None).
+    A DE's load is the tokens it will hold (raw) and its bytes the HBM reserved; a PE's load
+    is ``pe_load(hit, new)`` of the plan, the core's unit (raw prompt tokens when None), and
+    its bytes the prompt's KV its node's buffer will stage.
     """
     extra: dict[str, tuple[int, int, int]] = {}
     for rid, attempt in box.bindings:
@@ -192,7 +198,8 @@ def pending_load(box: Outbox, requests: Mapping[str, RequestState],
         if rs is not None and rs.assignment is not None:
             a = rs.assignment
             tokens = pe_load(a.hit_tokens, a.new_tokens) if pe_load else a.hit_tokens + a.new_tokens
-            _add(extra, a.pe_engine, tokens, 0)
+            prompt = a.hit_tokens + a.new_tokens
+            _add(extra, a.pe_engine, tokens, rs.hbm_bytes * prompt // (prompt + a.gen_tokens))
     return extra
 
 

@@ -20,8 +20,8 @@ from common.protocol.frontend import CancelRequest, GetClusterStatus, SubmitRequ
 # again with a higher epoch. Sequence and rules: docs/frontend-api.md ("Node services").
 
 class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An engine a group leader registers; ``hbm_capacity_bytes`` = HBM for KV (DEs), the
-    engine's share of its node's KV buffer (PEs; 0: not stated, not checked)."""
+    """An engine a group leader registers; ``hbm_capacity_bytes`` = HBM for KV (DEs), its
+    node's KV buffer, the same for every PE of the node (PEs; 0: not stated, not checked)."""
 
     engine_id: str
     role: str
@@ -77,7 +77,7 @@ class HeartbeatReply(Message, tag="sched.node.heartbeat.reply", frozen=True):
 
 class EngineLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Telemetry of one engine (paper §6.1): unfinished requests, their tokens, free HBM (DEs)
-    or free buffer share (PEs)."""
+    or its node's free KV buffer (PEs)."""
 
     engine_id: str
     seq: int

@@ -31,6 +31,12 @@ class ReadSide(enum.StrEnum):
     NONE = "none"
 
 
+def prompt_kv_bytes(hbm_bytes: int, prompt_tokens: int, gen_tokens: int) -> int:
+    """The prompt's share of a request's ``hbm_bytes`` (its KV with the generated tokens'):
+    what a PE stages in its node's buffer."""
+    return hbm_bytes * prompt_tokens // (prompt_tokens + gen_tokens)
+
+
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One turn to place. ``hbm_bytes`` is the DE HBM it reserves until it completes."""
 
@@ -54,9 +60,8 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def prompt_kv_bytes(self) -> int:
-        """The prompt's share of ``hbm_bytes``: the KV a PE stages in its node's buffer."""
-        total = self.prompt_tokens + self.gen_tokens
-        return self.hbm_bytes * self.prompt_tokens // total
+        """The KV a PE stages in its node's buffer: :func:`prompt_kv_bytes` of this request."""
+        return prompt_kv_bytes(self.hbm_bytes, self.prompt_tokens, self.gen_tokens)
 
     @classmethod
     def sized(cls, request_id: str, session_id: str, hit_tokens: int, new_tokens: int,
@@ -73,9 +78,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: Role
     node_id: str
     group_id: str | None = None
-    # DEs: HBM for request KV; PEs: the engine's share of its node's KV buffer (every attempt
-    # stages its whole prompt's KV there). 0 = unknown until telemetry reports it (PEs: not
-    # checked)
+    # DEs: HBM for request KV; PEs: their node's KV buffer, shared by the node's PEs (every
+    # attempt stages its whole prompt's KV there). 0 = unknown until telemetry reports it
+    # (PEs: not checked)
     hbm_capacity_bytes: int = 0
 
 

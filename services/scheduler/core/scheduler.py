@@ -512,9 +512,8 @@ class Scheduler:
         e = p.pe
         assert e is not None
         before = e.tok
-        if p.request.request_id in e.requests:
+        if e.release(p, p.pe_tokens):
             e.node.give_buffer(p.request.prompt_kv_bytes)
-        e.release(p, p.pe_tokens)
         self._pe_tok += e.tok - before
 
     def _release_all(self, p: Pending) -> None:

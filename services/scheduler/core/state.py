@@ -65,15 +65,17 @@ class Engine:
         self.free_hbm -= hbm
         self.requests[p.request.request_id] = p
 
-    def release(self, p: Pending, tokens: int, hbm: int = 0) -> None:
-        """Undo ``add``; clamped at zero because telemetry may already have counted it out."""
+    def release(self, p: Pending, tokens: int, hbm: int = 0) -> bool:
+        """Undo ``add`` (False: it did not hold ``p``); clamped at zero because telemetry may
+        already have counted it out."""
         if self.requests.pop(p.request.request_id, None) is None:
-            return
+            return False
         seq, tok = self.seq - 1, self.tok - tokens
         self.seq = seq if seq > 0 else 0
         self.tok = tok if tok > 0 else 0
         free, cap = self.free_hbm + hbm, self.hbm_capacity
         self.free_hbm = cap if cap and free > cap else free
+        return True
 
 
 class Group:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from common.errors import InvalidArgument
 from common.protocol import DecodeBinding, FetchWork, FetchWorkReply, RequestPlan, Revocation
 
-from ..core.records import EngineReport, Role, Telemetry
+from ..core.records import EngineReport, Role, Telemetry, prompt_kv_bytes
 from .leases import Registration
 from .request_state import RequestState
 
@@ -198,8 +198,8 @@ def pending_load(box: Outbox, requests: Mapping[str, RequestState],
         if rs is not None and rs.assignment is not None:
             a = rs.assignment
             tokens = pe_load(a.hit_tokens, a.new_tokens) if pe_load else a.hit_tokens + a.new_tokens
-            prompt = a.hit_tokens + a.new_tokens
-            _add(extra, a.pe_engine, tokens, rs.hbm_bytes * prompt // (prompt + a.gen_tokens))
+            _add(extra, a.pe_engine, tokens,
+                 prompt_kv_bytes(rs.hbm_bytes, a.hit_tokens + a.new_tokens, a.gen_tokens))
     return extra
 
 

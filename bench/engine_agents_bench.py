@@ -36,7 +36,11 @@ restart on the step's config while the storage is emptied, copied or restored:
 * ``basic`` — policy ``basic`` (every hit read by the prefill node, the paper's baseline),
   links shaped to ``R``;
 * ``dualpath`` — policy ``dualpath`` (each hit read on the side the scheduler picks), links
-  shaped to ``R``.
+  shaped to ``R``;
+* ``dualpath-split`` (with ``--split-reads``) — ``dualpath`` with ``[scheduler] split_reads``:
+  a hit may be read on the PE's and the DE's link at once (docs/datapath.md "Split reads"),
+  links shaped to the same ``R``; reported as ``split_vs_oracle`` and
+  ``split_speedup_vs_dualpath`` beside the headline.
 
 ``R`` (per node, every link the same): half the rate at which the oracle run consumed hit
 bytes (its later turns' hit bytes ÷ its JCT), unless ``--link-mb-s`` sets it — so one storage
@@ -80,6 +84,7 @@ MODES: dict[str, tuple[str, bool, bool]] = {
     "oracle": ("dualpath", False, True),
     "basic": ("basic", True, True),
     "dualpath": ("dualpath", True, True),
+    "dualpath-split": ("dualpath", True, True),     # --split-reads: [scheduler] split_reads
 }
 
 
@@ -196,15 +201,16 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
 
 
 async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
-                echo: Any, reads: int | None = None) -> dict[str, Any]:
+                echo: Any, reads: int | None = None, split: bool = False) -> dict[str, Any]:
     from common.kv import spec_from_config
     from tools.cluster.launcher import Launcher
     from tools.cluster.real_engines import on_loopback
 
-    sections = {"gateway": {"max_concurrent_reads": reads}} if reads else None
+    gateway = {"gateway": {"max_concurrent_reads": reads}} if reads else {}
 
-    def config(sched_mode: str, rate: float):
-        return on_loopback(CONFIG, root, mode=sched_mode, sections=sections,
+    def config(sched_mode: str, rate: float, split_reads: bool = False):
+        sections = gateway | ({"scheduler": {"split_reads": True}} if split_reads else {})
+        return on_loopback(CONFIG, root, mode=sched_mode, sections=sections or None,
                            storage_link_bytes_per_s=rate, vllm_prefix_caching=False)
 
     launcher = Launcher(config("dualpath", 0.0), echo=echo)
@@ -264,9 +270,10 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
         oracle = rows["oracle"]
         demand = oracle["hit_tokens"] * bytes_per_token / oracle["jct_s"]
         rate = link_mb_s * 1e6 if link_mb_s else demand / 2
-        for mode in ("basic", "dualpath"):
-            await asyncio.to_thread(launcher.reconfigure, config(MODES[mode][0], rate), restart,
-                                    lambda: restore(snapshot))
+        for mode in ("basic", "dualpath", *(("dualpath-split",) if split else ())):
+            await asyncio.to_thread(launcher.reconfigure,
+                                    config(MODES[mode][0], rate, mode == "dualpath-split"),
+                                    restart, lambda: restore(snapshot))
             await timed(mode, first)
     finally:
         await asyncio.to_thread(launcher.down)
@@ -285,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=None, help="turns per session (quick 3, else 5)")
     p.add_argument("--link-mb-s", type=float, default=None,
                    help="storage link rate per node, MB/s (default: half the oracle's demand)")
+    p.add_argument("--split-reads", action="store_true",
+                   help="also run mode dualpath-split ([scheduler] split_reads = true)")
     p.add_argument("--gateway-reads", type=int, default=None,
                    help="read requests each gateway serves at once ([gateway] "
                         "max_concurrent_reads; default: the config's)")
@@ -315,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="dualpath-bench-engine-agents-") as tmp:
         res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
-                                lambda m: print(m, flush=True), args.gateway_reads))
+                                lambda m: print(m, flush=True), args.gateway_reads,
+                                args.split_reads))
     res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],
                        "turns": turns, "gen_tokens": GEN, "token_scale": "1 token per 64-token "
                        "trace block", "prompt_tokens": [list(map(len, s.prompts))
@@ -332,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     vs_oracle = modes["dualpath"]["jct_s"] / modes["oracle"]["jct_s"]
     res["dualpath_vs_oracle"] = {"value": vs_oracle, "goal": ORACLE_GOAL,
                                  "met": vs_oracle <= ORACLE_GOAL}
+    if "dualpath-split" in modes:
+        split_jct = modes["dualpath-split"]["jct_s"]
+        res["split_vs_oracle"] = split_jct / modes["oracle"]["jct_s"]
+        res["split_speedup_vs_dualpath"] = modes["dualpath"]["jct_s"] / split_jct
+        print(f"split reads: JCT / oracle JCT = {res['split_vs_oracle']:.2f}, dualpath JCT / "
+              f"split JCT = {res['split_speedup_vs_dualpath']:.2f}")
     res["all_checks_passed"] = all(r["outputs_equal"] and not r["failed"]
                                    for r in modes.values())
     print(f"storage links {res['link_rate_mb_s']} MB/s per node ({res['link_rate_rule']}); "

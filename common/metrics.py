@@ -34,7 +34,8 @@ Standard families (labels):
 ``dualpath_hit_lookup_retries_total``       (scheduler) lookup tries sent to another gateway
 ``dualpath_read_planned_tokens_total``      node: hit tokens the scheduler planned onto the node's
                                             storage link (scheduler)
-``dualpath_read_side_tokens_total``         side = pe | de: the read-side split (scheduler, §4)
+``dualpath_read_side_tokens_total``         side = pe | de: the read-side split (scheduler, §4;
+                                           a split read counts each part on its side)
 ``dualpath_read_side_de_fraction``          share of planned hit tokens read on the DE side
 ``dualpath_snic_max_avg``                   window = run | recent: max ÷ mean planned reads
                                             across nodes (1.0 = balanced; paper §7.4)
@@ -93,7 +94,8 @@ CONNECTOR_FAMILIES: dict[str, tuple[str, str]] = {
     "claim_wait_seconds": ("dualpath_engine_claim_wait_seconds",
                            "Seconds spent waiting for claims (off vLLM's step)"),
 }
-# hit tokens by source: ``source`` = the side whose storage NIC read them (pe | de)
+# hit tokens by source: ``source`` = the side whose storage NIC read them (pe | de | split:
+# both, docs/datapath.md "Split reads")
 CONNECTOR_HIT_TOKENS = ("dualpath_engine_hit_tokens",
                         "Hit tokens the dualpath connector claimed for vLLM to load, by the "
                         "side that read them from storage")

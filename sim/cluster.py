@@ -33,12 +33,13 @@ from services.scheduler.core.records import EngineSpec, ReadSide, Request, Role
 from services.scheduler.core.scheduler import Scheduler
 
 from .config import SimConfig, mode_spec, scheduler_config
-from .engines import SIDE_DE, SIDE_NONE, SIDE_PE, DEGpu, PEGpu, PEUnit, Prefill
+from .engines import SIDE_DE, SIDE_NONE, SIDE_PE, SIDE_SPLIT, DEGpu, PEGpu, PEUnit, Prefill
 from .events import EventLoop
 from .flows import FlowNet, Link, merge_links
 from .stats import LogHistogram, WindowSeries
 
-_SIDE = {ReadSide.PE: SIDE_PE, ReadSide.DE: SIDE_DE, ReadSide.NONE: SIDE_NONE}
+_SIDE = {ReadSide.PE: SIDE_PE, ReadSide.DE: SIDE_DE, ReadSide.SPLIT: SIDE_SPLIT,
+         ReadSide.NONE: SIDE_NONE}
 
 
 class Node:
@@ -62,7 +63,8 @@ class Req:
     """One in-flight turn (dropped at completion)."""
 
     __slots__ = ("rid", "agent", "hit", "new", "gen", "prompt", "t_submit", "t_bound", "t_assign",
-                 "t_ready", "t_prefill", "t_join", "t_second", "pe", "de", "side", "rnode", "first")
+                 "t_ready", "t_prefill", "t_join", "t_second", "pe", "de", "side", "split",
+                 "reads_left", "first")
 
     def __init__(self, rid: str, agent, hit: int, new: int, gen: int, now: float) -> None:
         self.rid = rid
@@ -76,8 +78,9 @@ class Req:
         self.t_join = self.t_second = now
         self.pe: Any = None
         self.de: Any = None
-        self.rnode: Any = None
         self.side = SIDE_NONE
+        self.split = 0                 # a split read: the DE's leading part (tokens)
+        self.reads_left = 0            # storage reads still running (two on a split read)
         self.first = True
 
 
@@ -132,7 +135,7 @@ class Cluster:
         self.ss_window = (0.0, math.inf)
         self.span = math.inf                     # online: when the last agent arrives (expected)
         self.quarters = [[0.0, 0] for _ in range(4)]   # online: TTFT sum/count by submit quarter
-        self._read_done_cb = self._read_done     # bound once (one read per request)
+        self._read_done_cb = self._read_done     # bound once
         self.windows = WindowSeries([n.snic_rd for n in self.nodes], cfg.sim.window_s)
         self.attn_windows: dict[int, list[float]] = {}
         self.wall_s = 0.0
@@ -170,7 +173,7 @@ class Cluster:
                 self.de_by_id[dgpu.engine_id] = dgpu
                 specs.append(EngineSpec(dgpu.engine_id, Role.DECODE, node.node_id,
                                         hbm_capacity_bytes=int(h.de_hbm_kv_bytes)))
-        self.sched = Scheduler(scheduler_config(cfg, self.mode), specs)
+        self.sched = Scheduler(scheduler_config(cfg, self.mode), specs, block_tokens=self.bt)
         self.de_groups = self.sched.group_ids(Role.DECODE)
         self.pe_groups = self.sched.group_ids(Role.PREFILL)
 
@@ -278,24 +281,35 @@ class Cluster:
         if a.read_node is None:
             self._ready(rec)
             return
-        node = self.node_by_id[a.read_node]
-        rec.rnode = node
-        self.read_bytes[side] += rec.hit * self.bpt
-        node.rq.append(rec)
+        if side == SIDE_SPLIT:         # the DE's node reads the leading part, the PE's the rest
+            rec.split = split = a.split_tokens
+            rec.reads_left = 2
+            self._read(self.node_by_id[a.read_node], rec, rec.hit - split, SIDE_PE)
+            self._read(self.node_by_id[a.de_node], rec, split, SIDE_DE)
+        else:
+            rec.reads_left = 1
+            self._read(self.node_by_id[a.read_node], rec, rec.hit, side)
+
+    def _read(self, node: Node, rec: Req, tokens: int, side: int) -> None:
+        nbytes = tokens * self.bpt
+        self.read_bytes[side] += nbytes
+        node.rq.append((rec, nbytes))
         if node.reading < self.read_conc:
             self._next_read(node)
 
     def _next_read(self, node: Node) -> None:
         while node.reading < self.read_conc and node.rq:
-            rec = node.rq.popleft()
+            rec, nbytes = node.rq.popleft()
             node.reading += 1
-            self.net.start(node.read_links, rec.hit * self.bpt, self._read_done_cb, rec)
+            self.net.start(node.read_links, nbytes, self._read_done_cb, (rec, node))
 
-    def _read_done(self, rec: Req) -> None:
-        node = rec.rnode
+    def _read_done(self, arg: tuple[Req, Node]) -> None:
+        rec, node = arg
         node.reading -= 1
-        self.sched.read_done(rec.rid)
-        self._ready(rec)
+        rec.reads_left -= 1
+        if not rec.reads_left:         # a split read is ready when both parts are
+            self.sched.read_done(rec.rid)
+            self._ready(rec)
         if node.rq:
             self._next_read(node)
 

@@ -51,7 +51,7 @@ from .flows import Link, merge_links, normalized
 if TYPE_CHECKING:
     from .cluster import Cluster, Node, Req
 
-SIDE_PE, SIDE_DE, SIDE_NONE = 0, 1, 2
+SIDE_PE, SIDE_DE, SIDE_NONE, SIDE_SPLIT = 0, 1, 2, 3
 INF = math.inf
 
 
@@ -149,17 +149,37 @@ class Prefill:
                 if io:                 # three links per hop, unrolled (the hot loop at scale)
                     de = rec.de
                     b = it.cached * bpt
+                    side = rec.side
                     if b:
-                        if rec.side == SIDE_PE:
+                        lb += b
+                        if side == SIDE_SPLIT:  # the DE's leading part remote, the rest local
+                            bd = b * rec.split / rec.hit
                             l1, l2, l3 = gpu.self_links
-                        else:
+                            lw[l1] = lw.get(l1, 0.0) + (b - bd)
+                            lw[l2] = lw.get(l2, 0.0) + (b - bd)
+                            lw[l3] = lw.get(l3, 0.0) + (b - bd)
                             src = de._remote.get(gpu)
                             l1, l2, l3 = src if src is not None else de.remote_src(gpu)
-                        lw[l1] = lw.get(l1, 0.0) + b
-                        lw[l2] = lw.get(l2, 0.0) + b
-                        lw[l3] = lw.get(l3, 0.0) + b
-                        lb += b
-                    o = it.new + rec.hit if rec.first and rec.side == SIDE_PE else it.new
+                            lw[l1] = lw.get(l1, 0.0) + bd
+                            lw[l2] = lw.get(l2, 0.0) + bd
+                            lw[l3] = lw.get(l3, 0.0) + bd
+                        else:
+                            if side == SIDE_PE:
+                                l1, l2, l3 = gpu.self_links
+                            else:
+                                src = de._remote.get(gpu)
+                                l1, l2, l3 = src if src is not None else de.remote_src(gpu)
+                            lw[l1] = lw.get(l1, 0.0) + b
+                            lw[l2] = lw.get(l2, 0.0) + b
+                            lw[l3] = lw.get(l3, 0.0) + b
+                    # what the DE lacks goes back with the new tokens: the whole hit on the PE
+                    # path, the PE's part on a split read
+                    o = it.new
+                    if rec.first:
+                        if side == SIDE_PE:
+                            o += rec.hit
+                        elif side == SIDE_SPLIT:
+                            o += rec.hit - rec.split
                     o *= bpt
                     l1, l2, l3 = gpu.cnic_rd, de.cnic_wr, de.node.dram
                     ow[l1] = ow.get(l1, 0.0) + o

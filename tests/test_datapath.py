@@ -39,15 +39,16 @@ def endpoint(svc) -> Endpoint:
 
 
 def plan(c, rid: str, toks: list[int], hit_blocks: int, read_side: str, *, gen: int = 3,
-         deadline: float = 10.0, attempt: int = 0) -> RequestPlan:
+         deadline: float = 10.0, attempt: int = 0, split_blocks: int = 0) -> RequestPlan:
+    """``read_side`` "split": the DE reads the leading ``split_blocks``, the PE the rest."""
     keys = block_keys_from_tokens(toks, BT)
     n_full = len(toks) // BT
     de = c.de["d0"]
-    read_node = {"pe": "p0", "de": "d0"}.get(read_side, "")
+    read_node = {"pe": "p0", "de": "d0", "split": "p0"}.get(read_side, "")
     return RequestPlan(rid, attempt, "sess", "p0.e0", "p0", "d0.e0", "d0", read_side, read_node,
                        hit_blocks * BT, len(toks) - hit_blocks * BT, gen, 1 << 20,
                        keys[:hit_blocks], keys[hit_blocks:], endpoint(de), None, deadline,
-                       toks[n_full * BT:])
+                       toks[n_full * BT:], split_tokens=split_blocks * BT)
 
 
 def report(svc, rid: str, stage: str):
@@ -66,12 +67,15 @@ async def no_leaks(c) -> None:
 # every page by one-sided RMA: reads from the gateways (not pread into the node's segment),
 # PE -> DE forwards, DE -> PE pulls and write-backs (docs/datapath.md "One-sided RMA")
 RMA = {"transport": {"kv_mode": "rma", "same_host": "ucx"}, "gateway": {"shm": False}}
+# every hit read on both links at once (docs/datapath.md "Split reads")
+SPLIT = {"scheduler": {"policy": "dualpath", "split_reads": True, "split_min_blocks": 1}}
 
 
-@pytest.mark.parametrize("paths", [{}, RMA], ids=["default", "rma"])
+@pytest.mark.parametrize("paths", [{}, RMA, SPLIT], ids=["default", "rma", "split"])
 async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path, paths):
-    """Two sessions x 3 turns (``dpl``: read sides alternate): every hit is measured from
-    storage and equals the prefix the earlier turns' write-back predicts, byte-checked."""
+    """Two sessions x 3 turns (``dpl``: read sides alternate; ``split``: each hit read on
+    both links): every hit is measured from storage and equals the prefix the earlier turns'
+    write-back predicts, byte-checked."""
     async with local_datapath(tmp_path, overrides={"pe_receiver": {"engines": 2},
                                                    "de_loader": {"engines": 2},
                                                    **paths}) as c, \
@@ -104,7 +108,10 @@ async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path, p
         assert counters["verified_layers"] > 0 and counters.get("hit_mismatches", 0) == 0
         assert c.de["d0"].counters["layers_pulled"] > 0          # the DE path ran
         assert c.gateways["p0"].store.stats()["bytes_read"] > 0  # the PE path ran
-        if paths:
+        if paths is SPLIT:
+            assert c.scheduler.core.reads.split_reads >= 2          # the later turns' hits
+            assert c.gateways["d0"].store.stats()["bytes_read"] > 0
+        elif paths:
             services = [*c.pe.values(), *c.de.values(), *c.gateways.values()]
             got = {s.node_id + "/" + type(s).__name__: s.transport.stats() for s in services}
             receivers = [c.pe["p0"], c.de["d0"], c.gateways["d0"]]   # d0's takes write-backs
@@ -208,18 +215,22 @@ async def stored_bytes(c, keys: list[str]) -> np.ndarray:
     return buf.reshape(len(keys), spec.num_layers, BT, spec.kv_bytes_per_token_per_layer)
 
 
-@pytest.mark.parametrize("side", ["pe", "de"])
+@pytest.mark.parametrize("side", ["pe", "de", "split"])
 async def test_engines_see_stored_hit_and_decode_gets_hit_plus_new(tmp_path, side):
+    """Split: the DE reads block 0 and streams it, the PE reads blocks 1-2 and forwards them
+    with the new tokens — each gateway read only its part, and both engines see every byte."""
     async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
         toks = tokens(3 * BT + 40, 5)
         keys = block_keys_from_tokens(toks, BT)
         await c.store_blocks(keys[:3])
+        read_before = {n: g.store.stats()["bytes_read"] for n, g in c.gateways.items()}
         eng = RecordingEngines(c)
         try:
-            c.pe["p0"].submit_plan(plan(c, "r1", toks, 3, side))
+            c.pe["p0"].submit_plan(plan(c, "r1", toks, 3, side, split_blocks=int(side == "split")))
             await asyncio.wait_for(asyncio.gather(*eng.tasks), 10)
         finally:
             await eng.close()
+        read = {n: g.store.stats()["bytes_read"] - read_before[n] for n, g in c.gateways.items()}
         stored = await stored_bytes(c, keys[:3])
         assert eng.hit == 3 * BT
         for layer in range(c.spec.num_layers):
@@ -232,20 +243,25 @@ async def test_engines_see_stored_hit_and_decode_gets_hit_plus_new(tmp_path, sid
         assert fin.tokens == 3 and fin.output_token_ids == [11, 12, 13]
         assert report(c.pe["p0"], "r1", "prefill_done") is not None
         assert report(c.pe["p0"], "r1", "read_done") is not None
-        assert (c.de["d0"].counters["layers_pulled"] > 0) == (side == "de")
+        assert (c.de["d0"].counters["layers_pulled"] > 0) == (side != "pe")
+        block = c.spec.full_block_bytes
+        assert read == {"pe": {"p0": 3 * block, "d0": 0}, "de": {"p0": 0, "d0": 3 * block},
+                        "split": {"p0": 2 * block, "d0": block}}[side]
         await no_leaks(c)
 
 
-@pytest.mark.parametrize("side", ["pe", "de"])
-async def test_missing_block_shortens_the_hit_and_is_recomputed(tmp_path, side):
+@pytest.mark.parametrize("side, split", [("pe", 0), ("de", 0), ("split", 2), ("split", 3)])
+async def test_missing_block_shortens_the_hit_and_is_recomputed(tmp_path, side, split):
+    """A split read at block 2 loses the PE's part (its first block is gone); at block 3 the
+    DE's part ends at the gap, and the PE's part behind it is not used."""
     async with local_datapath(tmp_path, scheduler=False) as c:
         toks = tokens(5 * BT + 10, 9)
         keys = block_keys_from_tokens(toks, BT)
         await c.store_blocks(keys[:4])
         assert await c.gateways["p0"].store.delete(keys[2])           # evicted since lookup
-        c.pe["p0"].submit_plan(plan(c, "r2", toks, 4, side))
+        c.pe["p0"].submit_plan(plan(c, "r2", toks, 4, side, split_blocks=split))
         await until(lambda: report(c.de["d0"], "r2", "finished") is not None, what="finished")
-        svc = c.pe["p0"] if side == "pe" else c.de["d0"]
+        svc = c.pe["p0"] if side == "pe" or split == 2 else c.de["d0"]
         assert svc.counters["hit_shortened"] == 1
         counters = c.engine_counters()
         assert counters["verified_requests"] == 1 and counters.get("prompt_mismatches", 0) == 0

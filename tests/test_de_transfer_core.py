@@ -482,3 +482,51 @@ def test_finish_frees_nothing_itself_and_release_frees_the_region_once():
     assert t.unwound(False) == []
     assert t.free_all() == [FreeRegion()]
     assert t.prompt_write_done() == [] and t.end() == "ok"
+
+
+# ---------------------------------------------------------------- split reads
+
+def split_info(prompt: int = 400, hit: int = 256, split: int = 128) -> PromptInfo:
+    ks = tuple(block_keys_from_tokens(np.arange(prompt // BT * BT), BT))
+    return PromptInfo("r", 0, "s", prompt, hit, 4, ks, tuple(range(prompt % BT)), BT, "split",
+                      ks, None, split)
+
+
+def split_pulled(found: int) -> DecodeTransfer:
+    t, acts = prepared(split_info())
+    assert acts == [ReadHit(2)]                       # only the DE's part: blocks 0-1
+    t.hit_blocks_read(found)
+    plan = t.pull([slots(layer, 10 + layer) for layer in range(L)])
+    for a in t.pull_ready(plan):
+        if isinstance(a, PostReceive):                # the PE returns the rest from here on
+            assert a.first == t.hit_tokens == min(found * BT, 128)
+        else:
+            assert a.tokens == 128                    # the slots are sized for the DE's part
+    assert t.layers_sent(plan) == min(found * BT, 128)
+    for _ in range(L):
+        t.layer_received()
+    return t
+
+
+def test_split_read_reads_its_part_and_writes_back_from_the_whole_hit_on():
+    t = split_pulled(2)
+    with pytest.raises(InvalidArgument, match="outside the split read"):
+        t.prefill_done(320, 5)                        # past the plan's hit
+    with pytest.raises(InvalidArgument, match="outside the split read"):
+        t.prefill_done(64, 5)                         # below the DE's own part
+    t.prefill_done(256, 5)                            # the PE read blocks 2-3
+    assert t.assembled() == [HandToEngine(256, 5), WritePrompt(4, split_info().keys[4:])]
+
+
+def test_split_read_whose_pe_part_fell_short_writes_its_missing_blocks():
+    t = split_pulled(2)
+    t.prefill_done(192, 5)                            # the PE found block 2, not block 3
+    assert t.assembled() == [HandToEngine(192, 5), WritePrompt(3, split_info().keys[3:])]
+
+
+def test_split_read_with_a_short_de_part_takes_no_pe_part():
+    t = split_pulled(1)
+    with pytest.raises(InvalidArgument, match="the DE read 64"):
+        t.prefill_done(256, 5)
+    t.prefill_done(64, 5)
+    assert t.assembled() == [HandToEngine(64, 5), WritePrompt(1, split_info().keys[1:])]

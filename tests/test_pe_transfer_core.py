@@ -514,3 +514,72 @@ def test_paced_loads_stop_after_a_failure():
 def test_finished_failed_needs_an_error():
     with pytest.raises(InternalError):
         core().finished_failed()
+
+
+# ---------------------------------------------------------------------------- split reads
+SPLIT = 2 * BT              # the DE reads blocks 0-1, this node's gateway blocks 2-3
+
+
+def split_core(**limits: int) -> PrefillTransfer:
+    keys = tuple(f"k{j}" for j in range(PROMPT // BT))
+    i = PromptInfo("r", 0, "s", PROMPT, HIT, 4, keys, tuple(range(PROMPT % BT)), BT, "split",
+                   split_tokens=SPLIT)
+    return PrefillTransfer(i, L, B, Lookahead(**limits), engine_id="p0.e0")
+
+
+def split_setup(t: PrefillTransfer, pe_blocks: int | None = 2, nbytes: int = 777) -> list:
+    t.start()
+    t.allocated()
+    msg = t.prepare_sent("d0.e0", "p0", ("h", 1), Endpoint("d0", "gateway", "g", 1, "g", 2), 5.0)
+    assert (msg.read_side, msg.hit_tokens, msg.split_tokens) == ("split", HIT, SPLIT)
+    assert msg.read_gateway is not None and t.phase == "gateway"   # both gateways read at once
+    t.pe_read_done(pe_blocks, nbytes)
+    return t.prepare_replied([], now=1.0)
+
+
+def test_split_read_pulls_only_the_des_part_and_forwards_the_rest_of_the_hit_with_the_new():
+    t = split_core()
+    acts = split_setup(t)
+    assert acts == [PostPull((0,), SPLIT)]              # receives sized for the DE's part
+    assert not t.hit_final
+    acts = t.pull_replied((0,), SPLIT, returns([0], SPLIT))
+    assert acts[:2] == [Report("read_done"), HandOff()]
+    # the whole hit counts: the DE's blocks 0-1 and this node's 2-3
+    assert t.hit_tokens == HIT and t.de_hit == SPLIT
+    assert t.read_bytes == SPLIT * B * L + 777
+    t.layers_received((0,), 2.0)
+    assert t.output_range(0) == (HIT, PROMPT)
+    # layer 0 goes back from the split on: this node's part of the hit and the new tokens
+    assert t.engine_put(0) == [SendLayer(0, returns([0], SPLIT)[0], SPLIT, PROMPT)]
+
+
+def test_split_read_with_a_short_pe_part_ends_the_hit_at_its_gap():
+    t = split_core()
+    acts = split_setup(t, pe_blocks=1)
+    t.pull_replied((0,), SPLIT, returns([0], SPLIT))
+    t.layers_received(acts[0].layers, 2.0)
+    assert t.hit_tokens == SPLIT + BT and t.output_range(0) == (SPLIT + BT, PROMPT)
+    assert t.engine_put(0)[0].first_token == SPLIT
+
+
+@pytest.mark.parametrize("pe_blocks", [2, 0, None])
+def test_split_read_with_a_short_de_part_ignores_the_pe_part_behind_the_gap(pe_blocks):
+    t = split_core()
+    split_setup(t, pe_blocks=pe_blocks)
+    acts = t.pull_replied((0,), BT, returns([0], BT))
+    assert Log("info", "hit_shortened", {"request_id": "r", "planned": SPLIT, "hit": BT,
+                                         "side": "de"}) in acts
+    t.layers_received((0,), 2.0)
+    assert t.hit_tokens == BT and t.output_range(0) == (BT, PROMPT)
+    assert t.engine_put(0) == [SendLayer(0, returns([0], BT)[0], BT, PROMPT)]
+
+
+def test_split_read_replies_beyond_the_des_part_or_changing_it_are_protocol_errors():
+    t = split_core()
+    split_setup(t)
+    with pytest.raises(ProtocolError):
+        t.pull_replied((0,), HIT, returns([0], HIT))    # more than the DE was asked to read
+    t.pull_replied((0,), SPLIT, returns([0], SPLIT))
+    t.layers_received((0,), 2.0)
+    with pytest.raises(ProtocolError):
+        t.pull_replied((1,), BT, returns([1], BT))

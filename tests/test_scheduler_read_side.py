@@ -174,3 +174,63 @@ def test_round_robin_de_placement_cycles_groups_and_engines():
     assert s.private_queue("D1") == ["r1", "r3"]
     s.on_de_group_fetch("D1")
     assert [a.de_engine for a in s.on_pe_group_fetch("P")] == ["d0.0", "d1.0", "d0.1", "d1.1"]
+
+
+# ============================================================================ split reads
+
+def _split_pair(**kw) -> Scheduler:
+    kw.setdefault("split_reads", True)
+    kw.setdefault("split_min_blocks", 2)
+    return Scheduler(cfg(**kw), [pe("p0", "P"), de("d0", "D")], block_tokens=64)
+
+
+def test_split_read_levels_both_links_in_whole_blocks_and_releases_both():
+    s = _split_pair()
+    load(s, read_q={"P": 0, "D": 192})
+    s.submit(req(0, hit=1024))
+    bind_all(s)
+    [a] = s.on_pe_group_fetch("P")
+    # the DE's link has 192 tokens ahead: it takes (1024 - 192) / 2 = 416 → 448 (7 blocks),
+    # the PE's the rest: both finish at about the same time
+    assert (a.read_side, a.read_node, a.split_tokens) == (ReadSide.SPLIT, "P", 448)
+    assert s.read_queue("P") == 1024 - 448 and s.read_queue("D") == 192 + 448
+    assert s.read_planned() == {"P": 576, "D": 448}
+    assert s.read_side_tokens == {"pe": 576, "de": 448} and s.reads.split_reads == 1
+    s.read_done("r0")
+    assert s.read_queue("P") == 0 and s.read_queue("D") == 192
+
+
+@pytest.mark.parametrize("d_queue, hit, side", [
+    (1024, 1024, ReadSide.PE),      # the DE's link is a whole hit behind: all on the PE's
+    (0, 192, ReadSide.PE),          # a part would be under 2 blocks: one link (a tie: PE)
+    (None, 1024, ReadSide.PE),      # split_reads off: the paper's rule
+])
+def test_split_read_falls_back_to_one_link(d_queue, hit, side):
+    s = _split_pair(split_reads=d_queue is not None)
+    load(s, read_q={"P": 0, "D": d_queue or 0})
+    s.submit(req(0, hit=hit))
+    bind_all(s)
+    [a] = s.on_pe_group_fetch("P")
+    assert (a.read_side, a.split_tokens) == (side, 0)
+
+
+def test_split_reads_only_under_the_balancing_policy_and_never_on_one_node():
+    for policy in ("basic", "dpl"):
+        s = _split_pair(policy=policy)
+        s.submit(req(0, hit=1024))
+        bind_all(s)
+        assert s.on_pe_group_fetch("P")[0].read_side is not ReadSide.SPLIT
+    s = Scheduler(cfg(split_reads=True), [pe("p0", "N"), de("d0", "N")], block_tokens=64)
+    s.submit(req(0, hit=1024))
+    bind_all(s)
+    assert s.on_pe_group_fetch("N")[0].read_side is ReadSide.PE
+
+
+def test_a_replan_takes_a_split_reads_tokens_off_both_links():
+    s = _split_pair()
+    s.submit(req(0, hit=1024))
+    bind_all(s)
+    [a] = s.on_pe_group_fetch("P")
+    assert a.read_side is ReadSide.SPLIT and a.split_tokens == 512
+    s.fail("r0")
+    assert s.read_queue("P") == 0 and s.read_queue("D") == 0

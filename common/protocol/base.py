@@ -9,12 +9,16 @@ import msgspec
 
 # 2: RegisterNodeReply / FetchWorkReply / ReportProgress .scheduler_epoch, RequestFailed.resubmit
 # (scheduler restart: docs/frontend-api.md)
-PROTOCOL_VERSION = 2
+# 3: read side "split"; RequestPlan .split_tokens/.split_gateway, PrepareDecode .split_tokens,
+# RequestPlaced .split_tokens (docs/datapath.md "Split reads")
+PROTOCOL_VERSION = 3
 
 # Where a request's hit KV is read from storage (paper §4): through the PE's own gateway, through
-# the DE's (which then streams the layers to the PE), or nowhere (no hit). A Literal on every
-# message that carries it, so a side no node knows is a decode error, not a branch nobody takes.
-ReadSide = Literal["pe", "de", "none"]
+# the DE's (which then streams the layers to the PE), split between the two (the DE reads the
+# hit's leading ``split_tokens``, the PE the rest, at once: docs/datapath.md "Split reads"), or
+# nowhere (no hit). A Literal on every message that carries it, so a side no node knows is a
+# decode error, not a branch nobody takes.
+ReadSide = Literal["pe", "de", "split", "none"]
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t"):

@@ -39,7 +39,9 @@ class PrepareDecode(Message, tag="dp.prepare", frozen=True):
 
     ``hit_tokens``: the planned hit (a multiple of the block size, covered by ``hit_keys``).
     ``ucx_host``/``ucx_port``: the PE receiver's page transport. ``read_gateway``: where the
-    DE reads the hit on the DE path (None: the loader's own node gateway).
+    DE reads the hit on the DE path (None: the loader's own node gateway). ``split_tokens``
+    (read side "split" only): the DE reads and streams only the hit's leading ``split_tokens``;
+    the PE reads the rest and forwards it with the new tokens.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class PrepareDecode(Message, tag="dp.prepare", frozen=True):
     tail_token_ids: list[int] | None = None
     read_gateway: Endpoint | None = None
     deadline_s: float | None = None
+    split_tokens: int = 0
 
 
 class PrepareDecodeReply(Message, tag="dp.prepare.reply", frozen=True):

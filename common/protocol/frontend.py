@@ -50,7 +50,8 @@ class RequestQueued(Message, tag="sched.ev.queued", frozen=True):
 
 
 class RequestPlaced(Message, tag="sched.ev.placed", frozen=True):
-    """(PE, DE) pair and read side chosen (``read_side``: "pe", "de" or "none")."""
+    """(PE, DE) pair and read side chosen (``read_side``: "pe", "de", "split" or "none";
+    ``split_tokens``: on a split read, the hit's leading part the DE's node reads)."""
 
     request_id: str
     pe_engine: str
@@ -60,6 +61,7 @@ class RequestPlaced(Message, tag="sched.ev.placed", frozen=True):
     read_side: ReadSide
     hit_tokens: int
     attempt: int = 0
+    split_tokens: int = 0
 
 
 class FirstToken(Message, tag="sched.ev.first_token", frozen=True):

@@ -139,7 +139,9 @@ class RequestPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """To a PE receiver: everything needed to run one request attempt.
 
     ``read_side`` "pe": read ``hit_keys`` through this node's gateway; "de": the DE loader
-    reads them through its gateway and streams the layers; "none": nothing to read.
+    reads them through its gateway and streams the layers; "split": the DE loader reads the
+    leading ``split_tokens`` through ``split_gateway`` (its node's) and streams them, this node
+    reads the rest of the hit through ``read_gateway`` at the same time; "none": nothing to read.
     ``read_gateway`` is the read node's gateway (None when unregistered or nothing to read).
     ``new_keys`` are the keys of the prompt's full blocks after the hit (to persist).
     ``deadline_s`` is the budget left at dispatch (None: no deadline).
@@ -166,6 +168,8 @@ class RequestPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The prompt's partial last block (``prompt_tokens % block_tokens`` ids) when the frontend
     # sent token ids: the decode side keys generated blocks with it (None: not known).
     tail_token_ids: list[int] | None = None
+    split_tokens: int = 0                       # read_side "split": the DE's leading part
+    split_gateway: Endpoint | None = None       # read_side "split": the DE node's gateway
 
 
 class Revocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

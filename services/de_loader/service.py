@@ -128,7 +128,8 @@ class DELoaderService(NodeBase):
                            hit_tokens=msg.hit_tokens, gen_tokens=msg.gen_tokens,
                            hit_keys=msg.hit_keys, new_keys=msg.new_keys,
                            tail_token_ids=msg.tail_token_ids, read_side=msg.read_side,
-                           max_prompt_tokens=self.settings.max_prompt_tokens)
+                           max_prompt_tokens=self.settings.max_prompt_tokens,
+                           split_tokens=msg.split_tokens)
         if info.read_side != msg.read_side and msg.read_side != "none":
             raise InvalidArgument(f"PrepareDecode: read side {msg.read_side!r} with a usable "
                                   f"hit of {info.hit_tokens} tokens")

@@ -200,19 +200,22 @@ class DecodeTransfer:
         if not self.bound:
             self.hbm_bytes = self.spec.bytes_per_token * (info.prompt_tokens + info.gen_tokens)
             self.tokens = info.prompt_tokens + info.gen_tokens
-        self.hit_tokens = info.hit_tokens
+        # the DE path reads the hit, a split read its leading part (the PE reads the rest and
+        # forwards it with the new tokens); the PE path and the oracle: the plan's hit
+        self.hit_tokens = info.de_read_tokens if info.read_side == "split" else info.hit_tokens
         # generated blocks chain on the prompt's keys: only a fully keyed prompt persists them
         self.persist = (self.writeback and info.fully_keyed
                         and (info.tail_token_ids is not None or info.tail_tokens == 0))
         self.last_key = info.last_key()
 
     def region_allocated(self) -> list[Action]:
-        """The region is ours: read the hit (DE path) or receive every layer from the PE."""
+        """The region is ours: read the hit (DE path; a split read: its leading part) or receive
+        every layer from the PE."""
         info = self._info()
         self.has_region = True
         self.expected_receives = self.spec.num_layers
-        if info.read_side == "de":
-            return [ReadHit(info.hit_blocks)]
+        if info.read_side in ("de", "split"):
+            return [ReadHit(info.de_read_tokens // info.block_tokens)]
         self.read_done = True
         # PE path: the whole prompt comes from the PE; oracle ("none" with a hit): the hit is
         # resident here already (paper §9's bound), only [l, hit:prompt] comes
@@ -226,7 +229,7 @@ class DecodeTransfer:
         info = self._info()
         self.read_bytes = (nbytes if nbytes is not None
                            else found_blocks * info.block_tokens * self.spec.bytes_per_token)
-        return self.hit_read(min(info.hit_tokens, found_blocks * info.block_tokens))
+        return self.hit_read(min(info.de_read_tokens, found_blocks * info.block_tokens))
 
     def hit_read(self, hit_tokens: int) -> list[Action]:
         """The DE read ended with ``hit_tokens`` usable; fewer than planned shortens the hit
@@ -235,10 +238,12 @@ class DecodeTransfer:
         if self.read_done:
             raise InternalError(f"attempt {self.name}: the hit was read twice")
         out: list[Action] = []
-        if hit_tokens < info.hit_tokens:
+        planned = info.de_read_tokens
+        hit_tokens = min(hit_tokens, planned)
+        if hit_tokens < planned:
             self.counters["hit_shortened"] += 1
             out.append(Log("info", "hit_shortened", {"request_id": self.request_id,
-                                                     "planned": info.hit_tokens,
+                                                     "planned": planned,
                                                      "hit": hit_tokens, "side": "de"}))
         self.hit_tokens, self.read_done = hit_tokens, True
         return out
@@ -262,10 +267,10 @@ class DecodeTransfer:
     def pull(self, layers: Sequence[LayerSlots]) -> PullPlan:
         """Validate a ``PullLayers``; its layers count as pulled from now on."""
         info = self._prepared()
-        if info.read_side != "de":
+        if info.read_side not in ("de", "split"):
             raise InvalidArgument(f"PullLayers for {self.request_id}: its read side is "
-                                  f"{info.read_side!r}, not 'de'")
-        row = info.hit_tokens * self.spec.kv_bytes_per_token_per_layer
+                                  f"{info.read_side!r}, not 'de' or 'split'")
+        row = info.de_read_tokens * self.spec.kv_bytes_per_token_per_layer
         for ls in layers:
             _check_layer(ls, self.spec.num_layers, row)
         ids = [ls.layer for ls in layers]
@@ -279,7 +284,7 @@ class DecodeTransfer:
         """The hit is read: post the returns of ``[l, hit:prompt]``, then send ``[l, 0:hit]``
         (the planned hit's rows: the slots are sized for it)."""
         self.check()
-        planned = self._info().hit_tokens
+        planned = self._info().de_read_tokens
         out: list[Action] = [PostReceive(layer, self.hit_tokens) for layer in plan.layers]
         for tid, group in plan.transfers:
             out.append(SendLayers(tid, tuple(ls.layer for ls in group),
@@ -297,11 +302,17 @@ class DecodeTransfer:
         info = self._prepared()
         if self.state != "preparing":
             raise AlreadyExists(f"PrefillDone for {self.name} twice")
-        if info.read_side == "de":
+        if info.read_side in ("de", "split"):
             if len(self.pulled) != self.spec.num_layers:
                 raise InvalidArgument(f"PrefillDone after pulling {len(self.pulled)} of "
                                       f"{self.spec.num_layers} layers")
-            if hit_tokens != self.hit_tokens:
+            # a split read's hit runs on into the PE's part only behind a whole DE part
+            whole = info.read_side == "split" and self.hit_tokens == info.split_tokens
+            if whole and not (self.hit_tokens <= hit_tokens <= info.hit_tokens
+                              and hit_tokens % info.block_tokens == 0):
+                raise InvalidArgument(f"PrefillDone: hit {hit_tokens} outside the split read's "
+                                      f"[{self.hit_tokens}, {info.hit_tokens}]")
+            if not whole and hit_tokens != self.hit_tokens:
                 raise InvalidArgument(f"PrefillDone: hit {hit_tokens}, the DE read "
                                       f"{self.hit_tokens}")
         elif info.read_side == "none":

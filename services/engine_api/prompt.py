@@ -43,6 +43,9 @@ class PromptInfo:
     read_side: ReadSide = "none"
     block_keys: tuple[str, ...] = field(default=(), compare=False)   # every full block
     tail_key: str | None = field(default=None, compare=False)
+    # read side "split": the hit's leading tokens the DE reads and streams (the PE reads the
+    # rest); 0 on every other side. Node-side only: engines never see it.
+    split_tokens: int = field(default=0, compare=False)
 
     @property
     def n_full(self) -> int:
@@ -61,6 +64,18 @@ class PromptInfo:
         return self.hit_tokens // self.block_tokens
 
     @property
+    def split_blocks(self) -> int:
+        """A split read's first block read by the PE (0 on every other side)."""
+        return self.split_tokens // self.block_tokens
+
+    @property
+    def de_read_tokens(self) -> int:
+        """The hit's leading tokens the DE reads from storage: all of it on the DE path, the
+        split on a split read, none otherwise."""
+        side = self.read_side
+        return self.hit_tokens if side == "de" else self.split_tokens if side == "split" else 0
+
+    @property
     def fully_keyed(self) -> bool:
         """Every full block has a real key: generated blocks can be keyed and persisted."""
         return len(self.keys) == self.n_full
@@ -76,11 +91,14 @@ class PromptInfo:
 def make_prompt(spec: KVSpec, *, request_id: str, attempt: int, session_id: str,
                 prompt_tokens: int, hit_tokens: int, gen_tokens: int, hit_keys: Sequence[str],
                 new_keys: Sequence[str], tail_token_ids: Sequence[int] | None,
-                read_side: ReadSide, max_prompt_tokens: int) -> PromptInfo:
+                read_side: ReadSide, max_prompt_tokens: int,
+                split_tokens: int = 0) -> PromptInfo:
     """Validate plan fields into a PromptInfo; InvalidArgument names the first problem.
 
     A hit without keys (``hit_tokens`` given by a frontend that sent no keys) is shortened to
-    the keys there are: that part is recomputed, never read.
+    the keys there are: that part is recomputed, never read. A split read needs
+    ``0 < split_tokens < hit_tokens`` in whole blocks; one whose hit was shortened to
+    ``split_tokens`` or less is read on the DE side alone.
     """
     bt, rid = spec.block_tokens, request_id
     if not request_id or attempt < 0:
@@ -111,16 +129,24 @@ def make_prompt(spec: KVSpec, *, request_id: str, attempt: int, session_id: str,
         if any(not 0 <= t < 2**32 for t in tail_token_ids):
             raise InvalidArgument(f"request {rid!r}: tail token ids must be in [0, 2**32)")
         tail_token_ids = tuple(int(t) for t in tail_token_ids)
+    if (read_side == "split") != (split_tokens != 0):
+        raise InvalidArgument(f"request {rid!r}: split_tokens={split_tokens} with read side "
+                              f"{read_side!r} (only a split read has, and needs, them)")
+    if read_side == "split" and not (0 < split_tokens < hit_tokens and split_tokens % bt == 0):
+        raise InvalidArgument(f"request {rid!r}: split_tokens={split_tokens} must be a multiple "
+                              f"of {bt} inside the hit (0, {hit_tokens})")
     hit_tokens = min(hit_tokens, len(hit_keys) * bt)
+    if read_side == "split" and split_tokens >= hit_tokens:
+        read_side, split_tokens = "de", 0
     if hit_tokens == 0:
-        read_side = "none"
+        read_side, split_tokens = "none", 0
     block_keys = list(keys)
     while len(block_keys) < n_full:
         block_keys.append(synthetic_key(session_id, len(block_keys)))
     parent = block_keys[-1] if block_keys else ROOT_KEY
     tkey = tail_key(parent, tail_token_ids, tail) if tail else None
     return PromptInfo(request_id, attempt, session_id, prompt_tokens, hit_tokens, gen_tokens,
-                      keys, tail_token_ids, bt, read_side, tuple(block_keys), tkey)
+                      keys, tail_token_ids, bt, read_side, tuple(block_keys), tkey, split_tokens)
 
 
 def next_block_key(parent: str, token_ids: Sequence[int], block_tokens: int) -> str:

@@ -63,16 +63,17 @@ class NodeGateways:
 
     async def read_hit(self, endpoint: Endpoint | None, request_id: str, keys: Sequence[str],
                        region: Any, budget_s: float, batch_bytes: int, *, fault: str,
-                       **log_fields: Any) -> tuple[int, int] | None:
-        """Read the Full Blocks ``keys`` (the hit's leading ones) into ``region``'s blocks
-        ``0..len(keys)``, layer-major; returns the leading blocks the gateway held and the bytes
-        it read (None: no gateway to read from). ``fault`` names the failpoint before the read;
+                       first_block: int = 0, **log_fields: Any) -> tuple[int, int] | None:
+        """Read the Full Blocks ``keys`` (the hit's, from its block ``first_block``: 0 but on
+        a split read's PE part) into ``region``'s blocks ``first_block..+len(keys)``,
+        layer-major; returns the leading blocks of ``keys`` the gateway held and the bytes it
+        read (None: no gateway to read from). ``fault`` names the failpoint before the read;
         errors carry the hop ``gateway``."""
         client = self.client(endpoint)
         if client is None:
             log.warning("no_gateway_for_read", request_id=request_id, **log_fields)
             return None
-        dests = [region.block_dest(j) for j in range(len(keys))]
+        dests = [region.block_dest(first_block + j) for j in range(len(keys))]
         try:
             failpoint(fault)
             reply = await client.read_blocks(request_id, keys, dests, budget_s, batch_bytes,

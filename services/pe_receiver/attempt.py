@@ -190,9 +190,10 @@ class PrefillAttempt:
             self.spec, info.prompt_tokens, f"{info.request_id}#{info.attempt}",
             min(self.remaining, self.settings.alloc_timeout_s))
         self.drv.feed(core.allocated)
-        prepare = core.prepare_sent(p.de_engine, p.pe_node, io.ucx_address, p.read_gateway,
-                                    self.remaining)
-        if info.read_side == "pe":
+        prepare = core.prepare_sent(
+            p.de_engine, p.pe_node, io.ucx_address,
+            p.split_gateway if info.read_side == "split" else p.read_gateway, self.remaining)
+        if info.read_side in ("pe", "split"):
             prep, _ = await _both(self._call(prepare), self._read_pe())
         else:
             prep = await self._call(prepare)
@@ -215,15 +216,17 @@ class PrefillAttempt:
         self.drv.feed(self.core.pe_read_done, *await self._read_blocks())
 
     async def _read_blocks(self) -> tuple[int | None, int | None]:
-        """The gateway's prefix of the hit blocks, read into the region, and the bytes it
-        read ((None, None): no read)."""
+        """The gateway's prefix of the hit blocks this node reads (all of them; on a split
+        read those after the split), read into the region, and the bytes it read
+        ((None, None): no read)."""
         info = self.info
+        first = info.split_blocks
         if info.hit_tokens == 0:
             return None, None
         got = await self.io.gateways.read_hit(
-            self.plan.read_gateway, info.request_id, info.keys[:info.hit_blocks], self.region,
-            self.remaining, self.settings.read_batch_bytes, fault="pe.read.batch",
-            read_node=self.plan.read_node)
+            self.plan.read_gateway, info.request_id, info.keys[first:info.hit_blocks],
+            self.region, self.remaining, self.settings.read_batch_bytes, fault="pe.read.batch",
+            first_block=first, read_node=self.plan.read_node)
         return (None, None) if got is None else got
 
     async def _load(self, act: LoadLayer) -> None:

@@ -99,14 +99,16 @@ class PEReceiverService(NodeBase):
                 raise InvalidArgument(f"plan for {plan.request_id!r} has no DE loader endpoint "
                                       f"(is a de_loader registered on {plan.de_node!r}?)")
             keys = list(plan.hit_keys) + list(plan.new_keys)
-            read_side = plan.read_side if plan.hit_tokens > 0 else "none"
+            hit = plan.hit_tokens > 0
+            read_side = plan.read_side if hit else "none"
             return make_prompt(
                 self.spec, request_id=plan.request_id, attempt=plan.attempt,
                 session_id=plan.session_id, prompt_tokens=plan.hit_tokens + plan.new_tokens,
                 hit_tokens=plan.hit_tokens, gen_tokens=plan.gen_tokens,
                 hit_keys=keys[:len(plan.hit_keys)], new_keys=keys[len(plan.hit_keys):],
                 tail_token_ids=plan.tail_token_ids, read_side=read_side,
-                max_prompt_tokens=self.settings.max_prompt_tokens)
+                max_prompt_tokens=self.settings.max_prompt_tokens,
+                split_tokens=plan.split_tokens if hit else 0)
         except DualpathError as e:
             self.counters["plans_rejected"] += 1
             raise with_hop(e, SERVICE_NAME) from None

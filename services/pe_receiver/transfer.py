@@ -46,7 +46,8 @@ class LoadLayer:
 
 @dataclass(frozen=True, slots=True)
 class PostPull:
-    """DE path: post one receive for ``layers`` (``[l, 0:hit_tokens]`` each), then pull them."""
+    """DE path (and a split read's DE part): post one receive for ``layers``
+    (``[l, 0:hit_tokens]`` each), then pull them."""
 
     layers: tuple[int, ...]
     hit_tokens: int
@@ -131,9 +132,12 @@ class PrefillTransfer:
         self.layer_requested: list[float | None] = [None] * num_layers
         self.layer_arrival: list[float | None] = [None] * num_layers
         self._read_hit = info.hit_tokens
+        # A split read: the DE's usable part, known with its first pull reply (None before).
+        self.de_hit: int | None = None
         # Storage bytes this attempt read (reported when it fails: a retry reads them again,
         # and the replay's storage check counts both reads).
         self.read_bytes = 0
+        self._pe_read_bytes = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -177,10 +181,11 @@ class PrefillTransfer:
 
     def prepare_sent(self, de_engine: str, pe_node: str, ucx: tuple[str, int],
                      read_gateway: Endpoint | None, budget_s: float) -> PrepareDecode:
-        """The PrepareDecode to send (the DE reads the hit only on the DE path); on the PE
-        path the gateway read runs beside it."""
+        """The PrepareDecode to send (the DE reads the hit only on the DE path, its leading
+        ``split_tokens`` on a split read, through ``read_gateway``); on the PE path and a split
+        read this node's gateway read runs beside it."""
         info, side = self.info, self.info.read_side
-        if side == "pe":
+        if side in ("pe", "split"):
             self.phase = "gateway"
         n = info.hit_blocks
         return PrepareDecode(
@@ -188,25 +193,27 @@ class PrefillTransfer:
             info.prompt_tokens, info.hit_tokens, info.gen_tokens, list(info.keys[:n]),
             list(info.keys[n:]), ucx[0], ucx[1],
             list(info.tail_token_ids) if info.tail_token_ids is not None else None,
-            read_gateway if side == "de" else None, budget_s)
+            read_gateway if side in ("de", "split") else None, budget_s, info.split_tokens)
 
     def pe_read_done(self, prefix_blocks: int | None, nbytes: int | None = None) -> list[Action]:
-        """The gateway found the first ``prefix_blocks`` hit blocks (None: nothing was read)
-        and read ``nbytes`` (its own count, which includes found blocks past a gap; None:
-        the prefix's bytes).
+        """The gateway found the first ``prefix_blocks`` of the hit blocks it was asked for
+        (from ``info.split_blocks``: 0 but on a split read; None: nothing was read) and read ``nbytes`` (its
+        own count, which includes found blocks past a gap; None: the prefix's bytes).
 
-        The hit takes effect with the PrepareDecode reply (:meth:`prepare_replied`).
+        The hit takes effect with the PrepareDecode reply (:meth:`prepare_replied`), on a
+        split read with the DE's first pull reply (:meth:`pull_replied`).
         """
-        info = self.info
+        info, first = self.info, self.info.split_tokens
         if prefix_blocks is None:
-            self._read_hit = 0
+            self._read_hit = first
             return []
-        self.read_bytes = (nbytes if nbytes is not None
-                           else prefix_blocks * info.block_tokens * self._token_bytes)
-        n, acts = info.hit_blocks, []
+        self.read_bytes = self._pe_read_bytes = (
+            nbytes if nbytes is not None
+            else prefix_blocks * info.block_tokens * self._token_bytes)
+        n, acts = info.hit_blocks - info.split_blocks, []
         if prefix_blocks < n:
             acts = self._shortened(planned_blocks=n, found_blocks=prefix_blocks, side="pe")
-        self._read_hit = min(info.hit_tokens, prefix_blocks * info.block_tokens)
+        self._read_hit = min(info.hit_tokens, first + prefix_blocks * info.block_tokens)
         return acts
 
     def prepare_replied(self, forward: Sequence[LayerSlots], *, pace_loads: bool = False,
@@ -219,7 +226,7 @@ class PrefillTransfer:
         if side == "pe":
             self.hit_tokens = self._read_hit
         self._check_forward(forward)
-        if side == "de":
+        if side in ("de", "split"):
             self.pulling, self.t_pull_start = True, now
             return self._next_pulls()
         # "none" with a hit is the oracle bound (paper §9): the hit's KV is assumed resident
@@ -235,7 +242,7 @@ class PrefillTransfer:
         return self.row_bytes * self.num_layers
 
     def _check_forward(self, forward: Sequence[LayerSlots]) -> None:
-        want = [] if self.info.read_side == "de" else list(range(self.num_layers))
+        want = [] if self.info.read_side in ("de", "split") else list(range(self.num_layers))
         row = (self.info.prompt_tokens - self._forward_first()) * self.row_bytes
         got = [ls.layer for ls in forward]
         if got != want or any(sum(n for _, n in ls.slots) != row for ls in forward):
@@ -245,8 +252,12 @@ class PrefillTransfer:
 
     def _forward_first(self) -> int:
         """First token forwarded to the DE: 0 on the PE path (the DE lacks the hit), the hit
-        on the DE path (the DE read it) and in the oracle (the DE holds it already)."""
-        return 0 if self.info.read_side == "pe" else self.hit_tokens
+        on the DE path (the DE read it) and in the oracle (the DE holds it already), the DE's
+        usable part on a split read (the rest of the hit, read here, goes with the new KV)."""
+        side = self.info.read_side
+        if side == "split":                 # known before any send: sends follow the reply
+            return self.info.split_tokens if self.de_hit is None else self.de_hit
+        return 0 if side == "pe" else self.hit_tokens
 
     def _hand_off(self) -> list[Action]:
         self.engine_holds, self.phase = True, "engine"
@@ -298,7 +309,7 @@ class PrefillTransfer:
             end = min(self.num_layers, nxt + min(self.limits.layers_per_pull, max(1, nxt)),
                       self.consumed + self.limits.lookahead_layers)
             self.next_pull, self.pulls = end, self.pulls + 1
-            acts.append(PostPull(tuple(range(nxt, end)), self.info.hit_tokens))
+            acts.append(PostPull(tuple(range(nxt, end)), self.info.de_read_tokens))
         return acts
 
     def pull_posted(self, layers: Sequence[int], now: float) -> None:
@@ -313,12 +324,16 @@ class PrefillTransfer:
         self._check_pull_reply(list(layers), hit, returns)
         acts: list[Action] = []
         if not self.hit_final:
-            if hit < self.info.hit_tokens:
-                acts = self._shortened(planned=self.info.hit_tokens, hit=hit, side="de")
-            self.hit_tokens, self.hit_final = hit, True
+            planned = self.info.de_read_tokens
+            if hit < planned:
+                acts = self._shortened(planned=planned, hit=hit, side="de")
+            self.de_hit, self.hit_final = hit, True
+            # A split read's own part counts only behind a whole DE part (a gap ends the hit).
+            self.hit_tokens = self._read_hit if self.info.read_side == "split" \
+                and hit == planned else hit
             # The DE loader read at least the usable hit before it answered; its own failure
             # report carries the gateway's exact count (the scheduler keeps the larger).
-            self.read_bytes = hit * self._token_bytes
+            self.read_bytes = hit * self._token_bytes + self._pe_read_bytes
             acts += self._hand_off() + self._next_pulls()
         for r in returns:
             self.fwd[r.layer] = r
@@ -326,11 +341,11 @@ class PrefillTransfer:
 
     def _check_pull_reply(self, layers: list[int], hit: int,
                           returns: Sequence[LayerSlots]) -> None:
-        planned, bt = self.info.hit_tokens, self.info.block_tokens
+        planned, bt = self.info.de_read_tokens, self.info.block_tokens
         if not 0 <= hit <= planned or hit % bt:
             raise ProtocolError(f"DE loader reported hit {hit} for a planned hit of {planned}")
-        if self.hit_final and hit != self.hit_tokens:
-            raise ProtocolError(f"DE loader changed the hit from {self.hit_tokens} to {hit}")
+        if self.de_hit is not None and hit != self.de_hit:
+            raise ProtocolError(f"DE loader changed the hit from {self.de_hit} to {hit}")
         row = (self.info.prompt_tokens - hit) * self.row_bytes
         if [r.layer for r in returns] != layers or any(
                 sum(n for _, n in r.slots) != row for r in returns):

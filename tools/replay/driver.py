@@ -50,6 +50,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     # was lost with a node): the hit is shorter than the client's prediction by this much
     hit_shortfall_tokens: int = 0
     read_side: str | None = None
+    split_tokens: int = 0             # read side "split": the DE's leading part of the hit
     pe_node: str | None = None
     de_node: str | None = None
     attempts: int = 0
@@ -193,7 +194,7 @@ def _apply(rec: RequestRecord, ev: Any) -> None:
         case RequestPlaced():
             rec.attempts += 1                # one placement per attempt
             rec.read_side, rec.pe_node, rec.de_node = ev.read_side, ev.pe_node, ev.de_node
-            rec.hit_tokens = ev.hit_tokens
+            rec.hit_tokens, rec.split_tokens = ev.hit_tokens, ev.split_tokens
         case FirstToken():
             rec.sched_s, rec.alloc_s, rec.read_s, rec.prefill_s = (ev.sched_s, ev.alloc_s,
                                                                    ev.read_s, ev.prefill_s)

@@ -209,10 +209,20 @@ def _cut_off(a: Any) -> bool:
         and a.read_bytes == 0
 
 
+_READS = ("pe", "de", "split")            # the read sides that read storage
+
+
+def _held_by_de(r: RequestRecord) -> int:
+    """Leading prompt tokens the DE held before the PE forwarded the rest."""
+    hit = r.hit_tokens or 0
+    return 0 if r.read_side == "pe" else min(r.split_tokens, hit) if r.read_side == "split" \
+        else hit
+
+
 def _byte_checks(records: list[RequestRecord], fin: list[RequestRecord], b: dict[str, float],
                  bytes_per_token: int, block_tokens: int, sampler: Sampler) -> dict[str, Any]:
     hit_blocks = sum((r.hit_tokens or 0) // block_tokens for r in fin
-                     if r.read_side in ("pe", "de"))
+                     if r.read_side in _READS)
     retried = sum(a.read_bytes for a in failed_attempts(records))
     expect = hit_blocks * block_tokens * bytes_per_token + retried
     read = b["storage_read_pe_path"] + b["storage_read_de_path"]
@@ -221,15 +231,15 @@ def _byte_checks(records: list[RequestRecord], fin: list[RequestRecord], b: dict
     # bytes are then known only to lie within [expect, expect + those attempts' hits].
     unreported = sum((r.hit_tokens or 0) // block_tokens * block_tokens * bytes_per_token
                      for r in records for a in r.attempt_history
-                     if _cut_off(a) and a.read_side in ("pe", "de"))
+                     if _cut_off(a) and a.read_side in _READS)
     verified = _sum(sampler, "de_loader", "engine_verified_requests")
     mism = (_sum(sampler, "de_loader", "engine_prompt_mismatches")
             + _sum(sampler, "pe_receiver", "engine_hit_mismatches"))
     # PE -> DE: the whole prompt on the PE path; past the usable hit on the DE path and in
-    # the oracle (there the hit is resident on the DE: none of it may cross). Exact only when
-    # no attempt failed part-way (its partial sends are not counted anywhere): None then.
-    fwd = sum((r.prompt_tokens - (0 if r.read_side == "pe" else (r.hit_tokens or 0)))
-              * bytes_per_token for r in fin)
+    # the oracle (there the hit is resident on the DE: none of it may cross); past the DE's
+    # part on a split read (the PE's part of the hit crosses with the new tokens). Exact only
+    # when no attempt failed part-way (its partial sends are not counted anywhere): None then.
+    fwd = sum((r.prompt_tokens - _held_by_de(r)) * bytes_per_token for r in fin)
     fwd_ok = abs(b["pe_to_de"] - fwd) < 1 if not failed_attempts(records) else None
     return {"storage_read_bytes": read, "storage_read_bytes_expected": expect,
             "pe_to_de_bytes_expected": fwd, "pe_to_de_matches_new_tokens": fwd_ok,

@@ -90,6 +90,12 @@ class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's datac
     # head waits for room and the rest behind it (no starvation); 0 = strict arrival order.
     pe_buffer_admission: bool = True
     pe_buffer_bypass: NonNegInt = 256
+    # split reads (policy.split_read; docs/datapath.md "Split reads"): under the dualpath policy
+    # one hit may be read on both links at once, the DE's node its leading part and the PE's
+    # node the rest, sized so both finish together; parts under split_min_blocks blocks are not
+    # split off. Off: one link per hit (the paper's rule)
+    split_reads: bool = False
+    split_min_blocks: PositiveInt = 4
     max_replans: Annotated[int, msgspec.Meta(ge=0, le=ATTEMPT_SPAN - 1)] = 3
 
     def __post_init__(self) -> None:

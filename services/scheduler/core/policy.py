@@ -229,7 +229,30 @@ def read_side(pe_node: Node, de_node: Node, floor: int) -> ReadSide:
     than basic")."""
     if pe_node.read_q == 0 and de_node.read_q > 0:
         return ReadSide.PE
-    pv, dv = pe_node.read_v, de_node.read_v
-    pk = pe_node.read_q + (pv - floor if pv > floor else 0)
-    dk = de_node.read_q + (dv - floor if dv > floor else 0)
-    return ReadSide.PE if pk <= dk else ReadSide.DE
+    return ReadSide.PE if _read_key(pe_node, floor) <= _read_key(de_node, floor) else ReadSide.DE
+
+
+def _read_key(node: Node, floor: int) -> int:
+    """What a node's link has ahead of a new read: its queue plus its volume above ``floor``."""
+    v = node.read_v
+    return node.read_q + (v - floor if v > floor else 0)
+
+
+def split_read(pe_node: Node, de_node: Node, floor: int, hit: int, block: int,
+               min_part: int) -> tuple[ReadSide, int]:
+    """Both links read one hit (``[scheduler] split_reads``): the DE's node its leading
+    ``split`` tokens, the PE's node the rest, so both finish together — ``split`` levels the
+    two links' keys (:func:`read_side`'s queue plus volume above ``floor``), in whole blocks.
+    Returns ``(SPLIT, split)``, or :func:`read_side`'s whole-hit choice with 0 when either part
+    would be under ``min_part`` tokens (one link is far enough ahead, or the hit is small).
+
+    Why: the paper's rule puts each hit on one link, so a turn's read takes hit ÷ one link's
+    rate even when the other link idles; with agents in lock step (no think time) that read is
+    on every turn's critical path (docs/vllm.md "The paper's experiment with a real engine").
+    [inference] The paper leaves splitting one request's read to future work (§5.5)."""
+    pk, dk = _read_key(pe_node, floor), _read_key(de_node, floor)
+    split = (pk - dk + hit) // 2
+    split = (split + block // 2) // block * block
+    if min_part <= split <= hit - min_part:
+        return ReadSide.SPLIT, split
+    return read_side(pe_node, de_node, floor), 0

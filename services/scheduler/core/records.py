@@ -24,10 +24,12 @@ class Role(enum.StrEnum):
 
 
 class ReadSide(enum.StrEnum):
-    """Where a request's hit KV is read from storage (paper §2.4/§2.5); ``none`` in oracle mode."""
+    """Where a request's hit KV is read from storage (paper §2.4/§2.5); ``none`` in oracle mode;
+    ``split``: the DE's node reads the hit's leading ``split_tokens``, the PE's node the rest."""
 
     PE = "pe"
     DE = "de"
+    SPLIT = "split"
     NONE = "none"
 
 
@@ -112,8 +114,9 @@ class DEBinding(msgspec.Struct, frozen=True):
 class Assignment(msgspec.Struct, frozen=True):
     """A complete plan: (PE, DE) pair and the read side, returned by a PE group fetch.
 
-    ``read_node`` is the node whose storage link reads the hit KV (``None`` when nothing is read).
-    ``attempt`` counts re-plans (0 for the first plan).
+    ``read_node`` is the node whose storage link reads the hit KV (``None`` when nothing is read;
+    on a split read the PE's node, which reads the part after ``split_tokens``; the DE's node
+    reads the leading ``split_tokens``). ``attempt`` counts re-plans (0 for the first plan).
     """
 
     request_id: str
@@ -128,6 +131,7 @@ class Assignment(msgspec.Struct, frozen=True):
     new_tokens: int
     gen_tokens: int
     attempt: int = 0
+    split_tokens: int = 0
 
 
 class ReplanResult(msgspec.Struct, frozen=True):

@@ -10,10 +10,11 @@ One request's way through it (the DE is bound before the KV read is issued, pape
 3. A PE group fetch (``on_pe_group_fetch``) runs Algorithm 1 on the fetching group's engines over
    the PE queue, with β lowered to the cluster's fair share for this fetch
    (``policy.pe_share_limit``; the core keeps Σ tok_e over all PEs and the PE queue's load).
-   A request that gets a PE now has both ends, so its read side is chosen at once:
-   the node (PE's or DE's) with the shorter read queue plus sent volume (``policy.read_side``),
-   whose ``read_q`` and ``read_v`` grow by the hit tokens before the next request of the same
-   fetch is looked at. The result is an ``Assignment``.
+   A request that gets a PE now has both ends, so its read side is chosen at once
+   (``reads.ReadLedger``): the node (PE's or DE's) with the shorter read queue plus sent volume
+   (``policy.read_side``; with ``split_reads`` both, each reading part of the hit:
+   ``policy.split_read``), whose ``read_q`` and ``read_v`` grow by the hit tokens before the
+   next request of the same fetch is looked at. The result is an ``Assignment``.
 4. ``read_done`` / ``prefill_done`` / ``complete`` release the read queue, the PE and the DE.
 
 Why DE first: the DE read path needs the DE (and its buffer) before the read, and a request that
@@ -45,8 +46,8 @@ from common.errors import AlreadyExists, InvalidArgument, NotFound
 from . import policy
 from .config import ATTEMPT_SPAN, SchedulerConfig
 from .pe_queue import PEQueue
-from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReadSide,
-                      ReplanResult, Request, Role, Telemetry)
+from .reads import ReadLedger
+from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReplanResult, Request, Role, Telemetry)
 from .state import Engine, Group, Node, Pending
 
 
@@ -63,7 +64,7 @@ class Scheduler:
     """Inter-engine placement (PE, DE, read side) for one cluster; see the module docstring."""
 
     def __init__(self, config: SchedulerConfig | None = None,
-                 engines: Iterable[EngineSpec] = ()) -> None:
+                 engines: Iterable[EngineSpec] = (), block_tokens: int = 64) -> None:
         self.config = cfg = config if config is not None else SchedulerConfig()
         # a request's first attempt number; its re-plans count on from it. The service sets
         # it per scheduler epoch (attempt_base), so a restarted scheduler never hands out an
@@ -72,20 +73,14 @@ class Scheduler:
         self.attempt_base = 0
         self.alpha = cfg.resolved_alpha()
         self.beta = cfg.resolved_beta()
-        self._read_mode = cfg.read_side_mode()
-        self.read_credit = cfg.resolved_read_credit()
-        self._write_weight = cfg.write_weight if self._read_mode == "shorter_queue" else 0.0
-        self._read_sum = 0                   # Σ read_v over nodes (their mean is the floor's base)
         self._balanced = cfg.placement_mode() == "balanced"
         self.pe_load = cfg.pe_load_counter()    # (hit, new) -> PE load (tok_e, β's unit)
         self._pe_share = cfg.pe_share
         self._pe_tok = 0                     # Σ tok_e over all PEs (policy.pe_share_limit)
         self._n_pe = 0
         self._nodes: dict[str, Node] = {}
-        # operations view (docs/kubernetes.md): hit tokens planned onto each node's storage
-        # link, and by read side; cumulative, for the SNIC max/avg ratio and the PE/DE split
-        self.read_tokens_planned: dict[str, int] = {}
-        self.read_side_tokens = {"pe": 0, "de": 0}
+        self.reads = ReadLedger(cfg, self._nodes, block_tokens)
+        self.read_side_tokens = self.reads.side_tokens      # the operations view's PE/DE split
         self._engines: dict[str, Engine] = {}
         self._groups: dict[Role, dict[str, Group]] = {Role.PREFILL: {}, Role.DECODE: {}}
         self._requests: dict[str, Pending] = {}
@@ -95,7 +90,6 @@ class Scheduler:
         self._counter = 0            # registration order
         self._next_seq = 0
         self._rr_groups = 0
-        self._alternate: dict[str, int] = {}    # dpl: PE/DE alternation per DE node
         self._max_hbm: int | None = None
         self._max_hbm_known = False
         for spec in engines:
@@ -109,7 +103,7 @@ class Scheduler:
         node = self._nodes.get(spec.node_id)
         if node is None:
             # a new node starts level with the others: no backlog of credit to catch up
-            node = self._nodes[spec.node_id] = Node(spec.node_id, self._read_mean())
+            node = self._nodes[spec.node_id] = Node(spec.node_id, self.reads.mean())
         groups = self._groups[spec.role]
         gid = spec.group_id if spec.group_id is not None else spec.node_id
         group = groups.get(gid)
@@ -155,8 +149,7 @@ class Scheduler:
             self._drop_group(g)
         if not node.engines:
             del self._nodes[node.node_id]
-            self._read_sum -= node.read_v
-            self._alternate.pop(node.node_id, None)
+            self.reads.forget(node)
         return ReplanResult(tuple(requeued), tuple(failed))
 
     def remove_node(self, node_id: str) -> ReplanResult:
@@ -215,14 +208,14 @@ class Scheduler:
 
     def read_done(self, request_id: str) -> None:
         """The hit KV has been read: take its tokens off the read node's queue."""
-        self._release_read(self._get(request_id))
+        self.reads.release(self._get(request_id))
 
     def prefill_done(self, request_id: str) -> None:
         """Prefill finished: the PE's load drops; the request now lives on its DE only."""
         p = self._get(request_id)
         if p.pe is None:
             raise InvalidArgument(f"request {request_id!r} has no prefill engine yet")
-        self._release_read(p)
+        self.reads.release(p)
         if not p.prefilled:
             p.prefilled = True
             self._release_pe(p)
@@ -346,7 +339,7 @@ class Scheduler:
 
     def read_planned(self) -> dict[str, int]:
         """Hit tokens planned onto each registered node's storage link so far (0 included)."""
-        return {nid: self.read_tokens_planned.get(nid, 0) for nid in self._nodes}
+        return {nid: self.reads.planned.get(nid, 0) for nid in self._nodes}
 
     def read_queue(self, node_id: str) -> int:
         n = self._nodes.get(node_id)
@@ -455,57 +448,10 @@ class Scheduler:
         self._pe_tok += p.pe_tokens
         r, de = p.request, p.de
         assert de is not None
-        side, node = self._read_side(r.hit_tokens, e.node, de.node)
-        w = int((r.new_tokens + r.gen_tokens) * self._write_weight)
-        if w > 0:                           # the write-back on the DE node's link
-            dn = de.node
-            v = policy.charge_write(dn.read_v, w, self._read_mean(), self.read_credit)
-            self._read_sum += v - dn.read_v
-            dn.read_v = v
-        if node is not None:
-            node.read_q += r.hit_tokens
-            nid = node.node_id
-            self.read_tokens_planned[nid] = self.read_tokens_planned.get(nid, 0) + r.hit_tokens
-            self.read_side_tokens[side.value] += r.hit_tokens
-            p.read_node = node
-            p.read_pending = True
+        side, read_node, split = self.reads.place(p, e.node, de.node)
         return Assignment(r.request_id, r.session_id, e.engine_id, e.node.node_id, de.engine_id,
-                          de.node.node_id, side, node.node_id if node is not None else None,
-                          r.hit_tokens, r.new_tokens, r.gen_tokens, p.attempt)
-
-    def _read_side(self, hit: int, pe_node: Node, de_node: Node) -> tuple[ReadSide, Node | None]:
-        mode = self._read_mode
-        if hit <= 0 or mode == "none":
-            return ReadSide.NONE, None
-        if mode == "shorter_queue":
-            floor = self._read_mean() - self.read_credit
-            side = policy.read_side(pe_node, de_node, floor)
-            node = pe_node if side is ReadSide.PE else de_node
-            v = node.read_v
-            v = (v if v > floor else floor) + hit
-            self._read_sum += v - node.read_v
-            node.read_v = v
-            return side, node
-        elif mode == "pe":
-            side = ReadSide.PE
-        else:                               # "alternate": dpl ablation, no balancing
-            # alternate per DE node: one global counter lines up with the round-robin DE choice
-            # (1P2D: every DE-path read on the second DE node)
-            k = self._alternate.get(de_node.node_id, 0)
-            side = ReadSide.PE if k % 2 == 0 else ReadSide.DE
-            self._alternate[de_node.node_id] = k + 1
-        return side, (pe_node if side is ReadSide.PE else de_node)
-
-    def _read_mean(self) -> int:
-        n = len(self._nodes)
-        return self._read_sum // n if n else 0
-
-    def _release_read(self, p: Pending) -> None:
-        if p.read_pending:
-            p.read_pending = False
-            n = p.read_node
-            assert n is not None
-            n.read_q = max(n.read_q - p.request.hit_tokens, 0)
+                          de.node.node_id, side, read_node, r.hit_tokens, r.new_tokens,
+                          r.gen_tokens, p.attempt, split)
 
     def _release_pe(self, p: Pending) -> None:
         """Take ``p``'s load off its PE (and off the cluster's Σ tok_e, by what actually left)."""
@@ -518,8 +464,7 @@ class Scheduler:
 
     def _release_all(self, p: Pending) -> None:
         """Undo every binding of ``p`` and take it out of whatever queue holds it (idempotent)."""
-        self._release_read(p)
-        p.read_node = None
+        self.reads.release(p)
         if p.pe is not None and not p.prefilled:
             self._release_pe(p)
         if p.de is not None:
@@ -546,8 +491,7 @@ class Scheduler:
             self._release_all(p)
             return False
         if keep_de and p.de is not None:
-            self._release_read(p)
-            p.read_node = None
+            self.reads.release(p)
             if p.pe is not None and not p.prefilled:
                 self._release_pe(p)
             p.pe = None

@@ -103,8 +103,8 @@ class Group:
 class Pending:
     """A request inside the scheduler, with its bindings as they are made."""
 
-    __slots__ = ("request", "seq", "pe_tokens", "de_tokens", "group", "de", "pe", "read_node",
-                 "read_pending", "prefilled", "ticket", "in_global", "attempt", "replans",
+    __slots__ = ("request", "seq", "pe_tokens", "de_tokens", "group", "de", "pe", "reads",
+                 "prefilled", "ticket", "in_global", "attempt", "replans",
                  "bypassed")
 
     def __init__(self, request: Request, seq: int, pe_tokens: int | None = None) -> None:
@@ -118,8 +118,8 @@ class Pending:
         self.group: Group | None = None    # DE group whose private queue holds it
         self.de: Engine | None = None
         self.pe: Engine | None = None
-        self.read_node: Node | None = None
-        self.read_pending = False          # hit tokens still counted in read_node.read_q
+        # (node, hit tokens) still counted in each reading node's read_q (two on a split read)
+        self.reads: tuple[tuple[Node, int], ...] = ()
         self.prefilled = False
         self.ticket = -1                   # valid PE-queue entry carries this ticket
         self.in_global = False             # sits in the global DE queue

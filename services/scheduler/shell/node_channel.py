@@ -197,7 +197,7 @@ class NodeChannel:
         box.plans.append((rs.request_id, rs.attempt))
         rs.events.put_nowait(RequestPlaced(rs.request_id, a.pe_engine, a.pe_node, a.de_engine,
                                            a.de_node, a.read_side.value, a.hit_tokens,
-                                           a.attempt))
+                                           a.attempt, a.split_tokens))
 
     def _binding_msg(self, rs: RequestState) -> DecodeBinding:
         sub = rs.sub
@@ -211,13 +211,17 @@ class NodeChannel:
         de_loader = self.leases.leader(a.de_node, Role.DECODE)
         gateway = (self.leases.find_service(a.read_node, self.settings.gateway_service)
                    if a.read_node else None)
+        # a split read: the DE's node reads the leading part through its own gateway
+        split_gw = (self.leases.find_service(a.de_node, self.settings.gateway_service)
+                    if a.split_tokens else None)
         return RequestPlan(
             rs.request_id, rs.attempt, sub.session_id, a.pe_engine, a.pe_node, a.de_engine,
             a.de_node, a.read_side.value, a.read_node or "", a.hit_tokens, a.new_tokens,
             a.gen_tokens, rs.hbm_bytes, list(sub.keys[:hit_blocks]), list(sub.keys[hit_blocks:]),
             de_loader.endpoint() if de_loader else None,
             gateway.endpoint() if gateway else None, rs.remaining(loop_now()),
-            list(sub.tail_token_ids) if sub.tail_token_ids is not None else None)
+            list(sub.tail_token_ids) if sub.tail_token_ids is not None else None,
+            a.split_tokens, split_gw.endpoint() if split_gw else None)
 
     def _delivered(self, rs: RequestState, kind: str) -> None:
         if kind == "binding":

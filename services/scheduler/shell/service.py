@@ -90,7 +90,7 @@ class SchedulerService(Service):
         super().__init__(node_id, drain_timeout_s=s.drain_grace_s)
         self.config = cfg
         self.kv = spec_from_config(cfg.kv)
-        self.core = Scheduler(cfg.scheduler)
+        self.core = Scheduler(cfg.scheduler, block_tokens=self.kv.block_tokens)
         self.hits: HitLookup = hit_lookup or SessionPrefixIndex(s.max_sessions)
         self.leases = LeaseTable(s.lease_s)
         # This incarnation, told to nodes at registration: a node that sees it change knows

@@ -8,11 +8,14 @@ Sequence (docs/datapath.md):
    where);
 3. hit KV: PE path — read the hit Full Blocks from the gateway, scattered per layer into
    ``[l, 64j:64(j+1)]``; DE path — pull layers from the DE loader, ``lookahead_layers`` ahead
-   of the engine (receives posted first, then ``PullLayers``); the first reply gives the usable
-   hit → report ``read_done`` and hand the request to its engine;
+   of the engine (receives posted first, then ``PullLayers``); split read — the gateway read
+   of the hit blocks after ``split_tokens`` runs beside ``PrepareDecode``, then the DE's part
+   is pulled as on the DE path; the first reply gives the usable hit → report ``read_done``
+   and hand the request to its engine;
 4. the engine awaits layer ``l`` (a view), writes the new tokens' KV into ``output(l)`` and puts
-   the layer; it is forwarded: ``[l, 0:prompt]`` (PE/none path) or ``[l, hit:prompt]`` (DE
-   path; oracle, where the hit is resident on both engines) — one message per layer;
+   the layer; it is forwarded: ``[l, 0:prompt]`` (PE/none path), ``[l, hit:prompt]`` (DE
+   path; oracle, where the hit is resident on both engines) or ``[l, u:prompt]`` from the
+   DE's usable part ``u`` (split read) — one message per layer;
 5. when the engine finishes: all layers sent → ``PrefillDone`` → report ``prefill_done``.
 
 What may happen when — look-ahead, back-pressure, hit shortening, what to free — is decided by

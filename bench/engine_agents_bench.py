@@ -48,6 +48,9 @@ link (basic's) carries half of what the engines can consume, the three links of 
 one and a half times: storage binds the basic mode and not the dual path, the situation the
 paper measures.
 
+``--scheduler-set KEY=VALUE`` (repeatable) adds a ``[scheduler]`` setting to every mode's
+config (e.g. ``beta_s=20``), checked before the cluster starts.
+
 Headline ``engine_agents_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.5; also
 ``dualpath_vs_oracle`` = JCT(dualpath) ÷ JCT(oracle), goal ≤ 1.15. Per mode, over the timed
 turns: JCT, TTFT p50/p99 from the request's arrival at the front (the front's own clock) and
@@ -201,7 +204,8 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
 
 
 async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
-                echo: Any, reads: int | None = None, split: bool = False) -> dict[str, Any]:
+                echo: Any, reads: int | None = None, split: bool = False,
+                scheduler: dict[str, Any] | None = None) -> dict[str, Any]:
     from common.kv import spec_from_config
     from tools.cluster.launcher import Launcher
     from tools.cluster.real_engines import on_loopback
@@ -209,7 +213,8 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
     gateway = {"gateway": {"max_concurrent_reads": reads}} if reads else {}
 
     def config(sched_mode: str, rate: float, split_reads: bool = False):
-        sections = gateway | ({"scheduler": {"split_reads": True}} if split_reads else {})
+        sched = dict(scheduler or {}) | ({"split_reads": True} if split_reads else {})
+        sections = gateway | ({"scheduler": sched} if sched else {})
         return on_loopback(CONFIG, root, mode=sched_mode, sections=sections or None,
                            storage_link_bytes_per_s=rate, vllm_prefix_caching=False)
 
@@ -281,6 +286,31 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
             "link_rate_rule": "--link-mb-s" if link_mb_s else "oracle hit bytes / JCT / 2"}
 
 
+def scheduler_settings(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items (TOML values) as ``[scheduler]`` settings, checked against
+    ``SchedulerConfig`` now (ValueError naming the item) rather than at the first restart."""
+    import tomllib
+
+    import msgspec
+
+    from services.scheduler.core.config import SchedulerConfig
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value            # a bare word: a string
+    try:
+        msgspec.convert(out, SchedulerConfig)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from sim.recorded import shared_agentic_dir
     from tools.vllm_engines import model_dir
@@ -294,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="storage link rate per node, MB/s (default: half the oracle's demand)")
     p.add_argument("--split-reads", action="store_true",
                    help="also run mode dualpath-split ([scheduler] split_reads = true)")
+    p.add_argument("--scheduler-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [scheduler] setting for every mode (TOML value; repeatable), e.g. "
+                        "beta_s=20")
     p.add_argument("--gateway-reads", type=int, default=None,
                    help="read requests each gateway serves at once ([gateway] "
                         "max_concurrent_reads; default: the config's)")
@@ -313,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sessions >= 1, --turns >= 2 (a hit needs an earlier turn), --link-mb-s > 0, "
                 "--gateway-reads >= 1")
     try:
+        scheduler = scheduler_settings(args.scheduler_set)
+    except ValueError as e:
+        p.error(f"--scheduler-set: {e}")
+    try:
         sessions = sessions_from_trace(trace, args.sessions, turns)
     except ValueError as e:
         print(f"bench engine_agents: {e}", file=sys.stderr)
@@ -325,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-bench-engine-agents-") as tmp:
         res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
                                 lambda m: print(m, flush=True), args.gateway_reads,
-                                args.split_reads))
+                                args.split_reads, scheduler))
+    res["scheduler_settings"] = scheduler
     res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],
                        "turns": turns, "gen_tokens": GEN, "token_scale": "1 token per 64-token "
                        "trace block", "prompt_tokens": [list(map(len, s.prompts))

@@ -331,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="read requests each gateway serves at once ([gateway] "
                         "max_concurrent_reads; default: the config's)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        scheduler = scheduler_settings(args.scheduler_set)
+    except ValueError as e:
+        p.error(f"--scheduler-set: {e}")
     turns = args.turns or (3 if args.quick else 5)
     trace = args.trace or shared_agentic_dir()
     if model_dir() is None:
@@ -345,10 +349,6 @@ def main(argv: list[str] | None = None) -> int:
             or (args.gateway_reads is not None and args.gateway_reads < 1):
         p.error("--sessions >= 1, --turns >= 2 (a hit needs an earlier turn), --link-mb-s > 0, "
                 "--gateway-reads >= 1")
-    try:
-        scheduler = scheduler_settings(args.scheduler_set)
-    except ValueError as e:
-        p.error(f"--scheduler-set: {e}")
     try:
         sessions = sessions_from_trace(trace, args.sessions, turns)
     except ValueError as e:

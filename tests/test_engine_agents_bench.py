@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, TOKEN_HI, TOKEN_LO,
-                                       sessions_from_trace, token_of)
+                                       main, scheduler_settings, sessions_from_trace, token_of)
 from tests.helpers import skip_or_fail
 
 
@@ -69,3 +69,14 @@ def test_the_shared_agentic_trace_gives_eight_sessions_of_five_turns():
     shared = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
                  for p, q in later)
     assert shared >= 0.8 * sum(len(q) for _, q in later)   # the trace's prefix reuse survives
+
+
+def test_scheduler_settings_are_toml_values_checked_before_anything_starts(capsys):
+    assert scheduler_settings(["beta_s=20", "split_reads=true", "policy=dualpath"]) == {
+        "beta_s": 20, "split_reads": True, "policy": "dualpath"}
+    for bad, why in [("nope=1", "unknown field"), ("beta_s=-1", "beta_s"), ("x", "KEY=VALUE")]:
+        with pytest.raises(ValueError, match=why):
+            scheduler_settings([bad])
+    with pytest.raises(SystemExit) as exc:                 # refused before the trace is read
+        main(["--scheduler-set", "beta_s=nope", "--trace", "/nonexistent"])
+    assert exc.value.code == 2 and "--scheduler-set" in capsys.readouterr().err

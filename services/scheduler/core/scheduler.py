@@ -47,7 +47,8 @@ from . import policy
 from .config import ATTEMPT_SPAN, SchedulerConfig
 from .pe_queue import PEQueue
 from .reads import ReadLedger
-from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReplanResult, Request, Role, Telemetry)
+from .records import (Assignment, DEBinding, EngineReport, EngineSpec, Phase, ReplanResult,
+                      Request, Role, Telemetry)
 from .state import Engine, Group, Node, Pending
 
 
@@ -207,7 +208,8 @@ class Scheduler:
         return ReplanResult((request_id,), ()) if ok else ReplanResult((), (request_id,))
 
     def read_done(self, request_id: str) -> None:
-        """The hit KV has been read: take its tokens off the read node's queue."""
+        """The hit KV has been read: take its tokens off the reading nodes' queues (two on a
+        split read)."""
         self.reads.release(self._get(request_id))
 
     def prefill_done(self, request_id: str) -> None:

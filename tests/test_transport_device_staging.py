@@ -231,6 +231,9 @@ async def test_a_hung_copy_ends_at_the_deadline_and_its_staging_comes_back_later
     copies.gate.clear()
     rx, tx = await pair(copies, staging=MIB)
     try:
+        # a live link first: the 1.0 s below is the transfer's budget, not a connect's (a
+        # connect on a 2-core machine loaded by the real-engine tests took longer once: ci57)
+        await rx.endpoint(tx.address, 20.0)
         arena, slots = FakeDeviceArena(np.zeros(MIB, np.uint8)), gapped(1, MSG)
         tid = rx.new_transfer_id()
         handle = await rx.expect(tx.address, tid, arena, slots, 1.0)

@@ -50,9 +50,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400),
 # where each test's prompts start in the token text (module docstring)
 OFFSET = {"stall": 0, "pe": 1, "de": 2}
 
-GEN_A = 96           # long enough to still run while B waits for its claim
+# A and C must still be running when B starts to wait: adding B to an instance under load
+# took long enough once for C (then 48 tokens) to reach its end first (ci59)
+GEN_A = 128          # long enough to still run while B waits for its claim
 GEN_B = 16
-GEN_C = 48
+GEN_C = 128
 MORE = 8             # tokens A and C must produce while B's claim is outstanding
 
 TURNS = 4           # a miss, then three hits: each later turn exercises the same path again
@@ -168,10 +170,12 @@ async def test_a_request_waiting_for_its_claim_never_stalls_running_ones(rig):
     # C: plain vLLM on the prefill instance
     await prefill.add("C", cc, GEN_C)
     await until(lambda: prefill.count("C") >= 1, timeout=300, what="C running")
-    # B arrives at both instances before its plan reaches the nodes: both claims wait
+    # B arrives at both instances before its plan reaches the nodes: both claims wait. Each
+    # running request's count is taken as soon as B waits on its instance
     await prefill.add("B", b, 1, {"request_id": "B", "hit_tokens": 0})
+    c_at = prefill.count("C")
     await decode.add("B", b, GEN_B, {"request_id": "B"})
-    a_at, c_at = decode.count("A"), prefill.count("C")
+    a_at = decode.count("A")
     await until(lambda: decode.count("A") >= min(a_at + MORE, GEN_A)
                 and prefill.count("C") >= min(c_at + MORE, GEN_C), timeout=300,
                 what="A and C step on while B's claims wait")

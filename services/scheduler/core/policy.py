@@ -229,7 +229,11 @@ def read_side(pe_node: Node, de_node: Node, floor: int) -> ReadSide:
     than basic")."""
     if pe_node.read_q == 0 and de_node.read_q > 0:
         return ReadSide.PE
-    return ReadSide.PE if _read_key(pe_node, floor) <= _read_key(de_node, floor) else ReadSide.DE
+    # the keys inline (_read_key): this runs at every placement
+    pv, dv = pe_node.read_v, de_node.read_v
+    pk = pe_node.read_q + (pv - floor if pv > floor else 0)
+    dk = de_node.read_q + (dv - floor if dv > floor else 0)
+    return ReadSide.PE if pk <= dk else ReadSide.DE
 
 
 def _read_key(node: Node, floor: int) -> int:

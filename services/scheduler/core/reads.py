@@ -67,7 +67,7 @@ class ReadLedger:
             nid = node.node_id
             self.planned[nid] = self.planned.get(nid, 0) + tokens
             self.side_tokens[label] += tokens
-        p.reads = tuple((node, tokens) for node, tokens, _ in parts)
+        p.reads = parts
         if side is ReadSide.SPLIT:
             self.split_reads += 1
             return side, pe_node.node_id, parts[1][1]
@@ -75,15 +75,15 @@ class ReadLedger:
 
     def release(self, p: Pending) -> None:
         """``p``'s hit is read (or will not be): take its tokens off its links' queues."""
-        for node, tokens in p.reads:
+        for node, tokens, _ in p.reads:
             node.read_q = max(node.read_q - tokens, 0)
         p.reads = ()
 
     def _choose(self, hit: int, pe_node: Node, de_node: Node
-                ) -> tuple[ReadSide, list[tuple[Node, int, str]]]:
+                ) -> tuple[ReadSide, tuple[tuple[Node, int, str], ...]]:
         mode = self.mode
         if hit <= 0 or mode == "none":
-            return ReadSide.NONE, []
+            return ReadSide.NONE, ()
         if mode == "shorter_queue":
             floor = self.mean() - self.credit
             if self.split_min and pe_node is not de_node:
@@ -110,8 +110,8 @@ class ReadLedger:
 
 
 def _parts(side: ReadSide, hit: int, split: int, pe_node: Node, de_node: Node
-           ) -> list[tuple[Node, int, str]]:
+           ) -> tuple[tuple[Node, int, str], ...]:
     """(node, hit tokens it reads, side label) per link that reads; the PE's part first."""
     if side is ReadSide.SPLIT:
-        return [(pe_node, hit - split, "pe"), (de_node, split, "de")]
-    return [(pe_node, hit, "pe")] if side is ReadSide.PE else [(de_node, hit, "de")]
+        return ((pe_node, hit - split, "pe"), (de_node, split, "de"))
+    return ((pe_node, hit, "pe"),) if side is ReadSide.PE else ((de_node, hit, "de"),)

@@ -118,8 +118,9 @@ class Pending:
         self.group: Group | None = None    # DE group whose private queue holds it
         self.de: Engine | None = None
         self.pe: Engine | None = None
-        # (node, hit tokens) still counted in each reading node's read_q (two on a split read)
-        self.reads: tuple[tuple[Node, int], ...] = ()
+        # (node, hit tokens, side label) still counted in each reading node's read_q (two on a
+        # split read)
+        self.reads: tuple[tuple[Node, int, str], ...] = ()
         self.prefilled = False
         self.ticket = -1                   # valid PE-queue entry carries this ticket
         self.in_global = False             # sits in the global DE queue

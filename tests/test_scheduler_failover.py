@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from common.config import RpcConfig
@@ -37,6 +38,12 @@ from tools.cluster.config import free_port
 from tools.cluster.etcd_members import EtcdMembers
 
 REPO = Path(__file__).resolve().parents[1]
+# Clients that must ride out an election: RPC gives up after ~0.15 s of failed connects, far
+# shorter than a leader change (etcd.lease_s = 2 s + a poll). A new leader starved of the CPU
+# for a lease (the stop-36 CI: two pytest processes and vLLM on 2 cores) loses its key and
+# campaigns again; a client with RPC's budget then met "no scheduler leader in etcd" in that
+# window and failed. ~7 s of retries (reconnect_max_s 0.25 x 60) span such a re-election.
+ELECTION_RPC = msgspec.structs.replace(RPC, reconnect_attempts=60, reconnect_max_s=0.25)
 
 
 def replica(tmp: Path, name: str, endpoints: list[str], rpc: RpcConfig = RPC,
@@ -94,10 +101,10 @@ def etcd(tmp_path):
 async def test_leader_killed_the_standby_takes_over_and_no_request_is_lost(etcd, tmp_path,
                                                                            reliability, tls):
     """Also with mutual TLS on every hop (rpc.tls_*): the failover is unchanged by it."""
-    rpc = RPC
+    rpc = ELECTION_RPC
     if tls:
         pki = Pki(tmp_path / "pki")
-        rpc = pki.cfg(base=RPC, tls_require_client_cert=True)
+        rpc = pki.cfg(base=ELECTION_RPC, tls_require_client_cert=True)
     cfg = EtcdConfig(endpoints=etcd.endpoints)
     a, a_ready = replica(tmp_path, "a", etcd.endpoints, rpc)
     b = None

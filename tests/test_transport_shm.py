@@ -13,7 +13,6 @@ import hashlib
 import os
 import signal
 import threading
-import time
 
 import msgspec
 import numpy as np
@@ -60,7 +59,7 @@ async def shm_pair(pools, cfg_a: dict | None = None):
 
 
 async def move(rx: PageTransport, tx: PageTransport, arena: np.ndarray, slots, seed: int,
-               split: int = 1, deadline_s: float = 10.0) -> None:
+               split: int = 1, deadline_s: float = 30.0) -> None:
     data = pattern(seed, sum(n for _, n in slots))
     tid = rx.new_transfer_id()
     handle = await rx.expect(tx.address, tid, arena, slots, deadline_s)
@@ -349,15 +348,16 @@ async def test_sender_killed_mid_copy_leaves_the_survivor_serving(pools):
             slots = [(slots[0][0] + i * PAGE, PAGE) for i in range(64)]
             pool.arena[slots[0][0]:slots[0][0] + PAGE] = 0
             tid = t.new_transfer_id()
-            handle = await t.expect(peer.address, tid, pool.arena, slots, 30.0)
-            peer.call("send", peer=list(t.address), tid=tid, slots=slots, seed=9, deadline=30.0)
+            # deadlines far beyond the test's needs (stop 36's CI: a load episode slowed every
+            # test; tight ones failed): a dead peer must show as PeerFailed, never as the
+            # deadline's DeadlineExceeded, so no duration is asserted
+            handle = await t.expect(peer.address, tid, pool.arena, slots, 120.0)
+            peer.call("send", peer=list(t.address), tid=tid, slots=slots, seed=9, deadline=120.0)
             first = pool.arena[slots[0][0]:slots[0][0] + PAGE]
-            await until(lambda: first.any(), 20.0, "the sender's copy started")
+            await until(lambda: first.any(), 60.0, "the sender's copy started")
             os.kill(peer.pid, signal.SIGKILL)
-            t0 = time.monotonic()
             with pytest.raises(PeerFailed):  # the link's endpoint saw it die (not the deadline)
                 await handle.wait()
-            assert time.monotonic() - t0 < 20.0
             assert t.stats()["shm_fences"] == 1 and t.stats()["shm_fences_not_settled"] == 0
             alloc.free()
         finally:
@@ -367,9 +367,9 @@ async def test_sender_killed_mid_copy_leaves_the_survivor_serving(pools):
             alloc = pool.alloc(5 * PAGE, "next")
             slots = alloc.slots()
             tid = t.new_transfer_id()
-            handle = await t.expect(other.address, tid, pool.arena, slots, 20.0)
+            handle = await t.expect(other.address, tid, pool.arena, slots, 60.0)
             reply = await other.request("send", peer=list(t.address), tid=tid, slots=slots,
-                                        seed=10, deadline=20.0)
+                                        seed=10, deadline=60.0)
             assert reply["ok"], reply
             await handle.wait()
             assert np.array_equal(gather(pool.arena, slots), pattern(10, 5 * PAGE))
@@ -395,7 +395,7 @@ async def test_receiver_giving_up_mid_copy_stops_the_sender(pools):
             sent = peer.call("send", peer=list(t.address), tid=tid, slots=slots, seed=11,
                              deadline=30.0)
             first = pool.arena[base:base + PAGE]
-            await until(lambda: first.any(), 20.0, "the sender's copy started")
+            await until(lambda: first.any(), 60.0, "the sender's copy started")
             await handle.cancel()
             assert t.stats()["shm_fences"] == 1 and t.stats()["shm_fences_not_settled"] == 0
             after = pool.arena[base:base + 64 * PAGE].copy()

@@ -56,62 +56,69 @@ class ReadLedger:
         split (the DE's leading part; 0 unless split). Also charges the request's write-back
         on its DE node's link."""
         r = p.request
-        side, parts = self._choose(r.hit_tokens, pe_node, de_node)
+        hit = r.hit_tokens
+        side, split = self._choose(hit, pe_node, de_node)
+        # the floor the parts' volumes are lifted to: one for both parts of a split
+        floor = (self.mean() - self.credit
+                 if self.mode == "shorter_queue" and side is not ReadSide.NONE else None)
+        if side is ReadSide.SPLIT:
+            self._count(pe_node, hit - split, "pe", floor)
+            self._count(de_node, split, "de", floor)
+            p.read_node, p.read_tokens = pe_node, hit - split
+            p.split_node, p.split_tokens = de_node, split
+            self.split_reads += 1
+        elif side is not ReadSide.NONE:
+            node, label = (pe_node, "pe") if side is ReadSide.PE else (de_node, "de")
+            self._count(node, hit, label, floor)
+            p.read_node, p.read_tokens = node, hit
         w = int((r.new_tokens + r.gen_tokens) * self.write_weight)
         if w > 0:                           # the write-back on the DE node's link
             v = policy.charge_write(de_node.read_v, w, self.mean(), self.credit)
             self._sum += v - de_node.read_v
             de_node.read_v = v
-        for node, tokens, label in parts:
-            node.read_q += tokens
-            nid = node.node_id
-            self.planned[nid] = self.planned.get(nid, 0) + tokens
-            self.side_tokens[label] += tokens
-        p.reads = parts
-        if side is ReadSide.SPLIT:
-            self.split_reads += 1
-            return side, pe_node.node_id, parts[1][1]
-        return side, (parts[0][0].node_id if parts else None), 0
+        reader = p.read_node
+        return side, (None if reader is None else reader.node_id), split
+
+    def _count(self, node: Node, tokens: int, label: str, floor: int | None) -> None:
+        """One link reads ``tokens`` of a hit: its queue, its volume lifted to ``floor`` (the
+        balancing keys; None: no balancing), the operations counters."""
+        if floor is not None:
+            v = node.read_v
+            v = (v if v > floor else floor) + tokens
+            self._sum += v - node.read_v
+            node.read_v = v
+        node.read_q += tokens
+        nid = node.node_id
+        self.planned[nid] = self.planned.get(nid, 0) + tokens
+        self.side_tokens[label] += tokens
 
     def release(self, p: Pending) -> None:
         """``p``'s hit is read (or will not be): take its tokens off its links' queues."""
-        for node, tokens, _ in p.reads:
-            node.read_q = max(node.read_q - tokens, 0)
-        p.reads = ()
+        node = p.read_node
+        if node is not None:
+            node.read_q = max(node.read_q - p.read_tokens, 0)
+            p.read_node, p.read_tokens = None, 0
+            node = p.split_node
+            if node is not None:
+                node.read_q = max(node.read_q - p.split_tokens, 0)
+                p.split_node, p.split_tokens = None, 0
 
-    def _choose(self, hit: int, pe_node: Node, de_node: Node
-                ) -> tuple[ReadSide, tuple[tuple[Node, int, str], ...]]:
+    def _choose(self, hit: int, pe_node: Node, de_node: Node) -> tuple[ReadSide, int]:
+        """The read side of a hit of ``hit`` tokens and the split (0 unless split)."""
         mode = self.mode
         if hit <= 0 or mode == "none":
-            return ReadSide.NONE, ()
+            return ReadSide.NONE, 0
         if mode == "shorter_queue":
             floor = self.mean() - self.credit
             if self.split_min and pe_node is not de_node:
-                side, split = policy.split_read(pe_node, de_node, floor, hit,
-                                                self.block_tokens, self.split_min)
-            else:
-                side, split = policy.read_side(pe_node, de_node, floor), 0
-            parts = _parts(side, hit, split, pe_node, de_node)
-            for node, tokens, _ in parts:
-                v = node.read_v
-                v = (v if v > floor else floor) + tokens
-                self._sum += v - node.read_v
-                node.read_v = v
-            return side, parts
+                return policy.split_read(pe_node, de_node, floor, hit, self.block_tokens,
+                                         self.split_min)
+            return policy.read_side(pe_node, de_node, floor), 0
         if mode == "pe":
-            side = ReadSide.PE
-        else:                               # "alternate": dpl ablation, no balancing
-            # alternate per DE node: one global counter lines up with the round-robin DE choice
-            # (1P2D: every DE-path read on the second DE node)
-            k = self._alternate.get(de_node.node_id, 0)
-            side = ReadSide.PE if k % 2 == 0 else ReadSide.DE
-            self._alternate[de_node.node_id] = k + 1
-        return side, _parts(side, hit, 0, pe_node, de_node)
-
-
-def _parts(side: ReadSide, hit: int, split: int, pe_node: Node, de_node: Node
-           ) -> tuple[tuple[Node, int, str], ...]:
-    """(node, hit tokens it reads, side label) per link that reads; the PE's part first."""
-    if side is ReadSide.SPLIT:
-        return ((pe_node, hit - split, "pe"), (de_node, split, "de"))
-    return ((pe_node, hit, "pe"),) if side is ReadSide.PE else ((de_node, hit, "de"),)
+            return ReadSide.PE, 0
+        # "alternate": dpl ablation, no balancing; alternate per DE node: one global counter
+        # lines up with the round-robin DE choice (1P2D: every DE-path read on the second DE
+        # node)
+        k = self._alternate.get(de_node.node_id, 0)
+        self._alternate[de_node.node_id] = k + 1
+        return (ReadSide.PE if k % 2 == 0 else ReadSide.DE), 0

@@ -57,10 +57,11 @@ class ReadLedger:
         on its DE node's link."""
         r = p.request
         hit = r.hit_tokens
-        side, split = self._choose(hit, pe_node, de_node)
-        # the floor the parts' volumes are lifted to: one for both parts of a split
+        # the balancing floor: the keys compare volumes above it, and the parts' volumes are
+        # lifted to it (one for both parts of a split); computed once per placement
         floor = (self.mean() - self.credit
-                 if self.mode == "shorter_queue" and side is not ReadSide.NONE else None)
+                 if self.mode == "shorter_queue" and hit > 0 else None)
+        side, split = self._choose(hit, pe_node, de_node, floor)
         if side is ReadSide.SPLIT:
             self._count(pe_node, hit - split, "pe", floor)
             self._count(de_node, split, "de", floor)
@@ -103,13 +104,14 @@ class ReadLedger:
                 node.read_q = max(node.read_q - p.split_tokens, 0)
                 p.split_node, p.split_tokens = None, 0
 
-    def _choose(self, hit: int, pe_node: Node, de_node: Node) -> tuple[ReadSide, int]:
-        """The read side of a hit of ``hit`` tokens and the split (0 unless split)."""
+    def _choose(self, hit: int, pe_node: Node, de_node: Node, floor: int | None
+                ) -> tuple[ReadSide, int]:
+        """The read side of a hit of ``hit`` tokens and the split (0 unless split); ``floor``
+        is the balancing floor (set exactly when the mode balances and there is a hit)."""
         mode = self.mode
         if hit <= 0 or mode == "none":
             return ReadSide.NONE, 0
-        if mode == "shorter_queue":
-            floor = self.mean() - self.credit
+        if floor is not None:
             if self.split_min and pe_node is not de_node:
                 return policy.split_read(pe_node, de_node, floor, hit, self.block_tokens,
                                          self.split_min)

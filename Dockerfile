@@ -49,6 +49,10 @@ RUN mkdir -p common services storage_gateway tools bench sim integrations \
        fi \
     && rm -rf common services storage_gateway tools bench sim integrations build *.egg-info
 
+# setup.py builds the gateway's compiled block read (storage_gateway/native) where the base image
+# has a C compiler and Python headers (gcc, python3-dev); without them the build skips it and the
+# gateway reads through its Python path (docs/storage.md "Native reads"; status native_reads 0)
+COPY setup.py ./
 COPY common/ common/
 COPY services/ services/
 COPY storage_gateway/ storage_gateway/

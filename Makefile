@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-dev
 .PHONY: venv lint test test-fast test-chaos demo bench bench-quick reliability sim-accel clean etcd
 .PHONY: prometheus k8s netns-tools test-deps nixl
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py storage_gateway/native/blockread.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

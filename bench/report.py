@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import platform
+import select
 import subprocess
 import sys
 import time
@@ -67,12 +68,25 @@ async def read_json(child, what: str) -> dict:
 
 class Spinner:
     """A process busy on one core for the time of a ``with`` block: a benchmark's ``busy`` rows
-    (how a path holds up when another job takes a core, as on a shared host)."""
+    (how a path holds up when another job takes a core, as on a shared host).
+
+    The block starts once the child is spinning (it says so on its stdout), not while its
+    interpreter still starts: that start-up (~30 ms of CPU) would otherwise fall into the first
+    timed round."""
+
+    START_DEADLINE_S = 30.0
 
     def __enter__(self) -> Spinner:
-        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdout.write('1'); sys.stdout.flush()\n"
+                                   "while True: pass"], stdout=subprocess.PIPE)
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.START_DEADLINE_S)
+        if not ready or not self.proc.stdout.read(1):
+            self.__exit__()
+            raise RuntimeError(f"the busy-core process did not start within {self.START_DEADLINE_S} s")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.proc.stdout.close()

@@ -3,7 +3,9 @@
 Format and write protocol: ``storage_gateway.block_format``. Reads are positioned reads straight
 into the caller's views (``os.preadv`` scatters header + per-layer payload, ``READ_CHUNK`` bytes
 per call, each step hashed while it is in cache) and are verified (header, then xxh3 over the
-payload) before the block is reported read; a block that
+payload) before the block is reported read — the open, steps and hashes of one block in one
+GIL-free C call where the install built ``storage_gateway._blockread`` (``native_reads``,
+docs/storage.md "Native reads"), else in Python; a block that
 fails is moved to ``<root>/quarantine/`` and reported CORRUPT. With ``o_direct`` reads bypass
 the page cache through a page-aligned per-thread bounce buffer (caller views are rarely
 4 KiB-aligned); writes stay buffered — they are fsynced before the rename either way.
@@ -33,6 +35,11 @@ from storage_gateway.block_format import (HEADER_SIZE, HEADER_USED, QUARANTINE_D
                                           host_tag, is_shard_name, key_of_block_name, parse_temp_name,
                                           payload_checksum, payload_hasher, temp_name)
 from storage_gateway.destinations import Destination, as_views
+
+try:  # compiled by the install where a C compiler is present (setup.py, storage_gateway/native)
+    from storage_gateway import _blockread
+except ImportError:
+    _blockread = None  # type: ignore[assignment]
 
 log = structlog.get_logger(__name__)
 
@@ -152,7 +159,8 @@ class FsBackend:
 
     def __init__(self, root: str | os.PathLike[str], spec: KVSpec, executor: Executor, *,
                  o_direct: bool = False, verify_headers_on_scan: bool = True,
-                 temp_max_age_s: float = 3600.0, hostname: str | None = None):
+                 temp_max_age_s: float = 3600.0, hostname: str | None = None,
+                 native_reads: bool = True):
         self.root = os.path.abspath(os.fspath(root))
         self.quarantine_dir = os.path.join(self.root, QUARANTINE_DIR)
         self.spec = spec
@@ -167,6 +175,13 @@ class FsBackend:
         self.pid = os.getpid()
         self._executor = executor
         self.read_chunk = READ_CHUNK               # bytes copied, then hashed, per step of a read
+        # buffered reads in one GIL-free call (open, every step's preadv + hash, close), not
+        # a GIL hand-off per step: what a core shared with the event loop runs short of
+        self.native_reads = native_reads and _blockread is not None
+        if native_reads and _blockread is None:
+            log.warning("native_reads_unavailable",
+                        reason="storage_gateway._blockread was not built (no C compiler at "
+                               "install?): reads take the Python path")
         # probes answer LookupPrefix (the scheduler's hit lookup, a 1 s budget): on their own
         # thread, never queued behind the bulk reads and writes of ``executor`` (seen: three
         # lookups timed out behind 50 MB hit reads, their turns planned hit 0 and recomputed)
@@ -191,7 +206,8 @@ class FsBackend:
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return {**self._stats, "o_direct": int(self.o_direct)}
+            return {**self._stats, "o_direct": int(self.o_direct),
+                    "native_reads": int(self.native_reads)}
 
     # ------------------------------------------------------------------ open / scan
     async def open(self) -> ScanResult:
@@ -339,6 +355,8 @@ class FsBackend:
         views = as_views(dest)
         path = self._path(key)
         direct = self.o_direct
+        if self.native_reads and not direct:
+            return self._read_native(key, path, views)
         try:
             fd = os.open(path, _RDONLY | (_O_DIRECT if direct else 0))
         except FileNotFoundError:
@@ -351,12 +369,35 @@ class FsBackend:
             return self._io_error(key, path)
         finally:
             os.close(fd)
+        return self._settle(key, path, status, reason)
+
+    def _settle(self, key: str, path: str, status: ReadStatus, reason: str) -> ReadStatus:
         if status is ReadStatus.CORRUPT:
             self._count("checksum_failures")
             self._quarantine(path, key, reason)
         elif status is ReadStatus.FOREIGN:
             self._count("foreign_blocks")
         return status
+
+    def _read_native(self, key: str, path: str, views: Sequence[memoryview]) -> ReadStatus:
+        # The whole file in one call without the GIL (storage_gateway/native/blockread.c),
+        # then the same judgement as _read_buffered: the header, the payload's size and xxh3.
+        # Unlike that path the rest of a block whose header is bad is read too (into slots
+        # that are then not reported read): bad blocks are rare, the GIL hand-offs are not.
+        head = self._header_buf()
+        try:
+            head_n, got, checksum = _blockread.read_block(path, _RDONLY, head, views,
+                                                          self.read_chunk)
+        except FileNotFoundError:
+            return ReadStatus.MISSING
+        except OSError:
+            return self._io_error(key, path)
+        if head_n < HEADER_SIZE:
+            return self._settle(key, path, ReadStatus.CORRUPT, "truncated header")
+        status, reason, h = self._judge(head, key)
+        if h is not None:               # OK so far: _judge gives the header only when it is
+            status, reason = self._check_payload(h, got, checksum)
+        return self._settle(key, path, status, reason)
 
     def _read_buffered(self, fd: int, key: str, views: Sequence[memoryview]) -> tuple[ReadStatus, str]:
         # The header comes with the first chunk; each chunk is hashed right after its copy

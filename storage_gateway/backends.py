@@ -107,4 +107,4 @@ def make_backend(cfg, spec: KVSpec, executor: Executor) -> BlockBackend:
 
     return FsBackend(cfg.root, spec, executor, o_direct=cfg.o_direct,
                      verify_headers_on_scan=cfg.verify_headers_on_scan,
-                     temp_max_age_s=cfg.temp_max_age_s)
+                     temp_max_age_s=cfg.temp_max_age_s, native_reads=cfg.native_reads)

@@ -24,6 +24,9 @@ class GatewayConfig(Section, frozen=True):
     capacity_bytes: NonNegInt = 0                # on-media bytes; 0 = unlimited, else LRU eviction
     io_threads: PositiveInt = 8                  # bounded pool for every file operation
     o_direct: bool = False                       # reads bypass the page cache (falls back if refused)
+    # buffered reads through the compiled GIL-free read (storage_gateway/native, built by the
+    # install where a C compiler is present; docs/storage.md): false, or not built → Python path
+    native_reads: bool = True
     verify_headers_on_scan: bool = True          # read each header at start (bad → quarantine)
     temp_max_age_s: NonNegFloat = 3600.0         # other hosts' leftover temp files older than this are removed
     probe_on_miss: bool = False                  # shared FS: look on disk for blocks other nodes wrote

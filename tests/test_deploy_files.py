@@ -41,6 +41,13 @@ def test_the_image_ships_every_package_and_builds_its_deps_with_each():
     assert "integrations" in copied
 
 
+def test_the_image_builds_the_native_block_read_itself():
+    """setup.py (the gateway's compiled read) reaches the install; a host-built .so never does."""
+    text = (REPO / "Dockerfile").read_text()
+    assert text.index("COPY setup.py ./") < text.index("RUN pip install -q --no-deps .")
+    assert "**/*.so" in (REPO / ".dockerignore").read_text().split()
+
+
 def test_with_vllm_builds_what_make_vllm_env_and_vllm_model_build():
     text = (REPO / "Dockerfile").read_text()
     make = (REPO / "Makefile").read_text()

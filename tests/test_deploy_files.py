@@ -44,7 +44,8 @@ def test_the_image_ships_every_package_and_builds_its_deps_with_each():
 def test_the_image_builds_the_native_block_read_itself():
     """setup.py (the gateway's compiled read) reaches the install; a host-built .so never does."""
     text = (REPO / "Dockerfile").read_text()
-    assert text.index("COPY setup.py ./") < text.index("RUN pip install -q --no-deps .")
+    assert text.index("COPY setup.py ./") < text.index("pip install -q --no-deps .")
+    assert re.search(r"^ARG NATIVE_READS=1$", text, re.M)
     assert "**/*.so" in (REPO / ".dockerignore").read_text().split()
 
 

@@ -34,7 +34,7 @@ from storage_gateway.block_format import (HEADER_SIZE, HEADER_USED, QUARANTINE_D
                                           BlockHeader, block_relpath, decode_header, encode_header,
                                           host_tag, is_shard_name, key_of_block_name, parse_temp_name,
                                           payload_checksum, payload_hasher, temp_name)
-from storage_gateway.destinations import Destination, as_views
+from storage_gateway.destinations import ArenaRuns, Destination, as_views
 
 try:  # compiled by the install where a C compiler is present (setup.py, storage_gateway/native)
     from storage_gateway import _blockread
@@ -352,11 +352,11 @@ class FsBackend:
         return [self._read_one(k, d) for k, d in zip(keys, dests)]
 
     def _read_one(self, key: str, dest: Destination) -> ReadStatus:
-        views = as_views(dest)
         path = self._path(key)
         direct = self.o_direct
         if self.native_reads and not direct:
-            return self._read_native(key, path, views)
+            return self._read_native(key, path, dest)
+        views = as_views(dest)
         try:
             fd = os.open(path, _RDONLY | (_O_DIRECT if direct else 0))
         except FileNotFoundError:
@@ -379,15 +379,20 @@ class FsBackend:
             self._count("foreign_blocks")
         return status
 
-    def _read_native(self, key: str, path: str, views: Sequence[memoryview]) -> ReadStatus:
+    def _read_native(self, key: str, path: str, dest: Destination) -> ReadStatus:
         # The whole file in one call without the GIL (storage_gateway/native/blockread.c),
         # then the same judgement as _read_buffered: the header, the payload's size and xxh3.
         # Unlike that path the rest of a block whose header is bad is read too (into slots
         # that are then not reported read): bad blocks are rare, the GIL hand-offs are not.
+        # ArenaRuns go in as arena + runs: no view per run (per layer) is made.
         head = self._header_buf()
         try:
-            head_n, got, checksum = _blockread.read_block(path, _RDONLY, head, views,
-                                                          self.read_chunk)
+            if isinstance(dest, ArenaRuns):
+                head_n, got, checksum = _blockread.read_block_runs(
+                    path, _RDONLY, head, dest.arena, dest.offsets, dest.lengths, self.read_chunk)
+            else:
+                head_n, got, checksum = _blockread.read_block(path, _RDONLY, head, dest,
+                                                              self.read_chunk)
         except FileNotFoundError:
             return ReadStatus.MISSING
         except OSError:

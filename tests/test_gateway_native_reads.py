@@ -56,6 +56,33 @@ def test_digest_and_bytes_match_xxhash_for_any_chunk_and_views(tmp_path, blockre
     assert blockread.read_block(str(path), os.O_RDONLY, bytearray(4096), [], 4096)[:2] == (100, 0)
 
 
+def test_runs_of_one_arena_read_like_views(tmp_path, blockread):
+    """``read_block_runs`` (an ``ArenaRuns`` destination: per-layer runs of the requester's
+    arena, no view per run) lands the same bytes and digest as the views do, and refuses a run
+    outside the arena before reading anything."""
+    rng = np.random.default_rng(2)
+    payload = rng.integers(0, 256, 61 * 4096 + 17, np.uint8).tobytes()
+    path = tmp_path / "block"
+    path.write_bytes(bytes(4096) + payload)
+    arena = np.zeros(1 << 20, np.uint8)
+    lengths = [4096] * 61 + [17]
+    offsets = [300_000 - 4096 * i for i in range(61)] + [900_000]    # backwards, as layers may lie
+    head_n, got, digest = blockread.read_block_runs(str(path), os.O_RDONLY, bytearray(4096),
+                                                    memoryview(arena), offsets, lengths, 10_000)
+    assert (head_n, got, digest) == (4096, len(payload), xxhash.xxh3_64_intdigest(payload))
+    assert b"".join(arena[o:o + n].tobytes() for o, n in zip(offsets, lengths)) == payload
+    head = bytearray(4096)
+    for offs, lens in (([len(arena) - 10], [11]), ([-1], [5]), ([0], [-5]), ([0, 1], [5])):
+        arena[:] = 7
+        with pytest.raises(ValueError):
+            blockread.read_block_runs(str(path), os.O_RDONLY, head, arena, offs, lens, 4096)
+        assert (arena == 7).all()                                    # nothing was read
+    with pytest.raises(TypeError):
+        blockread.read_block_runs(str(path), os.O_RDONLY, head, arena, ["0"], [5], 4096)
+    with pytest.raises(BufferError):
+        blockread.read_block_runs(str(path), os.O_RDONLY, head, bytes(10), [0], [5], 4096)
+
+
 def test_bad_arguments_raise_typed_errors(tmp_path, blockread):
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10_000)

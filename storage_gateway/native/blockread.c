@@ -15,6 +15,9 @@
  *   after each step the payload bytes it read are hashed while they are in cache. A short read
  *   (end of file) ends the read; the counts tell the caller. Raises OSError (with the path)
  *   when open or a read fails. The file is always closed.
+ * read_block_runs(path, flags, head, arena, offsets, lengths, chunk) -> the same
+ *   The payload's destination given as runs of one arena (``ArenaRuns``: the gateway's shared
+ *   memory and staging reads), each checked to lie inside it; no view per run is made.
  *
  * xxh3_64 (seed 0) is xxHash's own implementation, vendored from the ``xxhash`` Python package's
  * sdist (4.1.0: xxhash.h/.c, xxh_x86dispatch.c/.h, BSD-2, LICENSE.xxhash) and built the way it
@@ -157,6 +160,38 @@ static void read_and_hash(const char *path, int flags, char *head, size_t head_l
         out->err = errno;
 }
 
+/* Read ``path`` into head + segs without the GIL; the (head, payload, digest) tuple, or NULL with
+ * OSError (naming ``path_arg``) set. */
+static PyObject *read_into(PyObject *path_arg, PyObject *path_obj, int flags, Py_buffer *head,
+                           const segment *segs, Py_ssize_t nsegs, Py_ssize_t chunk)
+{
+    /* one step spans at most every segment plus the head */
+    struct iovec *iov = PyMem_Calloc((size_t)nsegs + 1, sizeof(struct iovec));
+    struct iovec *hash_iov = PyMem_Calloc((size_t)nsegs + 1, sizeof(struct iovec));
+    PyObject *result = NULL;
+    if (!iov || !hash_iov) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    read_result r;
+    const char *path = PyBytes_AS_STRING(path_obj);
+    Py_BEGIN_ALLOW_THREADS
+    read_and_hash(path, flags, head->buf, (size_t)head->len, segs, nsegs, (size_t)chunk, iov,
+                  hash_iov, &r);
+    Py_END_ALLOW_THREADS
+    if (r.err) {
+        errno = r.err;
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_arg);
+        goto done;
+    }
+    result = Py_BuildValue("nnK", (Py_ssize_t)r.head_got, (Py_ssize_t)r.payload_got,
+                           (unsigned long long)r.digest);
+done:
+    PyMem_Free(iov);
+    PyMem_Free(hash_iov);
+    return result;
+}
+
 static PyObject *read_block(PyObject *self, PyObject *args)
 {
     PyObject *path_arg, *path_obj, *head_obj, *views_obj;
@@ -170,7 +205,6 @@ static PyObject *read_block(PyObject *self, PyObject *args)
     Py_buffer head = {0};
     Py_buffer *bufs = NULL;
     segment *segs = NULL;
-    struct iovec *iov = NULL, *hash_iov = NULL;
     Py_ssize_t nviews = 0, held = 0;
     if (chunk <= 0) {
         PyErr_SetString(PyExc_ValueError, "chunk must be positive");
@@ -184,10 +218,7 @@ static PyObject *read_block(PyObject *self, PyObject *args)
     nviews = PySequence_Fast_GET_SIZE(seq);
     bufs = PyMem_Calloc((size_t)(nviews ? nviews : 1), sizeof(Py_buffer));
     segs = PyMem_Calloc((size_t)(nviews ? nviews : 1), sizeof(segment));
-    /* one step spans at most every view plus the head */
-    iov = PyMem_Calloc((size_t)nviews + 1, sizeof(struct iovec));
-    hash_iov = PyMem_Calloc((size_t)nviews + 1, sizeof(struct iovec));
-    if (!bufs || !segs || !iov || !hash_iov) {
+    if (!bufs || !segs) {
         PyErr_NoMemory();
         goto done;
     }
@@ -198,19 +229,7 @@ static PyObject *read_block(PyObject *self, PyObject *args)
         segs[held].base = bufs[held].buf;
         segs[held].len = (size_t)bufs[held].len;
     }
-    read_result r;
-    const char *path = PyBytes_AS_STRING(path_obj);
-    Py_BEGIN_ALLOW_THREADS
-    read_and_hash(path, flags, head.buf, (size_t)head.len, segs, nviews, (size_t)chunk, iov,
-                  hash_iov, &r);
-    Py_END_ALLOW_THREADS
-    if (r.err) {
-        errno = r.err;
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_arg);
-        goto done;
-    }
-    result = Py_BuildValue("nnK", (Py_ssize_t)r.head_got, (Py_ssize_t)r.payload_got,
-                           (unsigned long long)r.digest);
+    result = read_into(path_arg, path_obj, flags, &head, segs, nviews, chunk);
 done:
     for (Py_ssize_t i = 0; i < held; i++)
         PyBuffer_Release(&bufs[i]);
@@ -218,9 +237,70 @@ done:
         PyBuffer_Release(&head);
     PyMem_Free(bufs);
     PyMem_Free(segs);
-    PyMem_Free(iov);
-    PyMem_Free(hash_iov);
     Py_XDECREF(seq);
+    Py_DECREF(path_obj);
+    return result;
+}
+
+/* The destination as one arena and (offset, length) runs in it (storage_gateway.destinations.
+ * ArenaRuns, computed in closed form): no view per run is made, each run is checked to lie in
+ * the arena. */
+static PyObject *read_block_runs(PyObject *self, PyObject *args)
+{
+    PyObject *path_arg, *path_obj, *head_obj, *arena_obj, *offsets_obj, *lengths_obj;
+    int flags;
+    Py_ssize_t chunk;
+    if (!PyArg_ParseTuple(args, "OiOOOOn", &path_arg, &flags, &head_obj, &arena_obj, &offsets_obj,
+                          &lengths_obj, &chunk))
+        return NULL;
+    if (!PyUnicode_FSConverter(path_arg, &path_obj))
+        return NULL;
+    PyObject *result = NULL, *offs = NULL, *lens = NULL;
+    Py_buffer head = {0}, arena = {0};
+    segment *segs = NULL;
+    if (chunk <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chunk must be positive");
+        goto done;
+    }
+    if (PyObject_GetBuffer(head_obj, &head, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(arena_obj, &arena, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    offs = PySequence_Fast(offsets_obj, "offsets must be a sequence of ints");
+    lens = offs ? PySequence_Fast(lengths_obj, "lengths must be a sequence of ints") : NULL;
+    if (lens == NULL)
+        goto done;
+    Py_ssize_t nruns = PySequence_Fast_GET_SIZE(offs);
+    if (PySequence_Fast_GET_SIZE(lens) != nruns) {
+        PyErr_SetString(PyExc_ValueError, "offsets and lengths differ in length");
+        goto done;
+    }
+    segs = PyMem_Calloc((size_t)(nruns ? nruns : 1), sizeof(segment));
+    if (!segs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        Py_ssize_t off = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(offs, i));
+        Py_ssize_t len = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(lens, i));
+        if ((off == -1 || len == -1) && PyErr_Occurred())
+            goto done;
+        if (off < 0 || len < 0 || off > arena.len || len > arena.len - off) {
+            PyErr_Format(PyExc_ValueError, "run %zd (%zd B at %zd) lies outside the %zd B arena",
+                         i, len, off, arena.len);
+            goto done;
+        }
+        segs[i].base = (char *)arena.buf + off;
+        segs[i].len = (size_t)len;
+    }
+    result = read_into(path_arg, path_obj, flags, &head, segs, nruns, chunk);
+done:
+    if (head.obj)
+        PyBuffer_Release(&head);
+    if (arena.obj)
+        PyBuffer_Release(&arena);
+    PyMem_Free(segs);
+    Py_XDECREF(offs);
+    Py_XDECREF(lens);
     Py_DECREF(path_obj);
     return result;
 }
@@ -229,6 +309,9 @@ static PyMethodDef methods[] = {
     {"read_block", read_block, METH_VARARGS,
      "read_block(path, flags, head, views, chunk) -> (head_bytes, payload_bytes, xxh3_64):\n"
      "read a block file into head + views, hashing the payload, without the GIL."},
+    {"read_block_runs", read_block_runs, METH_VARARGS,
+     "read_block_runs(path, flags, head, arena, offsets, lengths, chunk) -> (head_bytes,\n"
+     "payload_bytes, xxh3_64): read_block into (offset, length) runs of one arena."},
     {NULL, NULL, 0, NULL},
 };
 

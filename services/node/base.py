@@ -110,7 +110,8 @@ class NodeBase(Service):
         await self.transport.start()
         self.gateways = NodeGateways(
             self.cfg.rpc, self.transport, self.pool.arena, self.spec, node_id=self.node_id,
-            role=self.name, local=(s.gateway_host, s.gateway_port) if s.gateway_port else None)
+            role=self.name, local=(s.gateway_host, s.gateway_port) if s.gateway_port else None,
+            on_local_read_q=self._note_read_q)
         self.io = NodeIO(self.spec, s, self.transport, self.regions, self.arbiter,
                          self.gateways, self.counters, report=self.report,
                          supervise=self.requests.spawn, ended=self._forget)
@@ -324,6 +325,13 @@ class NodeBase(Service):
         self.counters["results_redelivered"] += sent
         log.info("results_redelivered", node=self.node_id, node_service=self.name,
                  results=sent, old_epoch=old_epoch)
+
+    def _note_read_q(self, tokens: int) -> None:
+        """The local gateway's read queue as a read reply stated it (newer than any telemetry
+        sample received before it). Only while the telemetry watch runs: without it the node
+        sends no read queue (None) and the scheduler keeps its own count."""
+        if self.read_q is not None:
+            self.read_q = tokens
 
     async def _read_q_loop(self) -> None:
         """Follow this node's gateway read queue (sent with each FetchWork)."""

@@ -9,7 +9,7 @@ is that read; the clients are cached per gateway address and closed with the nod
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -33,10 +33,13 @@ class NodeGateways:
     """Clients of the gateways a node reads from and writes to (one per address)."""
 
     def __init__(self, rpc: RpcConfig, transport: PageTransport, arena: Any, spec: KVSpec, *,
-                 node_id: str, role: str, local: tuple[str, int] | None) -> None:
+                 node_id: str, role: str, local: tuple[str, int] | None,
+                 on_local_read_q: Callable[[int], None] | None = None) -> None:
         self._rpc, self._transport, self._arena, self._spec = rpc, transport, arena, spec
         self._node_id, self._role, self._local = node_id, role, local
         self._clients: dict[tuple[str, int], GatewayClient] = {}
+        # told the local gateway's read queue as each of its read replies states it
+        self._on_local_read_q = on_local_read_q
 
     def client(self, endpoint: Endpoint | None) -> GatewayClient | None:
         """A client of ``endpoint``'s gateway (None: this node's configured one, if any)."""
@@ -80,6 +83,13 @@ class NodeGateways:
                                              layer_major=True)
         except DualpathError as e:
             raise with_hop(e, "gateway") from None
+        local = self._clients.get(self._local) if self._local is not None else None
+        if self._on_local_read_q is not None and client is local:
+            # The reply's read queue was sampled after this read left it. Telemetry and replies
+            # share one connection, in order, so no sample older than this one arrives after
+            # it: taking it now keeps a sample taken mid-read (this read still counted) from
+            # riding on the node's FetchWork after the read is done (docs/datapath.md).
+            self._on_local_read_q(reply.read_q_tokens)
         return reply.prefix_blocks, reply.nbytes
 
     async def host_payloads(self, payloads: Sequence[Sequence[Any]]) -> list[list[Any]]:

@@ -53,7 +53,6 @@ from common.service import run as run_loop
 from common.shm import ShmSegment
 from common.transport import PageTransport
 from tools.cluster.launcher import proc_cpu_seconds
-from storage_gateway import backend_fs
 from storage_gateway.block_format import HEADER_SIZE
 from storage_gateway.block_index import measure_bytes_per_block
 from storage_gateway.client import GatewayClient, block_slots, layout_slots, plan_batches
@@ -273,6 +272,8 @@ async def bench_spec(name: str, workdir: Path, total_bytes: int, repeats: int,
             # the shm client never fell back; which UCX path the UCX bytes took (cma or sysv)
             row["shm_path"] = req.client.shm_active and req.client.counts["shm_fallbacks"] == 0
             row["single_copy"] = req.transport.stats()["single_copy_links"] > 0
+            # the gateway's own word on its read path (the compiled GIL-free read, or Python)
+            row["native_reads"] = (await req.client.stats(10.0)).get("native_reads") == 1
     finally:
         gw.stop()
     best_p = min(p for p, _, _ in rounds)
@@ -433,8 +434,7 @@ async def run(quick: bool) -> tuple[dict, dict]:
                "settings": {"request_bytes": REQUEST_BYTES, "batch_bytes": BATCH_BYTES,
                             "requests_in_flight": INFLIGHT, "io_threads": 2, "cpus": os.cpu_count(),
                             "busy_window_s": busy_window_s,
-                            # the gateway's compiled GIL-free read was built (it uses it then)
-                            "native_reads": backend_fs._blockread is not None,
+                            "native_reads": all(r["native_reads"] for r in rows),
                             "single_copy_env": os.environ.get("DUALPATH_UCX_SINGLE_COPY", "")}}
     return headline("gateway_vs_pread", ratio, 0.85), results
 

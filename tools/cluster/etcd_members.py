@@ -6,13 +6,6 @@
 ``raft_leader()`` says which member etcd's own raft elected (its loss costs an election).
 ``etcd_missing()`` says why etcd cannot run here (tests skip loudly on it, and fail under
 ``CI=true``: ``tests.helpers.require_etcd``).
-
-The members' data lives in shared memory (``/dev/shm/etcd-test-*``, removed by ``stop()``);
-their logs stay under ``root``. On disk, etcd's WAL fsync waits behind whatever else the host
-writes (ext4 commits other files' dirty data with it): twice in CI an etcd went unanswered for
-seconds while every other process ran (ci64, ci70: the leader's 2-s lease lapsed, a hit lookup
-ran out of time), which tests of failover then misread as a fault. A deployed etcd keeps its
-own disk (docs/cluster.md "etcd").
 """
 
 from __future__ import annotations
@@ -21,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,15 +36,6 @@ class EtcdMembers:
         self.client_ports = [free_port() for _ in range(n)]
         self.peer_ports = [free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen | None] = [None] * n
-        self._data: Path | None = None           # made by start(), removed by stop()
-
-    def data_dir(self, i: int) -> Path:
-        """Member ``i``'s data: under /dev/shm where it is writable, else under ``root``."""
-        if self._data is None:
-            shm = "/dev/shm"
-            self._data = (Path(tempfile.mkdtemp(prefix="etcd-test-", dir=shm))
-                          if os.access(shm, os.W_OK) else self.root)
-        return self._data / f"m{i}"
 
     @property
     def endpoints(self) -> list[str]:
@@ -61,7 +44,7 @@ class EtcdMembers:
     def _argv(self, i: int) -> list[str]:
         cluster = ",".join(f"m{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
         c, p = self.client_ports[i], self.peer_ports[i]
-        return ["etcd", "--name", f"m{i}", "--data-dir", str(self.data_dir(i)),
+        return ["etcd", "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
                 "--listen-client-urls", f"http://127.0.0.1:{c}",
                 "--advertise-client-urls", f"http://127.0.0.1:{c}",
                 "--listen-peer-urls", f"http://127.0.0.1:{p}",
@@ -129,9 +112,6 @@ class EtcdMembers:
     def stop(self) -> None:
         for i in range(self.n):
             self.kill(i)
-        if self._data is not None and self._data != self.root:
-            shutil.rmtree(self._data, ignore_errors=True)
-        self._data = None
 
     def __enter__(self) -> EtcdMembers:
         return self.start()

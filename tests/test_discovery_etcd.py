@@ -23,6 +23,7 @@ import msgspec
 import pytest
 
 from common.errors import AlreadyExists
+from common.shm import sweep_stale
 from common.protocol import EngineInfo, RequestQueued
 from common.protocol.base import PROTOCOL_VERSION
 from services.scheduler.app import start_scheduler, watch_cluster
@@ -126,6 +127,7 @@ async def test_a_gateway_registers_the_lookup_uses_it_and_kill_9_removes_it(etcd
             await fe.close()
             if proc is not None:
                 reap(proc)
+                sweep_stale()            # the killed gateway's staging segment, its owner dead
 
 
 async def test_another_kv_spec_or_protocol_version_is_refused_with_both_named(etcd):

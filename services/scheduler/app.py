@@ -5,10 +5,11 @@
   :class:`~services.scheduler.shell.gateway_lookup.GatewayHitLookup`); no gateway known (static
   mode): the scheduler's per-session index. What the in-process cluster runs.
 * :func:`serve_scheduler` — the whole process. Static mode: that, exported stats and the
-  ``/metrics`` endpoint. etcd mode (``[etcd] endpoints``): listen as a standby (refusing every
-  call), campaign, serve once elected with the election's fencing epoch, watch the node
-  registrations (:func:`watch_cluster`), and stop when the leader lease cannot be kept (a
-  standby takes over). docs/cluster.md ("etcd").
+  ``/metrics`` endpoint. etcd mode (``[etcd] endpoints``): a :class:`SchedulerReplica` —
+  listen as a standby (refusing every call), campaign, serve once elected with the election's
+  fencing epoch, watch the node registrations (:func:`watch_cluster`), and when the leader
+  lease cannot be kept step down and campaign again (another replica may lead meanwhile).
+  docs/cluster.md ("etcd").
 
 Every service here is typed against ``services.config.ServicesConfig``, the scheduler's own
 config root.
@@ -25,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from common.kv import spec_from_config
+from common.errors import InternalError
 from common.metrics import export_source, scheduler_stats, serve_metrics
 from common.protocol.base import PROTOCOL_VERSION
+from common.service import Service
 from storage_gateway.client import GatewayClient
 
 from services.scheduler.etcd.discovery import NodeRecord
@@ -36,8 +39,8 @@ from services.scheduler.shell.gateway_lookup import GatewayHitLookup, PrefixLook
 from services.scheduler.shell.service import SchedulerService
 
 # the seam to run a scheduler: what tools (the launcher, the in-process cluster) may use
-__all__ = ["GatewayHitLookup", "SchedulerService", "lookup_client", "serve_scheduler",
-           "start_scheduler", "watch_cluster"]
+__all__ = ["GatewayHitLookup", "SchedulerReplica", "SchedulerService", "lookup_client",
+           "serve_scheduler", "start_scheduler", "watch_cluster"]
 
 if TYPE_CHECKING:
     from services.config import ServicesConfig
@@ -79,12 +82,16 @@ async def start_scheduler(stack: contextlib.AsyncExitStack, cfg: ServicesConfig,
 async def serve_scheduler(stack: contextlib.AsyncExitStack, cfg: ServicesConfig,
                           gateways: Gateways, *, port: int | None = None,
                           replica: str | None = None, metrics_port: int | None = None
-                          ) -> tuple[SchedulerService, dict[str, Any]]:
-    """The scheduler process (elected in etcd mode); its ready-line fields. In etcd mode it
-    returns only once elected, so the ready line means "leader"."""
+                          ) -> tuple[Service, dict[str, Any]]:
+    """The scheduler process (a :class:`SchedulerReplica` in etcd mode); its ready-line
+    fields. In etcd mode it returns only once first elected, so the ready line means
+    "leader"."""
+    svc: SchedulerService | SchedulerReplica
     if cfg.etcd.endpoints:
-        svc, info = await _elected(stack, cfg, gateways, port,
-                                   replica or f"scheduler-{os.getpid()}")
+        svc = SchedulerReplica(cfg, gateways, port, replica or f"scheduler-{os.getpid()}")
+        await stack.enter_async_context(svc)
+        info = {"host": svc.host, "rpc_port": svc.port, "epoch": svc.epoch,
+                "replica": svc.node_id}
     else:
         svc, _ = await start_scheduler(stack, cfg, gateways, port=port)
         info = {"host": svc.host, "rpc_port": svc.port}
@@ -93,26 +100,123 @@ async def serve_scheduler(stack: contextlib.AsyncExitStack, cfg: ServicesConfig,
     return svc, info
 
 
-async def _elected(stack: contextlib.AsyncExitStack, cfg: ServicesConfig, gateways: Gateways,
-                   port: int | None, replica: str) -> tuple[SchedulerService, dict[str, Any]]:
-    election = SchedulerElection(cfg.etcd, replica)
-    await election.check()          # etcd unreachable at start: exit 1 naming it
-    svc, hit_lookup = await start_scheduler(stack, cfg, gateways, port=port, epoch=0,
-                                            node_id=replica)
-    stack.push_async_callback(election.resign)     # a clean stop hands over at once
-    svc.epoch = await election.win(svc.host, svc.port)
-    await watch_cluster(stack, cfg, svc, hit_lookup, gateways)   # the leader watches nodes
-    keeper = asyncio.create_task(_lead_until_lost(election, svc), name="scheduler-lease")
-    stack.callback(keeper.cancel)
-    return svc, {"host": svc.host, "rpc_port": svc.port, "epoch": svc.epoch, "replica": replica}
+class SchedulerReplica(Service):
+    """etcd mode's process: one scheduler replica through every term it wins.
 
+    A term is a fresh standby :class:`SchedulerService` (epoch 0: every call refused) on the
+    replica's port, the campaign, the leader's watch of the registrations, and the leader
+    lease kept until it is lost. Losing it (etcd says it lapsed, the key is gone, or
+    ``etcd.step_down_s`` passed without a renewal) ends the term: that service stops — its
+    live requests fail with ``resubmit`` and nodes re-register, as after any failover — and
+    the replica campaigns again as a fresh standby. It never exits for a lost lease: when etcd
+    stalls longer than the lease, every replica may be deposed in turn, and one leads again as
+    soon as etcd answers, with no supervisor restarting anything (ci73: both replicas exited
+    and no scheduler led for the front's whole resubmit window). A fresh service per term, not
+    a reset one, so nothing a deposed leader held (requests, leases, outboxes, kept results)
+    reaches a later term; the fencing epoch of the later term is higher."""
 
-async def _lead_until_lost(election: SchedulerElection, svc: SchedulerService) -> None:
-    """Keep the leader lease (serving only while etcd confirms it); when it is lost, step down
-    (the process ends, exit status 1)."""
-    reason = await election.keep(svc.lease_unconfirmed, svc.lease_confirmed)
-    log.error("scheduler_stepped_down", epoch=svc.epoch, reason=reason)
-    await svc.stop()
+    name = "scheduler"
+
+    def __init__(self, cfg: ServicesConfig, gateways: Gateways, port: int | None,
+                 replica: str) -> None:
+        super().__init__(replica)
+        self.cfg, self.gateways = cfg, dict(gateways)
+        self.election = SchedulerElection(cfg.etcd, replica)
+        self._port = port                     # None: [scheduler_service] port
+        self._term: contextlib.AsyncExitStack | None = None
+        self.svc: SchedulerService | None = None      # the current term's service
+        self.terms = 0                        # terms won (elections)
+        self.step_downs = 0                   # terms ended by a lost lease
+
+    @property
+    def host(self) -> str:
+        return self._current().host
+
+    @property
+    def port(self) -> int:
+        return self._current().port
+
+    @property
+    def epoch(self) -> int:
+        return self._current().epoch
+
+    def _current(self) -> SchedulerService:
+        if self.svc is None:
+            raise InternalError("the scheduler replica has no term running")
+        return self.svc
+
+    def stats(self) -> dict[str, float]:
+        """The current term's scheduler stats (its counters start at 0 each term) plus the
+        replica's ``terms`` and ``step_downs`` and the term's ``epoch``."""
+        out = self.svc.stats() if self.svc is not None else {}
+        return {**out, "terms": float(self.terms), "step_downs": float(self.step_downs),
+                "epoch": float(self.svc.epoch if self.svc is not None else 0)}
+
+    async def on_start(self) -> None:
+        await self.election.check()          # etcd unreachable at start: exit 1 naming it
+        await self._campaign(self._port)
+
+    def loops(self):
+        return [self._lead]
+
+    async def on_stop(self) -> None:
+        await self._end_term()
+        await self.election.resign()         # a clean stop hands over at once
+
+    async def _lead(self) -> None:
+        """Keep the lease while the term's service runs; a lost lease ends the term and
+        starts the next campaign. The service stopping on its own (a fatal loop error) ends
+        the replica (exit 1)."""
+        while True:
+            svc = self._current()
+            keep = asyncio.ensure_future(self.election.keep(svc.lease_unconfirmed,
+                                                            svc.lease_confirmed))
+            stopped = asyncio.ensure_future(svc.wait_stopped())
+            try:
+                await asyncio.wait((keep, stopped), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                keep.cancel()
+                stopped.cancel()
+            if not keep.done() or keep.cancelled():
+                raise InternalError(f"the scheduler stopped on its own (status "
+                                    f"{svc.status.value}) while it led epoch {svc.epoch}")
+            self.step_downs += 1
+            self.log.error("scheduler_stepped_down", epoch=svc.epoch, reason=keep.result(),
+                           then="campaigning again as a standby")
+            port = svc.port
+            await self._end_term()
+            await self.election.release()
+            await self._campaign(port)
+
+    async def _campaign(self, port: int | None) -> None:
+        """A new term: a standby service on ``port`` (the last term's, or any free one when
+        another process took it), elected, watching the registrations."""
+        term = contextlib.AsyncExitStack()
+        try:
+            try:
+                svc, hit_lookup = await start_scheduler(term, self.cfg, self.gateways,
+                                                        port=port, epoch=0,
+                                                        node_id=self.node_id)
+            except OSError as e:
+                if port in (self._port, 0, None):
+                    raise
+                self.log.warning("scheduler_port_taken", port=port, error=str(e))
+                svc, hit_lookup = await start_scheduler(term, self.cfg, self.gateways,
+                                                        port=self._port, epoch=0,
+                                                        node_id=self.node_id)
+            self._term, self.svc = term, svc
+            svc.epoch = await self.election.win(svc.host, svc.port)
+            await watch_cluster(term, self.cfg, svc, hit_lookup, self.gateways)
+        except BaseException:
+            await term.aclose()
+            self._term = None
+            raise
+        self.terms += 1
+
+    async def _end_term(self) -> None:
+        term, self._term = self._term, None
+        if term is not None:
+            await term.aclose()
 
 
 # --------------------------------------------------------------------------- discovery

@@ -21,7 +21,7 @@ class EtcdConfig(Section):
     lease_s: PositiveInt = 2                   # leader lease (etcd TTLs are whole seconds)
     poll_s: FinitePositiveFloat = 0.2          # a standby looks for a vacant leader key this often
     dial_timeout_s: FinitePositiveFloat = 2.0  # one etcd call (then the next endpoint)
-    step_down_s: FinitePositiveFloat = 10.0    # a leader unconfirmed this long exits (>= lease_s)
+    step_down_s: FinitePositiveFloat = 10.0    # a leader unconfirmed this long steps down (>= lease_s)
 
     def __post_init__(self) -> None:
         if self.step_down_s < self.lease_s:

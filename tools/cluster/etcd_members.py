@@ -52,7 +52,10 @@ class EtcdMembers:
                 "--initial-cluster", cluster, "--initial-cluster-state", "new",
                 "--initial-cluster-token", f"dualpath-test-{os.getpid()}",
                 "--heartbeat-interval", "100", "--election-timeout", "1000",
-                "--log-level", "error"]
+                # warnings name what made etcd slow ("apply request took too long", "slow
+                # fdatasync", "failed to send out heartbeat on time"): a test failing on an
+                # unanswered etcd shows them in its log dump (docs/contributing.md flakes)
+                "--logger", "zap", "--log-level", "warn"]
 
     def _spawn(self, i: int) -> None:
         log = open(self.root / f"m{i}.log", "ab")

@@ -14,7 +14,8 @@ With ``[etcd] endpoints`` set, two or more scheduler replicas run; one is the le
 * **Stepping down.** A leader that cannot renew its lease for ``lease_s`` stops serving (it
   may have been deposed); a renewal that finds the lease alive lets it serve on with the same
   epoch (etcd's own leader change, a member lost); the lease gone in etcd, or no renewal for
-  ``step_down_s`` (etcd lost, or partitioned from it), ends it (``keep``).
+  ``step_down_s`` (etcd lost, or partitioned from it), ends the term (``keep``): the replica
+  drops everything it led and campaigns again as a standby (``app.SchedulerReplica``).
 * **Discovery.** The key's value is the leader's RPC address; frontends and nodes resolve it
   before each connection attempt (:class:`LeaderResolver`, ``RpcClient(resolve=...)``).
 
@@ -244,10 +245,17 @@ class SchedulerElection:
             return "leader key deleted or replaced in etcd"
         return None
 
+    async def release(self) -> None:
+        """Give the lease up (best effort: after a lost lease etcd may not answer, or the lease
+        is gone already) and forget it, keeping the client: a replica that stepped down
+        campaigns again with a fresh lease (``SchedulerReplica``)."""
+        lease, self._lease = self._lease, None
+        self.epoch = 0
+        if lease is not None:
+            with contextlib.suppress(Unavailable):
+                await self.etcd.call(lambda c: c.revoke_lease(lease.id))
+
     async def resign(self) -> None:
         """Give leadership up at once (a clean stop): the standby need not wait the lease."""
-        if self._lease is not None:
-            with contextlib.suppress(Unavailable):
-                await self.etcd.call(lambda c: c.revoke_lease(self._lease.id))
-            self._lease = None
+        await self.release()
         await self.etcd.close()

@@ -240,6 +240,36 @@ async def test_a_leader_frozen_past_its_lease_is_deposed_rejoins_and_leads_once_
                 reap(proc)
 
 
+async def test_a_term_that_fails_on_its_own_ends_the_replica_and_a_clean_stop_resigns(etcd):
+    """A lost lease starts a new term; the term's scheduler failing on its own (a fatal loop
+    error) does not: the replica stops FAILED (exit 1 under ``serve_process``, so a supervisor
+    restarts it). A replica stopped cleanly revokes its lease: etcd names no leader at once."""
+    from common.service import Status as ServiceStatus
+    from services.scheduler.app import SchedulerReplica
+    cfg = msgspec.structs.replace(make_cfg(), etcd=EtcdConfig(endpoints=etcd.endpoints))
+    resolver = LeaderResolver(EtcdConfig(endpoints=etcd.endpoints))
+    try:
+        failing = SchedulerReplica(cfg, {}, 0, "replica-a")
+        await failing.start()                         # returns once elected
+        assert failing.epoch > 0 and failing.terms == 1
+        assert await resolver() == (failing.host, failing.port)
+        await failing.svc.stop()                      # the term's service ends on its own
+        await asyncio.wait_for(failing.wait_stopped(), 30)
+        assert failing.status is ServiceStatus.FAILED and failing.step_downs == 0
+        with pytest.raises(Unavailable):              # and it resigned on the way out
+            await resolver()
+
+        clean = SchedulerReplica(cfg, {}, 0, "replica-b")
+        await clean.start()
+        assert clean.stats()["terms"] == 1.0 and clean.stats()["epoch"] > failing.epoch
+        await clean.stop()
+        assert clean.status is ServiceStatus.CLOSED
+        with pytest.raises(Unavailable):
+            await resolver()
+    finally:
+        await resolver.close()
+
+
 def test_etcd_unreachable_at_start_fails_naming_the_endpoint(tmp_path):
     dead = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "DUALPATH__ETCD__ENDPOINTS": json.dumps([dead]),

@@ -5,11 +5,13 @@ a renewal that works again confirms the lease and the loop goes on."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 from structlog.testing import capture_logs
 
 from common.errors import Unavailable
-from services.scheduler.etcd.election import RETRY_FIRST_S, SchedulerElection
+from services.scheduler.etcd.election import RETRY_FIRST_S, RETRY_LOG_S, SchedulerElection
 from services.scheduler.service_config import EtcdConfig
 
 
@@ -56,3 +58,28 @@ async def test_a_renewal_that_works_again_confirms_and_the_loop_goes_on():
     reason = await asyncio.wait_for(elec.keep(doubts.append, confirmed.append), 20)
     assert reason == "leader lease expired in etcd" and outcomes == []
     assert doubts and len(confirmed) == 1 and confirmed[0] > 0
+
+
+async def test_a_campaign_against_an_unreachable_etcd_polls_and_logs_once_a_second():
+    """A replica that stepped down campaigns through an etcd outage: every poll_s, each
+    failure counted, the warning at most once a second — then it wins when etcd answers."""
+    elec = SchedulerElection(EtcdConfig(endpoints=["127.0.0.1:1"], poll_s=0.01), "s0")
+    outcomes: list[object] = [Unavailable("etcd: connection refused")] * 150 + [None, 42]
+
+    async def campaign() -> int | None:
+        got = outcomes.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got                                      # type: ignore[return-value]
+
+    elec._campaign = campaign                            # type: ignore[method-assign]
+    t0 = time.monotonic()
+    with capture_logs() as logs:
+        epoch = await asyncio.wait_for(elec.win("127.0.0.1", 1), 60)
+    took = time.monotonic() - t0
+    assert epoch == 42 == elec.epoch and outcomes == []
+    warned = [e for e in logs if e["event"] == "election_etcd_unreachable"]
+    # one warning per RETRY_LOG_S at most, however slow the loop ran (150 failures: >= 1.5 s)
+    assert 1 <= len(warned) <= math.ceil(took / RETRY_LOG_S) + 1 < 150, (len(warned), took)
+    assert [e["failures"] for e in warned] == sorted(e["failures"] for e in warned)
+    assert warned[0]["failures"] == 1 and warned[-1]["failures"] <= 150

@@ -157,11 +157,18 @@ class SchedulerElection:
         """Campaign until this replica leads; its epoch (the key's create revision)."""
         self._value = json.dumps({"host": host, "port": port, "node_id": self.node_id,
                                   "started": time.time()}).encode()
+        failures, next_log = 0, 0.0
         while True:
             try:
                 epoch = await self._campaign()
             except Unavailable as e:
-                log.warning("election_etcd_unreachable", error=e.message)
+                # a refused connection fails at once, every poll_s: counted, logged once a
+                # second (a replica that stepped down campaigns through the whole outage)
+                failures += 1
+                now = time.monotonic()
+                if now >= next_log:
+                    log.warning("election_etcd_unreachable", error=e.message, failures=failures)
+                    next_log = now + RETRY_LOG_S
                 epoch = None
             if epoch is not None:
                 self.epoch = epoch

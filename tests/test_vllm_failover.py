@@ -30,12 +30,13 @@ import asyncio
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import require_etcd
-from tests.test_vllm_faults import Agents, check_answered, front_in_flight
+from tests.test_vllm_faults import Agents, check_answered, front_in_flight, wait_dead
 from tests.vllm_env import require_vllm
 from tools.cluster.chaos import ChaosLauncher
 from tools.cluster.etcd_members import EtcdMembers
@@ -77,15 +78,17 @@ async def test_standby_takes_over_a_killed_leader_under_real_engines(tmp_path):
         # lease during turn 1 may have deposed the first one already (ci70), which then
         # stepped down and campaigns again as a standby (services.scheduler.app)
         first = state.proc("scheduler")
-        by_port = {int(first.rpc_port): first.pid, argv_port(standby.proc.args): standby.pid}
+        # port → (pid, wait until it is dead): the launcher's process, and our own child
+        by_port = {int(first.rpc_port): (first.pid, partial(wait_dead, first)),
+                   argv_port(standby.proc.args): (standby.pid, partial(standby.proc.wait, 60))}
         lead = await poll_until(leader_port(etcd.endpoints), ELECTED_S)
         assert lead in by_port, f"etcd names a leader on port {lead}, none of {by_port}"
         (other,) = set(by_port) - {lead}
         turn = asyncio.create_task(agents.turn(0))
         await front_in_flight(front)
         t_kill = time.monotonic()
-        os.kill(by_port[lead], signal.SIGKILL)
-        await asyncio.to_thread(wait_pid_dead, by_port[lead])
+        os.kill(by_port[lead][0], signal.SIGKILL)
+        await asyncio.to_thread(by_port[lead][1])
         assert await poll_until(leader_is(etcd.endpoints, other), ELECTED_S), \
             f"the other replica was not elected within {ELECTED_S} s"
         t_elected = time.monotonic() - t_kill
@@ -99,8 +102,8 @@ async def test_standby_takes_over_a_killed_leader_under_real_engines(tmp_path):
         spawned.append(standby)
         os.kill(standby.pid, signal.SIGSTOP)
         try:
-            os.kill(by_port[other], signal.SIGKILL)
-            await asyncio.to_thread(wait_pid_dead, by_port[other])
+            os.kill(by_port[other][0], signal.SIGKILL)
+            await asyncio.to_thread(by_port[other][1])
             assert await poll_until(no_leader(etcd.endpoints), ELECTED_S), \
                 "the dead leader's key outlived its etcd lease"
             in_the_gap = asyncio.create_task(agents.turn(1))
@@ -134,20 +137,6 @@ def argv_port(argv: list[str]) -> int:
     return int(argv[argv.index("--port") + 1])
 
 
-def wait_pid_dead(pid: int, timeout_s: float = 60.0) -> None:
-    """Until ``pid`` is gone or a zombie (a SIGKILLed child its parent has not reaped)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} did not die"
-        time.sleep(0.05)
-
-
 def leader_port(endpoints: list[str]):
     """A probe: the port of the scheduler leader etcd names (None while there is none)."""
     from common.errors import Unavailable
@@ -175,17 +164,8 @@ def leader_is(endpoints: list[str], port: int):
 
 def no_leader(endpoints: list[str]):
     """A probe: True once etcd holds no scheduler leader (the dead one's lease lapsed)."""
-    from common.errors import Unavailable
-    from services.scheduler.client.leader import LeaderResolver
-    from services.scheduler.service_config import EtcdConfig
+    probe = leader_port(endpoints)
 
-    async def probe() -> bool:
-        resolver = LeaderResolver(EtcdConfig(endpoints=endpoints))
-        try:
-            await resolver()
-            return False
-        except Unavailable:
-            return True
-        finally:
-            await resolver.close()
-    return probe
+    async def none() -> bool:
+        return await probe() is None
+    return none

@@ -99,8 +99,9 @@ def command(pid: int, name: str, width: int = 80) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return name
-    text = " ".join(Path(argv[0].decode(errors="replace")).name.split() +
-                    [a.decode(errors="replace") for a in argv[1:] if a])
+    words = [Path(argv[0].decode(errors="replace")).name,
+             *(a.decode(errors="replace") for a in argv[1:] if a)]
+    text = " ".join(w for w in words if w)
     return (text or name)[:width]
 
 

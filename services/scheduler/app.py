@@ -177,7 +177,7 @@ class SchedulerReplica(Service):
             finally:
                 keep.cancel()
                 stopped.cancel()
-            if not keep.done() or keep.cancelled():
+            if not keep.done():
                 raise InternalError(f"the scheduler stopped on its own (status "
                                     f"{svc.status.value}) while it led epoch {svc.epoch}")
             self.step_downs += 1

@@ -395,7 +395,8 @@ def test_peer_failure_is_the_pes_retryable_fault_and_reported():
     err = t.error
     assert isinstance(err, PeerFailed) and err.hop == "pe_receiver" and err.retryable
     assert acts[1] == Report("failed", {"code": "PEER_FAILED", "message": err.message,
-                                        "retryable": True, "hop": "pe_receiver", "read_bytes": 0})
+                                        "retryable": True, "hop": "pe_receiver", "read_bytes": 0,
+                                        "de_read_bytes": 0})
     assert acts[0].event == "decode_attempt_failed" and acts[-1] == Release()
     assert t.counters["attempts_failed"] == 1
     with pytest.raises(PeerFailed):
@@ -426,6 +427,29 @@ def test_drop_and_deadline_are_not_reported():
     s, _ = prepared(info())
     s.stale("allocated")
     assert "after allocated" in s.dropped_reason
+
+
+@pytest.mark.parametrize("end", ["revoked", "stale", "deadline", "failed"])
+def test_an_attempt_that_read_its_hit_tells_what_it_read_however_it_ends(end):
+    """The PE's own report carries the DE's read only once this side answered; a DE dropped
+    before that (the PE gave up first, a revocation, its deadline) reports the bytes itself
+    — as ``dropped``, never as a failure of its own — so a retry's re-read is accounted."""
+    t, _ = prepared(info(prompt=300, hit=256))
+    t.hit_blocks_read(3, nbytes=3 * BT * B * L + 5)         # the gateway's own count
+    read = {"read_bytes": 3 * BT * B * L + 5, "de_read_bytes": 3 * BT * B * L + 5}
+    acts = {"revoked": lambda: t.drop("revoked"), "stale": lambda: t.stale("allocated"),
+            "deadline": t.deadline,
+            "failed": lambda: t.peer_failed(Cancelled("the PE's side cancelled"))}[end]()
+    reports = [a for a in acts if isinstance(a, Report)]
+    if end == "failed":
+        assert reports == [Report("failed", {"code": "PEER_FAILED", "message": t.error.message,
+                                             "retryable": True, "hop": "pe_receiver",
+                                             **read})]
+    else:
+        assert reports == [Report("dropped", read)] and acts[-1] == Release()
+    assert t.drop("again") == [] and t.deadline() == []           # told once
+    unread, _ = prepared(info())
+    assert unread.drop("revoked") == [Release()]                  # nothing read: nothing said
 
 
 def test_nothing_aborts_an_attempt_already_releasing():

@@ -413,7 +413,7 @@ def test_deadline_while_allocating_names_the_pe_buffer():
                                                   "error": err.message}),
         Report("failed", {"code": "DEADLINE_EXCEEDED", "message": err.message,
                           "retryable": True, "hop": "pe_buffer",
-                          "read_bytes": 0})]
+                          "read_bytes": 0, "pe_read_bytes": 0})]
     assert t.release() == []                                 # nothing allocated
 
 
@@ -500,7 +500,8 @@ def test_cancelled_task_counts_as_dropped():
     setup(t)
     assert kinds(t.cancelled()) == ["Abort"] and t.dropped_reason == "cancelled"
     assert t.error.hop == "pe_receiver" and t.cancelled() == []
-    assert t.finished_failed() == [Count("attempts_dropped")]
+    read = {"read_bytes": HIT * B * L, "pe_read_bytes": HIT * B * L}    # its hit, read
+    assert t.finished_failed() == [Count("attempts_dropped"), Report("dropped", read)]
 
 
 def test_paced_loads_stop_after_a_failure():
@@ -551,6 +552,30 @@ def test_split_read_pulls_only_the_des_part_and_forwards_the_rest_of_the_hit_wit
     assert t.output_range(0) == (HIT, PROMPT)
     # layer 0 goes back from the split on: this node's part of the hit and the new tokens
     assert t.engine_put(0) == [SendLayer(0, returns([0], SPLIT)[0], SPLIT, PROMPT)]
+
+
+@pytest.mark.parametrize("ends", ["failed", "dropped"])
+@pytest.mark.parametrize("de_answered", [False, True])
+def test_a_split_attempt_that_ends_reports_its_own_part_beside_what_it_knows(ends, de_answered):
+    """Before the DE's first pull reply this node knows only its own part; after it, both.
+    Either way its own part goes separately, so the scheduler adds the DE's report to it
+    instead of keeping the larger of the two (the parts of one split read add up)."""
+    t = split_core()
+    split_setup(t, nbytes=777)
+    if de_answered:
+        t.pull_replied((0,), SPLIT, returns([0], SPLIT))
+    if ends == "failed":
+        t.failed(PeerFailed("DE gone"), "de_loader")
+    else:
+        t.dropped("revoked")
+    known = 777 + (SPLIT * B * L if de_answered else 0)
+    reads = {"read_bytes": known, "pe_read_bytes": 777}
+    reports = [a for a in t.finished_failed() if isinstance(a, Report)]
+    if ends == "failed":
+        assert [(r.stage, {k: r.fields[k] for k in reads}) for r in reports] == [
+            ("failed", reads)]
+    else:
+        assert reports == [Report("dropped", reads)]
 
 
 def test_split_read_with_a_short_pe_part_ends_the_hit_at_its_gap():

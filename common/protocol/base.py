@@ -11,7 +11,9 @@ import msgspec
 # (scheduler restart: docs/frontend-api.md)
 # 3: read side "split"; RequestPlan .split_tokens/.split_gateway, PrepareDecode .split_tokens,
 # RequestPlaced .split_tokens (docs/datapath.md "Split reads")
-PROTOCOL_VERSION = 3
+# 4: ReportProgress .pe_read_bytes/.de_read_bytes and stage "dropped" (a failed or dropped
+# attempt's storage reads add up per side: docs/frontend-api.md "Retried attempts re-read")
+PROTOCOL_VERSION = 4
 
 # Where a request's hit KV is read from storage (paper §4): through the PE's own gateway, through
 # the DE's (which then streams the layers to the PE), split between the two (the DE reads the

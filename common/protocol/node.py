@@ -197,7 +197,7 @@ class FetchWorkReply(Message, tag="sched.node.fetch.reply", frozen=True):
 # point). A Literal so a stage the scheduler does not know fails at decode, as a typed
 # INVALID_ARGUMENT, before any handler runs.
 Stage = Literal["allocated", "read_done", "prefill_done", "first_token", "second_token",
-                "finished", "failed"]
+                "finished", "failed", "dropped"]
 
 
 class ReportProgress(Message, tag="sched.node.progress", frozen=True):
@@ -208,9 +208,17 @@ class ReportProgress(Message, tag="sched.node.progress", frozen=True):
     "finished" (``tokens`` generated), "failed" (``code``, ``message``, ``retryable``, and
     the failed ``hop``, e.g. "gateway", "de_loader", "engine").
 
-    ``read_bytes`` (with "failed"): storage bytes the attempt read before it failed, as the
-    gateway counted them (the PE's read on the PE path, the DE's hit read on the DE path;
-    0 when nothing was read). A retry reads again, so the replay's storage check adds these
+    "dropped" (v4): the node let go of an attempt it was told to drop (a revocation, the
+    PE's ``AbortDecode``) after its storage read had finished; it carries only the read
+    counts below and moves nothing (the reply is always ``current=False``).
+
+    ``read_bytes`` (with "failed" / "dropped"): storage bytes the attempt read, as the
+    gateway counted them, as far as this node knows (the PE's read on the PE path, the DE's
+    hit read on the DE path, the PE's count includes the DE's once the DE answered; 0 when
+    nothing was read). ``pe_read_bytes`` / ``de_read_bytes`` (v4): this node's *own* read,
+    by the side it read for. The scheduler charges the attempt max(``read_bytes``, PE part
+    + DE part) over all reports of it, so a split read's two parts add up and a dropped
+    node's read still counts. A retry reads again, so the replay's storage check adds these
     to the final attempts' hits (docs/frontend-api.md, "Retried attempts re-read").
     """
 
@@ -228,6 +236,9 @@ class ReportProgress(Message, tag="sched.node.progress", frozen=True):
     # v2: ``RegisterNodeReply.scheduler_epoch`` of the scheduler that planned the attempt
     # (0: the current one). A report from an earlier incarnation is a redelivered result.
     scheduler_epoch: int = 0
+    # v4: this node's own part of ``read_bytes``, by the side it read for
+    pe_read_bytes: int = 0
+    de_read_bytes: int = 0
 
 
 class ReportProgressReply(Message, tag="sched.node.progress.reply", frozen=True):

@@ -443,26 +443,34 @@ class DecodeTransfer:
             out.append(Report("failed", {"code": err.code.value, "message": err.message[:500],
                                          "retryable": err.retryable,
                                          "hop": hop or "de_loader",
-                                         "read_bytes": self.read_bytes}))
+                                         "read_bytes": self.read_bytes,
+                                         "de_read_bytes": self.read_bytes}))
         return [*out, Release()]
 
     def drop(self, reason: str) -> list[Action]:
-        """Revocation / ``AbortDecode``: the PE or scheduler knows, nothing is reported."""
+        """Revocation / ``AbortDecode``: the PE or scheduler knows, so no failure is
+        reported — only what this side read, if it read (a retry re-reads it, and the PE's
+        own report carries it only once this side answered)."""
         if self.error is not None or self.done:
             return []
         self.dropped_reason = reason
         self.counters["attempts_dropped"] += 1
-        return self.abort(with_hop(Cancelled(f"attempt dropped: {reason}"), "scheduler"),
-                          report=False)
+        return self._reads_of_unreported() + self.abort(
+            with_hop(Cancelled(f"attempt dropped: {reason}"), "scheduler"), report=False)
+
+    def _reads_of_unreported(self) -> list[Action]:
+        """An attempt ended without a failure report still tells what its read took."""
+        return [Report("dropped", {"read_bytes": self.read_bytes,
+                                   "de_read_bytes": self.read_bytes})] if self.read_bytes else []
 
     def stale(self, stage: str) -> list[Action]:
         """The scheduler answered a report: this attempt is no longer current."""
         return self.drop(f"scheduler: attempt no longer current (after {stage})")
 
     def deadline(self) -> list[Action]:
-        if self.state == "done" or self.done:
+        if self.state == "done" or self.done or self.error is not None:
             return []
-        return self.abort(with_hop(DeadlineExceeded(
+        return self._reads_of_unreported() + self.abort(with_hop(DeadlineExceeded(
             f"{self.name} passed its deadline on the DE loader ({self.state})"), "de_loader"),
             report=False)
 

@@ -43,7 +43,7 @@ class OrderedReports:
                  on_stale: Callable[[str], object]) -> None:
         self._report, self._rid, self._attempt, self._on_stale = \
             report, request_id, attempt, on_stale
-        # bounded: an attempt reports each of the 7 stages at most once
+        # bounded: an attempt reports each of the 8 stages at most once
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=16)
         self._task: asyncio.Task | None = None
 
@@ -57,7 +57,7 @@ class OrderedReports:
             stage, kw = await self._queue.get()
             try:
                 if not await self._report(self._rid, self._attempt, stage, **kw) \
-                        and stage not in ("failed", "finished"):
+                        and stage not in ("failed", "finished", "dropped"):
                     self._on_stale(stage)
             finally:
                 self._queue.task_done()

@@ -456,16 +456,18 @@ class PrefillTransfer:
         err = self.error
         if err is None:
             raise InternalError("finished_failed() of an attempt without an error")
+        reads = {"read_bytes": self.read_bytes, "pe_read_bytes": self._pe_read_bytes}
         if self.dropped_reason is not None:
-            return [Count("attempts_dropped")]
+            # the scheduler or the DE ended it; what was read still counts (a retry re-reads)
+            acts: list[Action] = [Count("attempts_dropped")]
+            return acts + [Report("dropped", reads)] if self.read_bytes else acts
         hop = getattr(err, "hop", None)
         return [Count("attempts_failed"),
                 Log("warning", "prefill_attempt_failed", {
                     "request_id": self.info.request_id, "attempt": self.info.attempt,
                     "hop": hop, "code": err.code.value, "error": err.message}),
                 Report("failed", {"code": err.code.value, "message": err.message[:500],
-                                  "retryable": err.retryable, "hop": hop,
-                                  "read_bytes": self.read_bytes})]
+                                  "retryable": err.retryable, "hop": hop, **reads})]
 
     def release(self) -> list[Action]:
         """What the release does once the attempt's tasks ended, in order: wait for the

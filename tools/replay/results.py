@@ -203,10 +203,10 @@ def _interp(pts: list[tuple[float, float]], t: float) -> float:
 
 
 def _cut_off(a: Any) -> bool:
-    """An attempt failed by the scheduler because its node stopped answering (not reported by
-    the node itself, so its partial storage read is unknown)."""
-    return a.outcome == "failed" and a.hop == "scheduler" and a.code == "PEER_FAILED" \
-        and a.read_bytes == 0
+    """An attempt failed by the scheduler because a node stopped answering: that node never
+    reported, so its partial storage read is unknown (the other node's ``dropped`` report may
+    still have counted its own part)."""
+    return a.outcome == "failed" and a.hop == "scheduler" and a.code == "PEER_FAILED"
 
 
 _READS = ("pe", "de", "split")            # the read sides that read storage

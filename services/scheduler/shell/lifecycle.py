@@ -87,9 +87,9 @@ class RequestLifecycle:
                 True))
 
     def close_attempt(self, rs: RequestState, outcome: str, hop: str, code: str,
-                      message: str, read_bytes: int = 0) -> None:
+                      message: str) -> None:
         """Record how the current attempt ended (once); a failure is counted per hop/code."""
-        rec = rs.close_attempt(outcome, hop, code, message, read_bytes)
+        rec = rs.close_attempt(outcome, hop, code, message)
         if rec is None or outcome != "failed":
             return
         self.counters["attempts_failed"] += 1

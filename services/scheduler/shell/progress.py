@@ -42,18 +42,24 @@ class ProgressReports:
 
     async def on_progress(self, msg: ReportProgress, ctx: CallContext) -> ReportProgressReply:
         stage = self._stages.get(msg.stage)
-        if stage is None:
-            raise InvalidArgument(f"unknown stage {msg.stage[:40]!r}; one of {list(self._stages)}")
-        if msg.tokens < 0:
-            raise InvalidArgument(f"tokens={msg.tokens} must be >= 0")
+        if stage is None and msg.stage != "dropped":
+            raise InvalidArgument(f"unknown stage {msg.stage[:40]!r}; one of "
+                                  f"{[*self._stages, 'dropped']}")
+        for name in ("tokens", "read_bytes", "pe_read_bytes", "de_read_bytes"):
+            if getattr(msg, name) < 0:
+                raise InvalidArgument(f"{name}={getattr(msg, name)} must be >= 0")
         self.gate.check_leading()
         if msg.scheduler_epoch not in (0, self.gate.epoch):
             return self._earlier_report(msg)
         rs = self.table.get(msg.request_id)
+        if rs is not None and msg.stage in ("failed", "dropped"):
+            # what the attempt read counts whether or not the attempt is still current
+            rs.count_read(msg.attempt, msg.read_bytes, msg.pe_read_bytes, msg.de_read_bytes)
+        if stage is None:                   # "dropped": a read count only, nothing moves
+            self.counters["dropped_reports"] += 1
+            return ReportProgressReply(False, self._status(msg.request_id))
         if rs is None or rs.attempt != msg.attempt or self.core.held(rs.request_id) is None:
             self.counters["stale_reports"] += 1
-            if rs is not None and msg.stage == "failed":
-                rs.late_failure(msg.attempt, msg.read_bytes)
             return ReportProgressReply(False, self._status(msg.request_id))
         if rs.assignment is None and msg.stage != "failed":
             raise InvalidArgument(f"stage {msg.stage!r} for request {rs.request_id!r} attempt "
@@ -128,8 +134,7 @@ class ProgressReports:
         code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value
         where = (msg.hop[:80] or "node") + (f" on {msg.node_id[:80]}" if msg.node_id else "")
         reason = f"{where} failed attempt {rs.attempt}: {code}: {msg.message[:500]}"
-        self.lifecycle.close_attempt(rs, "failed", msg.hop or "node", code, msg.message,
-                                     msg.read_bytes)
+        self.lifecycle.close_attempt(rs, "failed", msg.hop or "node", code, msg.message)
         if not msg.retryable:
             self.lifecycle.end(rs, Status.FAILED, rs.failed_event(code, reason, False))
             return

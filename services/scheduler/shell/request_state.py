@@ -156,7 +156,7 @@ class RequestState:
                  "t_submit", "t_placed", "t_dispatched", "t_allocated", "t_read", "t_first",
                  "t_second", "assignment", "de_engine", "de_node", "de_group", "pe_group",
                  "deadline", "hbm_bytes", "attempts", "hit_lookup_failed",
-                 "hit_shortfall_tokens")
+                 "hit_shortfall_tokens", "reads")
 
     def __init__(self, sub: Submission, conn_id: int, now: float, deadline: float | None) -> None:
         self.sub = sub
@@ -176,6 +176,9 @@ class RequestState:
         self.pe_group: str | None = None  # PE group that got this attempt's plan
         # How each ended attempt went; bounded by scheduler.max_replans (+1 for the last).
         self.attempts: list[AttemptRecord] = []
+        # What nodes reported an attempt read, by attempt: [the largest total a node knew,
+        # the PE's own part, the DE's own part] (one entry per attempt: as bounded as above)
+        self.reads: dict[int, list[int]] = {}
         self._reset_attempt()
 
     @property
@@ -228,24 +231,41 @@ class RequestState:
         if not keep_de:
             self.de_engine = self.de_node = None
 
-    def close_attempt(self, outcome: str, hop: str = "", code: str = "", message: str = "",
-                      read_bytes: int = 0) -> AttemptRecord | None:
-        """Record how the current attempt ended; None when it was recorded already."""
+    def close_attempt(self, outcome: str, hop: str = "", code: str = "",
+                      message: str = "") -> AttemptRecord | None:
+        """Record how the current attempt ended; None when it was recorded already. An
+        attempt that did not finish is charged what its nodes reported reading (a finished
+        one's read is the request's hit)."""
         if self.attempts and self.attempts[-1].attempt >= self.attempt:
             return None
         a = self.assignment
+        read = 0 if outcome == "finished" else self.read_bytes(self.attempt)
         rec = AttemptRecord(self.attempt, a.pe_node if a else "", self.de_node or "",
                             a.read_side.value if a else "", self.progress().value, outcome,
-                            hop[:80], code, message[:500], max(read_bytes, 0))
+                            hop[:80], code, message[:500], read)
         self.attempts.append(rec)
         return rec
 
-    def late_failure(self, attempt: int, read_bytes: int) -> None:
-        """A failure report of an attempt that ended already (the other node's, or after a
-        re-plan): both describe the same read, so the larger count is kept."""
-        for i, rec in enumerate(self.attempts):
-            if rec.attempt == attempt and read_bytes > rec.read_bytes:
-                self.attempts[i] = msgspec.structs.replace(rec, read_bytes=read_bytes)
+    def count_read(self, attempt: int, read_bytes: int, pe_bytes: int, de_bytes: int) -> None:
+        """A node's account of what ``attempt`` read (its ``failed`` or ``dropped`` report,
+        current or late): ``read_bytes`` the total it knew, ``pe_bytes`` / ``de_bytes`` its
+        own part. The PE's total includes the DE's part only once the DE answered, so the
+        parts of a split read — or a DE read whose PE gave up first — are added, never
+        the larger taken. A report of an attempt this request never ran is ignored."""
+        i = next((i for i, r in enumerate(self.attempts) if r.attempt == attempt), None)
+        if i is None and attempt != self.attempt:
+            return
+        seen = self.reads.setdefault(attempt, [0, 0, 0])
+        for k, n in enumerate((read_bytes, pe_bytes, de_bytes)):
+            seen[k] = max(seen[k], n)
+        if i is not None and self.attempts[i].outcome != "finished":
+            self.attempts[i] = msgspec.structs.replace(self.attempts[i],
+                                                       read_bytes=self.read_bytes(attempt))
+
+    def read_bytes(self, attempt: int) -> int:
+        """Storage bytes ``attempt`` read, as its nodes reported them (0: none reported)."""
+        total, pe, de = self.reads.get(attempt, (0, 0, 0))
+        return max(total, pe + de)
 
     def attach(self, conn_id: int) -> asyncio.Queue:
         """A resubmission of this live request takes over its event stream.

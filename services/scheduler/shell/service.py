@@ -65,9 +65,9 @@ COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded",
             "rejected_invalid", "rejected_overload", "registrations", "leases_expired",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
             "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
-            "attempts_failed", "resubmits", "detached", "results_kept", "results_recovered",
-            "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone", "lease_sweeps_stalled",
-            "lease_unconfirmed")
+            "dropped_reports", "attempts_failed", "resubmits", "detached", "results_kept",
+            "results_recovered", "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone",
+            "lease_sweeps_stalled", "lease_unconfirmed")
 
 # stats() keys the metrics floor (common.metrics) turns into labelled series: live requests per
 # status, and the core's planned reads per node and per read side

@@ -138,10 +138,11 @@ class DecodeAttempt:
         self._sends.append(a)
 
     async def _allocate(self, tokens: int, owner: str, **kw: Any) -> Any:
-        """Pages from the DE buffer; given straight back if the attempt ended meanwhile."""
+        """Pages from the DE buffer; given straight back if the attempt ended meanwhile, or if
+        the handler asking for them was cancelled the moment they came (``guard``'s undo)."""
         region = await self.sub.guard(self.io.regions.allocate(
             self.spec, tokens, owner, min(self.remaining, self.settings.alloc_timeout_s),
-            **kw))
+            **kw), undo=self.io.regions.free)
         if self.core.ending:
             self.io.regions.free(region)
             self._check()

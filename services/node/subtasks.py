@@ -38,13 +38,23 @@ class SubTasks:
         task.add_done_callback(owner.discard)
         return task
 
-    async def guard(self, coro: Coroutine[Any, Any, Any]) -> Any:
+    async def guard(self, coro: Coroutine[Any, Any, Any],
+                    undo: Callable[[Any], object] | None = None) -> Any:
         """Run ``coro`` as a sub-task :meth:`stop` can cancel; its cancellation by a failure
-        reaches the caller as the attempt's typed error (an RPC handler then replies it)."""
+        reaches the caller as the attempt's typed error (an RPC handler then replies it).
+
+        ``undo(result)`` gives back what ``coro`` acquired when the caller itself is
+        cancelled after ``coro`` finished but before the caller resumed — asyncio then raises
+        ``CancelledError`` in the caller and the result would be lost (pages allocated for a
+        ``PrepareDecode`` whose call was cancelled in that instant: the PE died, or gave up).
+        """
         task = self.spawn(coro)
         try:
             return await task
         except asyncio.CancelledError:
+            if undo is not None and task.done() and not task.cancelled() \
+                    and task.exception() is None:
+                undo(task.result())
             me, err = asyncio.current_task(), self._error()
             if (me is not None and me.cancelling()) or err is None:
                 raise

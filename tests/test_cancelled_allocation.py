@@ -4,7 +4,8 @@ asyncio raises ``CancelledError`` in a task cancelled after the sub-task it awai
 but before it resumed, and the sub-task's result is lost. For the DE loader's ``PrepareDecode``
 (its PE died, or gave up on the call: the RPC server cancels the handler) that result is the
 attempt's region — pages nothing would ever free. Seen once in CI (ci79: 17 pages held by a DE
-loader for the rest of the chaos module after ``kill -9`` of its PE mid-request).
+loader for the rest of the chaos module after ``kill -9`` of its PE mid-request). The node
+now also counts pages no live attempt owns (``pages_orphaned``), so such a leak is seen.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
 
 from common.errors import Cancelled, DeadlineExceeded
 from common.kv import block_keys_from_tokens
-from common.protocol import PrepareDecode
+from common.protocol import PrepareDecode, RequestFinished
 from services.node.subtasks import SubTasks
-from tests.test_datapath import BT, no_leaks, tokens
+from services.scheduler.client.client import SchedulerClient
+from tests.test_datapath import BT, SPLIT, no_leaks, tokens
 from tools.cluster.inprocess import local_datapath
 
 
@@ -82,4 +85,41 @@ async def test_a_prepare_cancelled_the_moment_its_region_came_leaves_no_page(tmp
         att.drop("the PE died")
         await asyncio.wait_for(asyncio.shield(att.release_task), 10)
         assert de.pool.used_pages == 0
+        await no_leaks(c)
+
+
+async def test_pages_no_attempt_owns_are_counted_and_named_live_ones_never(tmp_path):
+    """The node's leak gauge: a live allocation whose attempt is not held here is orphaned
+    (warned of once per set of owners); pages of live attempts — many at once, mid-flight —
+    never are."""
+    async with local_datapath(tmp_path, overrides=SPLIT) as c, \
+            SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
+        de, pe = c.de["d0"], c.pe["p0"]
+        seen: list[float] = []
+
+        async def sample() -> None:
+            while True:
+                seen.extend((de.stats()["pages_orphaned"], pe.stats()["pages_orphaned"]))
+                await asyncio.sleep(0.005)
+
+        sampler = asyncio.create_task(sample())
+        try:
+            prompts = [tokens(2 * BT + 30 * i, 60 + i) for i in range(4)]
+            events = await asyncio.gather(*(
+                sched.run(f"o{i}", f"so{i}", len(t), 8, token_ids=t, deadline_s=30)
+                for i, t in enumerate(prompts)))
+        finally:
+            sampler.cancel()
+        assert all(isinstance(ev, RequestFinished) for ev in events), events
+        assert len(seen) > 10 and not any(seen)
+        # an allocation whose attempt is gone: counted, named once, gone when freed
+        lost = await de.regions.allocate(c.spec, BT, "gone#3/gen", 1.0)
+        with capture_logs() as logs:
+            assert de.stats()["pages_orphaned"] == lost.allocs[0].n_pages > 0
+            de.stats()
+        warned = [e for e in logs if e["event"] == "pages_orphaned"]
+        assert [(e["owners"], e["pages"]) for e in warned] == [(["gone#3/gen"],
+                                                               lost.allocs[0].n_pages)]
+        de.regions.free(lost)
+        assert de.stats()["pages_orphaned"] == 0
         await no_leaks(c)

@@ -100,6 +100,7 @@ class NodeBase(Service):
         self._closing = False
         self.extra_stats = None           # () -> dict: e.g. the attached engines' counters
         self.engine_api: EngineApiServer | None = None    # engines in other processes
+        self._orphans_logged: list[str] = []    # owners of the leaked pages last warned of
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -161,6 +162,25 @@ class NodeBase(Service):
         """An attempt ended: drop it from :attr:`attempts` (if it is still the one held)."""
         if self.attempts.get(key) is attempt:
             del self.attempts[key]
+
+    def orphaned_pages(self) -> int:
+        """Pages of the buffer that no attempt held here owns: leaked, since nothing will
+        ever free them. Every allocation names its attempt ("request#attempt"; a generated
+        block "request#attempt/gen") and an attempt frees all it holds before it is
+        forgotten, so a live allocation without its attempt is a bug — warned of (with its
+        owners) whenever the set changes, and the ``pages_orphaned`` gauge an operator can
+        alert on."""
+        live = {f"{rid}#{n}" for rid, n in self.attempts}
+        lost = [a for a in self.pool.live_allocations()
+                if a.owner not in live and a.owner.rsplit("/", 1)[0] not in live]
+        owners = sorted({a.owner for a in lost})
+        pages = sum(a.n_pages for a in lost)
+        if owners != self._orphans_logged:
+            self._orphans_logged = owners
+            if owners:
+                log.warning("pages_orphaned", pages=pages, owners=owners[:8],
+                            allocations=len(lost))
+        return pages
 
     def _engine_of(self, request_id: str) -> str | None:
         """The engine a live attempt of ``request_id`` is assigned to (None: none here)."""
@@ -369,5 +389,6 @@ class NodeBase(Service):
             out.update({f"engine_{k}": float(v) for k, v in self.extra_stats().items()})
         out.update({f"rpc_{k}": float(v) for k, v in self.rpc.stats().items()})
         out.update(rpc_port=float(self.rpc.port), ucx_port=float(self.transport.address[1]),
-                   regions_live=float(self.regions.live))
+                   regions_live=float(self.regions.live),
+                   pages_orphaned=float(self.orphaned_pages()))
         return out

@@ -222,7 +222,18 @@ async def test_a_leader_frozen_past_its_lease_is_deposed_rejoins_and_leads_once_
         await until(lambda: "scheduler_stepped_down" in log.read_text() or a.poll() is not None,
                     timeout=30, what="the deposed leader stepped down")
         assert a.poll() is None, log.read_text()[-3000:]  # a standby again, not exited
-        assert await leader_port() == second["rpc_port"]  # the deposed one did not take it
+        # The deposed one did not take the lead back: etcd names b — unless b too was starved
+        # past its 1-s lease meanwhile (ci80, a host at load 8: etcd then named nobody for a
+        # moment), when a later winner is legitimate and b's log says b stepped down.
+        named: list[int | None] = []
+
+        async def someone_leads() -> bool:
+            named.append(await leader_port())
+            return named[-1] is not None
+        await until(someone_leads, timeout=30, what=lambda: f"etcd names a leader ({named[-5:]})")
+        b_log = (tmp_path / "b.log").read_text()
+        assert named[-1] == second["rpc_port"] or "scheduler_stepped_down" in b_log, \
+            (named[-5:], b_log[-3000:])
         b.kill()
         b.wait()
 

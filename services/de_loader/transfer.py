@@ -455,13 +455,8 @@ class DecodeTransfer:
             return []
         self.dropped_reason = reason
         self.counters["attempts_dropped"] += 1
-        return self._reads_of_unreported() + self.abort(
+        return _read_report(self.read_bytes) + self.abort(
             with_hop(Cancelled(f"attempt dropped: {reason}"), "scheduler"), report=False)
-
-    def _reads_of_unreported(self) -> list[Action]:
-        """An attempt ended without a failure report still tells what its read took."""
-        return [Report("dropped", {"read_bytes": self.read_bytes,
-                                   "de_read_bytes": self.read_bytes})] if self.read_bytes else []
 
     def stale(self, stage: str) -> list[Action]:
         """The scheduler answered a report: this attempt is no longer current."""
@@ -470,7 +465,7 @@ class DecodeTransfer:
     def deadline(self) -> list[Action]:
         if self.state == "done" or self.done or self.error is not None:
             return []
-        return self._reads_of_unreported() + self.abort(with_hop(DeadlineExceeded(
+        return _read_report(self.read_bytes) + self.abort(with_hop(DeadlineExceeded(
             f"{self.name} passed its deadline on the DE loader ({self.state})"), "de_loader"),
             report=False)
 
@@ -500,6 +495,13 @@ class DecodeTransfer:
         """The release completed; returns the outcome for the summary line."""
         self.released = True
         return "ok" if self.error is None else self.error.code.value
+
+
+def _read_report(read_bytes: int) -> list[Action]:
+    """An attempt that ends without a failure report still tells what its read took (the
+    ``dropped`` report; nothing when it read nothing)."""
+    return [Report("dropped", {"read_bytes": read_bytes, "de_read_bytes": read_bytes})] \
+        if read_bytes else []
 
 
 def _check_layer(ls: LayerSlots, num_layers: int, row: int) -> None:

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                                           kills=0, etcd_member_kill=True))
             print(f"  etcd member kill: {member.finished}/{member.planned} finished")
         quiet_s = asyncio.run(h._quiet(None))    # abandoned attempts' pages: freed by leases
-        leaks, mismatches = asyncio.run(h._leaks())
+        leaks, mismatches, _ = asyncio.run(h._leaks())
     failover = [k.failover_s for k in hit.kills if k.failover_s is not None]
     election = [k.election_s for k in hit.kills if k.election_s is not None]
     first = [k.first_finish_s for k in hit.kills if k.first_finish_s is not None]

@@ -32,7 +32,8 @@ def _check(result, reliability, what: str) -> None:
     assert result.lost == 0, f"{what}: lost {result.lost_detail}"
     assert not result.unreachable, (f"{what}: survivors not answering: {result.unreachable}; "
                                     f"their logs: {result.unreachable_logs}")
-    assert result.leaked_total == 0, f"{what}: leaked pages {result.leaked_pages}"
+    assert result.leaked_total == 0, (f"{what}: leaked pages {result.leaked_pages}; held by "
+                                      f"no live attempt: {result.orphaned_pages}")
     assert result.prompt_mismatches == 0
     assert result.rejoined, f"{what}: {result.target} did not rejoin"
     assert result.recovery_s is not None, f"{what}: no transfer through the restarted service"

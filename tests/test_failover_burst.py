@@ -35,7 +35,7 @@ def test_leader_kill_during_a_burst_loses_and_duplicates_nothing(reliability):
         # pages of attempts the dead leader planned are freed by their leases: wait for quiet
         quiet_s = asyncio.run(h._quiet(None))
         not_quiet = h.not_quiet                           # what it saw last, if never quiet
-        leaks, mismatches = asyncio.run(h._leaks())
+        leaks, mismatches, _ = asyncio.run(h._leaks())
         after = asyncio.run(h.status()).discovery
         gone = asyncio.run(_kill_9_a_node(h, "de_loader:d1", "/dualpath/nodes/d1/de_loader"))
     assert len(res.kills) == 1

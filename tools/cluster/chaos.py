@@ -475,7 +475,7 @@ class ChaosHarness:
         c1 = (await self.status()).counters
         res.replans = c1.get("replans", 0) - c0.get("replans", 0)
         res.leases_expired = c1.get("leases_expired", 0) - c0.get("leases_expired", 0)
-        leaks, mismatches = await self._leaks()
+        leaks, mismatches, res.orphaned_pages = await self._leaks()
         res.victim_leaked_pages = leaks.pop(res.target, 0) or 0
         res.unreachable = sorted(n for n, v in leaks.items() if v is None)
         res.unreachable_logs = {n: self.launcher.log_tail(n) for n in res.unreachable}
@@ -498,7 +498,7 @@ class ChaosHarness:
             st = await self.status()
             self.not_quiet = {"requests": dict(st.requests)}
             if not any(st.requests.values()):
-                leaks, _ = await self._leaks()
+                leaks, _, _ = await self._leaks()
                 self.not_quiet["pages_held"] = leaks
                 if all(v == 0 for v in leaks.values()):
                     self.not_quiet = {}
@@ -506,9 +506,11 @@ class ChaosHarness:
             await asyncio.sleep(0.2)
         return None
 
-    async def _leaks(self) -> tuple[dict[str, int | None], int]:
-        """Pages not free per service (every ``*_pages_total`` pool), prompt/hit mismatches."""
-        out, mismatches = {}, 0
+    async def _leaks(self) -> tuple[dict[str, int | None], int, dict[str, int]]:
+        """Pages not free per service (every ``*_pages_total`` pool), prompt/hit mismatches,
+        and per node the pages of those no live attempt owns (its ``pages_orphaned``: leaked
+        for good, not held by a stuck attempt)."""
+        out, mismatches, orphaned = {}, 0, {}
         names = [p.name for p in self.launcher.state.procs
                  if p.service not in ("scheduler", "engine_sim")]     # engines hold no pool
         got = await asyncio.gather(*(self.stats(n) for n in names))
@@ -522,9 +524,11 @@ class ChaosHarness:
                 continue
             out[name] = int(sum(v - st.get(k[:-len("total")] + "free", v)
                                 for k, v in st.items() if k.endswith("_pages_total")))
+            if st.get("pages_orphaned"):
+                orphaned[name] = int(st["pages_orphaned"])
             mismatches += int(st.get("engine_prompt_mismatches", 0)
                               + st.get("engine_hit_mismatches", 0))
-        return out, mismatches
+        return out, mismatches, orphaned
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -97,6 +97,7 @@ class CaseResult:
     recovery_s: float | None = None
     leaked_pages: dict[str, int] = field(default_factory=dict)   # survivors
     victim_leaked_pages: int = 0
+    orphaned_pages: dict[str, int] = field(default_factory=dict)  # of those: no attempt's
     unreachable: list[str] = field(default_factory=list)      # survivors not answering
     unreachable_logs: dict[str, str] = field(default_factory=dict)   # their log tails
     quiet_s: float | None = None            # fault → no live request and every pool free

@@ -270,3 +270,66 @@ def test_reconfigure_restarts_named_services_on_the_new_config_and_keeps_the_res
         assert all(alive(p) for p in launcher.state.procs)
     finally:
         launcher.down()
+
+
+def test_a_restart_waits_out_a_scheduler_too_slow_for_one_status_call(tmp_path, monkeypatch):
+    """ci82: the whole VM stood still ~3.5 s under three vLLM servers and the restart's one
+    status call (5 s) got no reply: ``Launcher.restart`` failed although the node registered
+    a moment later. Here the scheduler is frozen (SIGSTOP) just before the restart's first
+    status call, past that call's 5 s: the call times out, the launcher asks again, and once
+    the scheduler runs again the restart completes with the node registered."""
+    import signal
+    import threading
+
+    from common.errors import DeadlineExceeded
+    from tools.cluster.config import load_data
+    asked, frozen = threading.Event(), threading.Event()
+    timed_out: list[DeadlineExceeded] = []
+    real = SyncSchedulerClient.cluster_status
+
+    def held_then_counted(self, timeout=None):
+        asked.set()                      # the restart's status poll begins: freeze first
+        assert frozen.wait(30)
+        try:
+            return real(self, timeout)
+        except DeadlineExceeded as e:
+            timed_out.append(e)
+            raise
+    launcher = Launcher(load_data(small_cluster(tmp_path), "c.toml", environ={}))
+    state = launcher.up()
+    sched = state.proc("scheduler")
+    done: list[object] = []
+    try:
+        victim = state.proc("de_loader:d0")
+        os.kill(victim.pid, signal.SIGKILL)
+        assert gone([victim.pid])
+        monkeypatch.setattr(SyncSchedulerClient, "cluster_status", held_then_counted)
+        worker = threading.Thread(target=lambda: done.append(
+            _or_error(launcher.restart, "de_loader:d0")))
+        worker.start()
+        try:
+            wait_until(lambda: asked.is_set() or done, 60, "the restarted DE loader is up")
+            assert not done, done
+            os.kill(sched.pid, signal.SIGSTOP)
+            frozen.set()
+            wait_until(lambda: timed_out, 30, "a status call timed out on the frozen scheduler")
+        finally:
+            frozen.set()
+            os.kill(sched.pid, signal.SIGCONT)
+        worker.join(60)
+        assert not worker.is_alive() and len(done) == 1
+        assert not isinstance(done[0], BaseException), done[0]
+        monkeypatch.undo()
+        with SyncSchedulerClient(*launcher.state.scheduler) as client:
+            assert {n.node_id for n in client.cluster_status(timeout=5.0).nodes
+                    if n.engines} == {"p0", "d0"}
+    finally:
+        os.kill(sched.pid, signal.SIGCONT)
+        launcher.down()
+
+
+def _or_error(fn, *args):
+    try:
+        return fn(*args)
+    except BaseException as e:          # handed to the test thread, which asserts on it
+        return e

@@ -404,7 +404,10 @@ class Launcher:
 
     def _wait_registered(self) -> None:
         """Poll the scheduler until every PE receiver / DE loader holds a lease (on a restart,
-        every one that runs: another may be down, waiting for its own restart)."""
+        every one that runs: another may be down, waiting for its own restart). A status call
+        that times out or finds the scheduler unreachable is tried again until the start
+        timeout: on a loaded host one reply can take longer than its 5 s (ci82: the whole VM
+        stood still ~3.5 s while three vLLM servers ran)."""
         from services.scheduler.client.client import SyncSchedulerClient
         nodes = [p for p in self.state.procs if p.service in ("pe_receiver", "de_loader")
                  and (not self.state.ready or alive(p))]
@@ -414,7 +417,13 @@ class Launcher:
         with SyncSchedulerClient(host, port, rpc=self.cluster.cfg.rpc,
                                  client_id="launcher") as client:
             while True:
-                status = client.cluster_status(timeout=5.0)
+                try:
+                    status = client.cluster_status(timeout=5.0)
+                except DualpathError as e:
+                    if not e.retryable or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)         # the scheduler was slow or away: ask again
+                    continue
                 have = {n.node_id for n in status.nodes if n.engines}
                 if want <= have:
                     return

@@ -261,10 +261,19 @@ class ChaosHarness:
             await client.close()
 
     async def status(self):
+        """The scheduler's cluster status. A call that times out or finds the scheduler away
+        is tried again (3 tries in all): on a loaded host one reply can miss its 5 s (ci82: the
+        whole VM stood still ~3.5 s), and a case must not fail on the harness's own probe."""
         from services.scheduler.client.client import SchedulerClient
-        async with SchedulerClient(*self.launcher.state.scheduler, rpc=self.rpc,
-                                   client_id="chaos") as c:
-            return await c.cluster_status(timeout=5.0)
+        for tries_left in (2, 1, 0):
+            try:
+                async with SchedulerClient(*self.launcher.state.scheduler, rpc=self.rpc,
+                                           client_id="chaos") as c:
+                    return await c.cluster_status(timeout=5.0)
+            except DualpathError as e:
+                if not e.retryable or not tries_left:
+                    raise
+                await asyncio.sleep(0.2)
 
     async def epoch(self, name: str) -> int | None:
         p = self.launcher.state.proc(name)

@@ -460,7 +460,9 @@ class PrefillTransfer:
         if self.dropped_reason is not None:
             # the scheduler or the DE ended it; what was read still counts (a retry re-reads)
             acts: list[Action] = [Count("attempts_dropped")]
-            return acts + [Report("dropped", reads)] if self.read_bytes else acts
+            if self.read_bytes:
+                acts.append(Report("dropped", reads))
+            return acts
         hop = getattr(err, "hop", None)
         return [Count("attempts_failed"),
                 Log("warning", "prefill_attempt_failed", {

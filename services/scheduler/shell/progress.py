@@ -55,7 +55,7 @@ class ProgressReports:
         if rs is not None and msg.stage in ("failed", "dropped"):
             # what the attempt read counts whether or not the attempt is still current
             rs.count_read(msg.attempt, msg.read_bytes, msg.pe_read_bytes, msg.de_read_bytes)
-        if stage is None:                   # "dropped": a read count only, nothing moves
+        if msg.stage == "dropped":          # a read count only: nothing moves
             self.counters["dropped_reports"] += 1
             return ReportProgressReply(False, self._status(msg.request_id))
         if rs is None or rs.attempt != msg.attempt or self.core.held(rs.request_id) is None:

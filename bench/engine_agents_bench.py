@@ -49,7 +49,9 @@ one and a half times: storage binds the basic mode and not the dual path, the si
 paper measures.
 
 ``--scheduler-set KEY=VALUE`` (repeatable) adds a ``[scheduler]`` setting to every mode's
-config (e.g. ``beta_s=20``), checked before the cluster starts.
+config (e.g. ``beta_s=20``), checked before the cluster starts; ``--set SECTION.KEY=VALUE``
+(repeatable) any other setting of the cluster file for the whole run (e.g.
+``pe_receiver.buffer_bytes=536870912``).
 
 Headline ``engine_agents_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.5; also
 ``dualpath_vs_oracle`` = JCT(dualpath) ÷ JCT(oracle), goal ≤ 1.15. Per mode, over the timed
@@ -205,16 +207,19 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
 
 async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
                 echo: Any, reads: int | None = None, split: bool = False,
-                scheduler: dict[str, Any] | None = None) -> dict[str, Any]:
+                scheduler: dict[str, Any] | None = None,
+                settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     from common.kv import spec_from_config
     from tools.cluster.launcher import Launcher
     from tools.cluster.real_engines import on_loopback
 
-    gateway = {"gateway": {"max_concurrent_reads": reads}} if reads else {}
+    fixed = {section: dict(values) for section, values in (settings or {}).items()}
+    if reads:
+        fixed.setdefault("gateway", {})["max_concurrent_reads"] = reads
 
     def config(sched_mode: str, rate: float, split_reads: bool = False):
         sched = dict(scheduler or {}) | ({"split_reads": True} if split_reads else {})
-        sections = gateway | ({"scheduler": sched} if sched else {})
+        sections = fixed | ({"scheduler": sched} if sched else {})
         return on_loopback(CONFIG, root, mode=sched_mode, sections=sections or None,
                            storage_link_bytes_per_s=rate, vllm_prefix_caching=False)
 
@@ -289,8 +294,6 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
 def scheduler_settings(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` items (TOML values) as ``[scheduler]`` settings, checked against
     ``SchedulerConfig`` now (ValueError naming the item) rather than at the first restart."""
-    import tomllib
-
     import msgspec
 
     from services.scheduler.core.config import SchedulerConfig
@@ -300,15 +303,36 @@ def scheduler_settings(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"{item!r} is not KEY=VALUE")
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = value            # a bare word: a string
+        out[key.strip()] = _toml_value(value)
     try:
         msgspec.convert(out, SchedulerConfig)
     except (msgspec.ValidationError, ValueError) as e:
         raise ValueError(str(e)) from None
     return out
+
+
+def cluster_settings(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``SECTION.KEY=VALUE`` items (TOML values) as cluster-file settings by section; the
+    scheduler's go through ``--scheduler-set`` (checked field by field there)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        path, sep, value = item.partition("=")
+        section, dot, key = path.strip().rpartition(".")
+        if not sep or not dot or not section or not key:
+            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE")
+        if section == "scheduler":
+            raise ValueError(f"{item!r}: use --scheduler-set {key}={value}")
+        out.setdefault(section, {})[key] = _toml_value(value)
+    return out
+
+
+def _toml_value(value: str) -> Any:
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value            # a bare word: a string
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a [scheduler] setting for every mode (TOML value; repeatable), e.g. "
                         "beta_s=20")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   dest="settings", help="a cluster-file setting for the whole run (TOML value; "
+                   "repeatable), e.g. pe_receiver.buffer_bytes=536870912")
     p.add_argument("--gateway-reads", type=int, default=None,
                    help="read requests each gateway serves at once ([gateway] "
                         "max_concurrent_reads; default: the config's)")
@@ -335,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         scheduler = scheduler_settings(args.scheduler_set)
     except ValueError as e:
         p.error(f"--scheduler-set: {e}")
+    try:
+        settings = cluster_settings(args.settings)
+    except ValueError as e:
+        p.error(f"--set: {e}")
     turns = args.turns or (3 if args.quick else 5)
     trace = args.trace or shared_agentic_dir()
     if model_dir() is None:
@@ -362,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-bench-engine-agents-") as tmp:
         res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
                                 lambda m: print(m, flush=True), args.gateway_reads,
-                                args.split_reads, scheduler))
+                                args.split_reads, scheduler, settings))
     res["scheduler_settings"] = scheduler
+    res["cluster_settings"] = settings
     res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],
                        "turns": turns, "gen_tokens": GEN, "token_scale": "1 token per 64-token "
                        "trace block", "prompt_tokens": [list(map(len, s.prompts))

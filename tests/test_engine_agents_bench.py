@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, TOKEN_HI, TOKEN_LO,
-                                       main, scheduler_settings, sessions_from_trace, token_of)
+                                       cluster_settings, main, scheduler_settings,
+                                       sessions_from_trace, token_of)
 from tests.helpers import skip_or_fail
 
 
@@ -80,3 +81,17 @@ def test_scheduler_settings_are_toml_values_checked_before_anything_starts(capsy
     with pytest.raises(SystemExit) as exc:                 # refused before the trace is read
         main(["--scheduler-set", "beta_s=nope", "--trace", "/nonexistent"])
     assert exc.value.code == 2 and "--scheduler-set" in capsys.readouterr().err
+
+
+def test_cluster_settings_are_toml_values_by_section(capsys):
+    assert cluster_settings(["pe_receiver.buffer_bytes=536870912", "gateway.io_threads=4",
+                             "pe_receiver.device=cpu"]) == {
+        "pe_receiver": {"buffer_bytes": 536870912, "device": "cpu"},
+        "gateway": {"io_threads": 4}}
+    for bad, why in [("buffer_bytes=1", "SECTION.KEY"), ("pe_receiver.x", "SECTION.KEY"),
+                     ("scheduler.beta_s=20", "--scheduler-set")]:
+        with pytest.raises(ValueError, match=why):
+            cluster_settings([bad])
+    with pytest.raises(SystemExit) as exc:                 # refused before the trace is read
+        main(["--set", "nodot=1", "--trace", "/nonexistent"])
+    assert exc.value.code == 2 and "--set" in capsys.readouterr().err

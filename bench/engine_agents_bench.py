@@ -40,7 +40,11 @@ restart on the step's config while the storage is emptied, copied or restored:
 * ``dualpath-split`` (with ``--split-reads``) — ``dualpath`` with ``[scheduler] split_reads``:
   a hit may be read on the PE's and the DE's link at once (docs/datapath.md "Split reads"),
   links shaped to the same ``R``; reported as ``split_vs_oracle`` and
-  ``split_speedup_vs_dualpath`` beside the headline.
+  ``split_speedup_vs_dualpath`` beside the headline;
+* ``oracle-repeat`` — the oracle once more, last: on a small shared host the oracle's JCT
+  drifts by ±10 % between runs of one config (docs/vllm.md), as much as the gap it bounds, so
+  the bound is measured at both ends of the run and its mean is what ``dualpath_vs_oracle``
+  divides by (both JCTs and their spread in the JSON).
 
 ``R`` (per node, every link the same): half the rate at which the oracle run consumed hit
 bytes (its later turns' hit bytes ÷ its JCT), unless ``--link-mb-s`` sets it — so one storage
@@ -54,11 +58,12 @@ config (e.g. ``beta_s=20``), checked before the cluster starts; ``--set SECTION.
 ``pe_receiver.buffer_bytes=536870912``).
 
 Headline ``engine_agents_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.5; also
-``dualpath_vs_oracle`` = JCT(dualpath) ÷ JCT(oracle), goal ≤ 1.15. Per mode, over the timed
+``dualpath_vs_oracle`` = JCT(dualpath) ÷ the mean JCT of ``oracle`` and ``oracle-repeat``,
+goal ≤ 1.15. Per mode, over the timed
 turns: JCT, TTFT p50/p99 from the request's arrival at the front (the front's own clock) and
 from the client's send, decode step-gap p99 (client side), hit share, read sides; over all
 turns: requests failed, and whether every output equals ``recompute``'s; the first turns'
-time. ``--quick``: 8 sessions x 3 turns (~7 min here); the default 8 x 5.
+time. ``--quick``: 8 sessions x 3 turns (~7–8 min here); the default 8 x 5 (~7–10 min).
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ MODES: dict[str, tuple[str, bool, bool]] = {
     "basic": ("basic", True, True),
     "dualpath": ("dualpath", True, True),
     "dualpath-split": ("dualpath", True, True),     # --split-reads: [scheduler] split_reads
+    "oracle-repeat": ("dualpath", False, True),     # the oracle again, last (the host's drift)
 }
 
 
@@ -285,6 +291,11 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
                                     config(MODES[mode][0], rate, mode == "dualpath-split"),
                                     restart, lambda: restore(snapshot))
             await timed(mode, first)
+        # the oracle again, after the shaped modes: the bound measured at both ends of the
+        # run, so the host's drift over these minutes shows in the bound itself
+        await asyncio.to_thread(launcher.reconfigure, config("dualpath", 0.0), restart,
+                                lambda: restore(snapshot))
+        await timed("oracle-repeat", first)
     finally:
         await asyncio.to_thread(launcher.down)
     return {"modes": rows, "link_rate_mb_s": round(rate / 1e6, 1), "cluster_up_s": round(up_s, 1),
@@ -409,19 +420,24 @@ def main(argv: list[str] | None = None) -> int:
                 ["mode", "jct_s", "requests", "failed", "ttft_p50_ms", "ttft_p99_ms",
                  "gap_p99_ms", "hit_share_from_turn_2", "sides", "outputs_equal"])
     speedup = modes["basic"]["jct_s"] / modes["dualpath"]["jct_s"]
-    vs_oracle = modes["dualpath"]["jct_s"] / modes["oracle"]["jct_s"]
+    oracle_runs = [modes[m]["jct_s"] for m in ("oracle", "oracle-repeat")]
+    oracle_jct = sum(oracle_runs) / len(oracle_runs)
+    vs_oracle = modes["dualpath"]["jct_s"] / oracle_jct
     res["dualpath_vs_oracle"] = {"value": vs_oracle, "goal": ORACLE_GOAL,
-                                 "met": vs_oracle <= ORACLE_GOAL}
+                                 "met": vs_oracle <= ORACLE_GOAL, "oracle_jct_s": oracle_runs,
+                                 "oracle_spread": abs(oracle_runs[0] - oracle_runs[1])
+                                 / oracle_jct}
     if "dualpath-split" in modes:
         split_jct = modes["dualpath-split"]["jct_s"]
-        res["split_vs_oracle"] = split_jct / modes["oracle"]["jct_s"]
+        res["split_vs_oracle"] = split_jct / oracle_jct
         res["split_speedup_vs_dualpath"] = modes["dualpath"]["jct_s"] / split_jct
         print(f"split reads: JCT / oracle JCT = {res['split_vs_oracle']:.2f}, dualpath JCT / "
               f"split JCT = {res['split_speedup_vs_dualpath']:.2f}")
     res["all_checks_passed"] = all(r["outputs_equal"] and not r["failed"]
                                    for r in modes.values())
     print(f"storage links {res['link_rate_mb_s']} MB/s per node ({res['link_rate_rule']}); "
-          f"dualpath JCT / oracle JCT = {vs_oracle:.2f} (goal <= {ORACLE_GOAL}); every output "
+          f"dualpath JCT / oracle JCT = {vs_oracle:.2f} (goal <= {ORACLE_GOAL}; the oracle's "
+          f"mean of {oracle_runs[0]:.1f} and {oracle_runs[1]:.1f} s); every output "
           f"equal to recompute and no request failed: {res['all_checks_passed']}")
     write_results(args.out, "engine_agents", headline("engine_agents_speedup", speedup, GOAL),
                   res)

@@ -18,7 +18,7 @@ import pytest
 
 from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, TOKEN_HI, TOKEN_LO,
                                        cluster_settings, main, scheduler_settings,
-                                       sessions_from_trace, token_of)
+                                       sessions_from_trace, token_of, versus_oracle)
 from tests.helpers import skip_or_fail
 
 
@@ -95,3 +95,16 @@ def test_cluster_settings_are_toml_values_by_section(capsys):
     with pytest.raises(SystemExit) as exc:                 # refused before the trace is read
         main(["--set", "nodot=1", "--trace", "/nonexistent"])
     assert exc.value.code == 2 and "--set" in capsys.readouterr().err
+
+
+def test_the_oracle_bound_is_the_mean_of_both_oracle_runs_where_both_ran():
+    both = {"oracle": {"jct_s": 30.0}, "oracle-repeat": {"jct_s": 34.0},
+            "dualpath": {"jct_s": 38.0}}
+    vs = versus_oracle(both, "dualpath")
+    assert vs["value"] == 38.0 / 32.0 and not vs["met"]        # 1.19 > 1.15
+    assert vs["oracle_jct_s"] == [30.0, 34.0] and vs["oracle_spread"] == 4.0 / 32.0
+    quick = {"oracle": {"jct_s": 32.0}, "dualpath": {"jct_s": 36.0}}   # --quick: one oracle
+    vs = versus_oracle(quick, "dualpath")
+    assert vs["value"] == 36.0 / 32.0 and vs["met"] and vs["oracle_jct_s"] == [32.0]
+    assert vs["oracle_spread"] == 0.0
+    assert versus_oracle({"oracle": {"jct_s": 40.0}, "d": {"jct_s": 44.0}}, "d")["met"]

@@ -289,17 +289,16 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
         oracle = rows["oracle"]
         demand = oracle["hit_tokens"] * bytes_per_token / oracle["jct_s"]
         rate = link_mb_s * 1e6 if link_mb_s else demand / 2
-        for mode in ("basic", "dualpath", *(("dualpath-split",) if split else ())):
+        # oracle-repeat last, after the shaped modes: the bound measured at both ends of the
+        # run, so the host's drift over these minutes shows in the bound itself
+        for mode in ("basic", "dualpath", *(("dualpath-split",) if split else ()),
+                     *(("oracle-repeat",) if repeat_oracle else ())):
+            sched_mode, shaped, _ = MODES[mode]
             await asyncio.to_thread(launcher.reconfigure,
-                                    config(MODES[mode][0], rate, mode == "dualpath-split"),
+                                    config(sched_mode, rate if shaped else 0.0,
+                                           mode == "dualpath-split"),
                                     restart, lambda: restore(snapshot))
             await timed(mode, first)
-        if repeat_oracle:
-            # the oracle again, after the shaped modes: the bound measured at both ends of
-            # the run, so the host's drift over these minutes shows in the bound itself
-            await asyncio.to_thread(launcher.reconfigure, config("dualpath", 0.0), restart,
-                                    lambda: restore(snapshot))
-            await timed("oracle-repeat", first)
     finally:
         await asyncio.to_thread(launcher.down)
     return {"modes": rows, "link_rate_mb_s": round(rate / 1e6, 1), "cluster_up_s": round(up_s, 1),

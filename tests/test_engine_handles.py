@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,8 @@ from common.errors import DeadlineExceeded, InvalidArgument, NotFound
 from common.kv import KVSpec
 from common.protocol import (ArenaSlot, BlockOpened, DecodeAssigned, EngineOk, EnginePrompt,
                              EngineRequest, LayerReady, PrefillAssigned, union_members)
-from services.engine_api.blocking import Blocking, Portal
+from common.portal import Portal, PortalStopped
+from services.engine_api.blocking import Blocking
 from services.engine_api.decode import DecodePort, DecodeRequest
 from services.engine_api.handles import (CollectiveSignals, DecodeHandle, DecodeQueue,
                                          GeneratedBlock, PrefillHandle, PrefillQueue)
@@ -340,3 +343,84 @@ def test_the_blocking_bridge_waits_for_calls_and_returns_handles_blocking():
         portal.stop()
     assert [type(m).__name__ for m in client.sent] == ["WaitLayer", "PutLayer",
                                                        "FinishPrefill", "TookKV"]
+
+
+def test_a_portal_stopping_under_its_callers_strands_none_of_them():
+    """A call on its way when the portal stops (or handed over as it stops) raises
+    PortalStopped; none waits forever. (Seen in CI: a vLLM worker's step failed a session
+    through the attachment another thread was closing after its node died; ``loop.stop()``
+    dropped the call and the step, and with it the instance, hung.)"""
+    for round_ in range(20):
+        outcomes = _stop_under_callers(Portal("test"), on_loop_first=bool(round_ % 2))
+        assert len(outcomes) == 4, f"round {round_}: a caller hangs: {outcomes}"
+        # the quick calls answer or are refused; the waits that cannot finish never return
+        assert all(o in ("stopped", "0", "2") for o in outcomes), outcomes
+
+
+def _stop_under_callers(portal: Portal, *, on_loop_first: bool) -> list[str]:
+    """Four threads call at once (two wait forever on the loop) while ``portal`` stops."""
+    never = asyncio.Event()
+    started = threading.Barrier(5)
+    outcomes: list[str] = []
+
+    def caller(i: int) -> None:
+        started.wait()
+        try:
+            outcomes.append(str(portal.call(never.wait() if i % 2 else asyncio.sleep(0, i))))
+        except PortalStopped:
+            outcomes.append("stopped")
+
+    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    deadline = time.monotonic() + 10.0
+    while on_loop_first and len(portal._inflight) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)                 # until the two endless calls are on their way
+    portal.stop()
+    for t in threads:
+        t.join(10.0)
+    with pytest.raises(PortalStopped):    # afterwards: refused at once
+        portal.call(asyncio.sleep(0))
+    return outcomes
+
+
+def test_a_stuck_loop_does_not_hold_its_callers_past_stop(monkeypatch):
+    """A loop blocked in a callback: stop() gives up on its thread after JOIN_S and fails the
+    calls still waiting for it."""
+    monkeypatch.setattr(Portal, "JOIN_S", 0.2)
+    portal = Portal("test")
+    release = threading.Event()
+    portal.loop.call_soon_threadsafe(release.wait, 10.0)     # the loop is blocked
+    got: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(got, portal.call, asyncio.sleep(0)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10.0
+    while not portal._inflight and time.monotonic() < deadline:    # the call was handed over
+        time.sleep(0.001)
+    portal.stop()
+    t.join(10.0)
+    release.set()
+    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], PortalStopped)
+
+
+def test_failing_a_handle_of_a_closed_client_is_a_no_op_like_a_gone_node():
+    """``fail`` swallows a gone node's errors; a stopped portal is one (closing the client
+    detached the engine and the node failed its attempts): a worker's error path that fails
+    a session must not raise from there. Other calls raise PortalStopped (a PeerFailed)."""
+    client = FakeClient()
+    pre, _ = remote_pair(client)
+    portal = Portal("test")
+    handle = Blocking(pre, portal)
+    portal.stop()
+    assert handle.fail("save failed") is None
+    with pytest.raises(PortalStopped):
+        handle.layer(0, 1.0)
+    assert client.sent == []
+
+
+def _catch(into: list[BaseException], fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 -- the test looks at it
+        into.append(e)

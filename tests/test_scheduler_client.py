@@ -22,6 +22,7 @@ from common.config import RpcConfig, build_config
 from services.config import ServicesConfig
 from common.errors import (DeadlineExceeded, InvalidArgument, NotFound, PeerFailed,
                            Unavailable)
+from common.portal import PortalStopped
 from common.protocol import (FirstToken, RequestFailed, RequestFinished, RequestPlaced,
                              RequestQueued)
 from services.scheduler.client.client import SchedulerClient, SyncSchedulerClient, failure_error
@@ -130,7 +131,7 @@ def test_sync_client_leaving_a_stream_cancels_the_request():
         assert server.svc.active_requests == 0
         sched.close()
         sched.close()                                    # idempotent
-        with pytest.raises(RuntimeError, match="closed"):
+        with pytest.raises(PortalStopped, match="closed"):     # typed, never a hang
             sched.cluster_status()
     finally:
         server.close()

@@ -338,6 +338,10 @@ class Front:
         finally:
             if not prefill.done():
                 self._let_prefill_finish(prefill)
+            elif not prefill.cancelled() and (error := prefill.exception()) is not None:
+                # retrieved here too when the decode side failed first (else asyncio reports
+                # "Task exception was never retrieved" and the prefill's answer is lost)
+                log.info("front_prefill_failed", request_id=p.request_id, error=str(error))
         return decoded
 
     def _let_prefill_finish(self, prefill: asyncio.Task) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 
 from common.errors import InvalidArgument
 from common.kv import KVSpec, block_keys_from_tokens
-from services.engine_api.blocking import Blocking, Portal, SyncPrefillHandle
+from common.portal import Portal
+from services.engine_api.blocking import Blocking, SyncPrefillHandle
 from services.engine_api.prompt import PromptInfo
 
 from integrations.vllm.kv_spec import check_same_layout

@@ -19,15 +19,12 @@ deadline, ``layer(l)`` without a timeout by the attempt's own deadline on the no
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import inspect
-import threading
 from collections.abc import Coroutine
 from typing import Any, Generic, TypeVar
 
-from common.errors import DeadlineExceeded
 from common.kv import KVSpec
+from common.portal import Portal, PortalStopped
 
 from .handles import DecodeHandle, PrefillHandle
 from .remote_async import CALL_MARGIN_S, EngineClient
@@ -35,35 +32,10 @@ from .remote_async import CALL_MARGIN_S, EngineClient
 T = TypeVar("T")
 
 
-class Portal:
-    """An event loop in a daemon thread that blocking callers hand coroutines to.
-
-    Not anyio's blocking portal: that one measured ~3x the cost per call of
-    ``run_coroutine_threadsafe`` here (0.3-0.5 ms against 0.1 ms on the loaded dev host), and
-    a vLLM forward makes two calls per layer.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
-        """Run ``coro`` on the loop and wait for it (DeadlineExceeded after ``timeout_s``)."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise DeadlineExceeded(f"engine API call got no answer within {timeout_s}s") from None
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5.0)
-        if not self._thread.is_alive():
-            self.loop.close()
-
+# a handle's ``fail`` once its client closed has nothing left to do (like a gone node's
+# errors, which it swallows): closing detached the engine, and the node failed every attempt
+# the engine held — a worker failing a session in an error path must not raise from there
+_DONE_WHEN_CLOSED = frozenset({"fail"})
 
 class Blocking(Generic[T]):
     """``target``'s coroutine methods as blocking calls on ``portal`` (module docstring)."""
@@ -78,7 +50,15 @@ class Blocking(Generic[T]):
         attr = getattr(self._target, name)
         if not inspect.iscoroutinefunction(attr):
             return attr
+        if name in _DONE_WHEN_CLOSED:
+            return lambda *args, **kwargs: self._unless_closed(attr(*args, **kwargs))
         return lambda *args, **kwargs: self._blocking(self._portal.call(attr(*args, **kwargs)))
+
+    def _unless_closed(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            return self._portal.call(coro)
+        except PortalStopped:
+            return None
 
     def _blocking(self, value: Any) -> Any:
         return Blocking(value, self._portal) if _is_handle(value) else value

@@ -38,14 +38,13 @@ Event order and every message: docs/frontend-api.md.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from common.config import RpcConfig
 from common.errors import DualpathError, error_from_code
+from common.portal import Portal
 from common.protocol import (CancelRequest, CancelRequestReply, ClusterStatus, FrontendReply,
                              GetClusterStatus, RequestEvent, RequestFailed, RequestFinished,
                              SubmitRequest)
@@ -153,23 +152,23 @@ class SchedulerClient:
 class SyncSchedulerClient:
     """Blocking wrapper of :class:`SchedulerClient` for frontends without an event loop.
 
-    Owns a daemon thread running a private event loop; every method hands its coroutine to
-    that loop and waits. Thread-safe; ``close()`` (or the ``with`` block) stops the thread.
+    Owns a :class:`~common.portal.Portal` (a private event loop thread); every method hands
+    its coroutine to it and waits. Thread-safe; ``close()`` (or the ``with`` block) stops the
+    thread, and a call on its way or made afterwards raises PortalStopped (a PeerFailed).
     """
 
     def __init__(self, host: str, port: int, **kw: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name=f"scheduler-client-{host}:{port}", daemon=True)
-        self._thread.start()
+        self._portal = Portal(f"scheduler-client-{host}:{port}")
         self._closed = False
-        self._client = self._call(_build(host, port, kw))
+        try:
+            self._client = self._call(_build(host, port, kw))
+        except BaseException:
+            self._portal.stop()
+            raise
 
-    def _call(self, coro: Any, timeout: float | None = None) -> Any:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("SyncSchedulerClient is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def _call(self, coro: Any) -> Any:
+        """PortalStopped (a PeerFailed) once closed, also for a call on its way."""
+        return self._portal.call(coro)
 
     def connect(self, timeout: float | None = None) -> None:
         self._call(self._client.connect(timeout))
@@ -207,9 +206,7 @@ class SyncSchedulerClient:
             self._call(self._client.close())
         finally:
             self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._portal.stop()
 
     def __enter__(self) -> SyncSchedulerClient:
         return self

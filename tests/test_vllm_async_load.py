@@ -32,4 +32,5 @@ def test_claims_wait_outside_the_batch_and_failures_reach_the_node():
         skip_or_fail(f"{VLLM_PYTHON} missing")
     out = run_check(VLLM_PYTHON, "async_load", timeout=300, script="async_load_check.py")
     assert out == {"prefill_hit_from_claim": 128, "decode_async": "ok",
-                   "abandoned": ["n1", "n2"], "given_up": "ok", "counted": COUNTED}
+                   "abandoned": ["n1", "n2"], "given_up": "ok", "given_up_after_claim": "ok",
+                   "counted": COUNTED}

@@ -137,18 +137,20 @@ class OffStep:
             hit = self._usable_hit(op, session)
         with self._cond:
             self._pending.discard(op.req_id)
-            if op.req_id in self._given_up:
+            ended = op.req_id in self._given_up
+            if ended:
                 self._given_up.discard(op.req_id)
                 if hit is not None:
                     self._sessions.pop(op.req_id)
-                    session.fail("request ended in vLLM before its first step")
-                return
-            if hit is None:         # vLLM computes it without dualpath
-                self._counters.add("recompute_fallbacks")
             else:
-                self._counters.hit(session.info.read_side, hit)
-            self._opened[op.req_id] = hit
-            self._cond.notify_all()
+                if hit is None:         # vLLM computes it without dualpath
+                    self._counters.add("recompute_fallbacks")
+                else:
+                    self._counters.hit(session.info.read_side, hit)
+                self._opened[op.req_id] = hit
+                self._cond.notify_all()
+        if ended and hit is not None:   # a round trip: never under the lock the step takes
+            session.fail("request ended in vLLM before its first step")
 
     def _claim(self, op: OpenRequest) -> Any:
         self._check_layout()

@@ -37,6 +37,42 @@ class FakeSession:
         self.took = True
 
 
+class LateSession(FakeSession):
+    """Its claim answers, then it holds ``_usable_hit`` until ``gate`` (vLLM gives the request
+    up meanwhile); ``fail`` notes whether another thread could take ``lock`` then."""
+
+    def __init__(self, hit: int, gate: threading.Event, lock) -> None:
+        super().__init__(hit)
+        self._hit, self._gate, self._lock = hit, gate, lock
+        self.asked = threading.Event()
+        self.lock_free_in_fail: bool | None = None
+
+    @property  # type: ignore[override]
+    def hit_tokens(self) -> int:
+        self.asked.set()
+        assert self._gate.wait(10)
+        return self._hit
+
+    @hit_tokens.setter
+    def hit_tokens(self, value: int) -> None:
+        pass
+
+    def fail(self, reason: str) -> None:
+        got: list[bool] = []
+
+        def probe() -> None:
+            free = self._lock.acquire(timeout=1.0)
+            if free:
+                self._lock.release()
+            got.append(free)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join()
+        self.lock_free_in_fail = got[0]
+        super().fail(reason)
+
+
 class FakeSource:
     """Claims wait on ``release[rid]``; ``outcome[rid]`` is a session or an exception."""
 
@@ -208,6 +244,25 @@ def main() -> None:
     assert not g.off.drain()[0]                            # nothing reported for it
     out["given_up"] = "ok"
     counted["given_up"] = g.counted()
+
+    # given up after its claim answered: the session is failed (a round trip to the node) off
+    # the lock the step takes to drain, give up and wait — under it the step would wait too
+    q = Rig(decode=False)
+    gate = threading.Event()
+    late = LateSession(64, gate, q.off._cond)
+    r5 = request("g2", hit=64)
+    q.sched.matched(r5, 0)
+    q.step()
+    q.source.outcome["g2"] = late
+    q.source.release.setdefault("g2", threading.Event()).set()
+    until(lambda: late.asked.is_set(), "g2's claim answered")
+    assert q.off.give_up("g2")
+    gate.set()
+    until(lambda: late.failed is not None, "g2's session failed")
+    assert late.lock_free_in_fail is True, "the session was failed under the step's lock"
+    assert late.failed == "request ended in vLLM before its first step", late.failed
+    assert not q.off.drain()[0] and q.sessions.get("g2") is None
+    out["given_up_after_claim"] = "ok"
     out["counted"] = counted
     print("RESULT " + json.dumps(out), flush=True)
 

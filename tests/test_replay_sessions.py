@@ -4,6 +4,8 @@ prompt byte verified; sub-agents block their parent; bad traces fail before anyt
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from common.errors import InvalidArgument
@@ -11,6 +13,7 @@ from sim.recorded import TraceError
 from tests.test_replay_e2e import cluster
 from tests.trace_files import write_agentic
 from tools.cluster.inprocess import start_cluster
+from tools.replay.driver import Replayer
 from tools.replay.run import ClusterTarget, replay
 from tools.replay.sessions import SessionTrace, SessionTraceSpec
 
@@ -74,10 +77,20 @@ def test_trace_arrivals_plan_the_recorded_times(tmp_path):
         SessionTrace(SessionTraceSpec("table2:32k", agents=2, max_turns=2, arrivals="trace"), 64)
 
 
-async def test_trace_arrivals_and_table2_sessions_replay_live(tmp_path):
+async def test_trace_arrivals_and_table2_sessions_replay_live(tmp_path, monkeypatch):
     """Turns wait for their recorded time (t = 0, 10, 20, 30 s at speed 10: ≥ 1 s apart, where
-    back to back they take a fraction of that); the Table 2 generator's sessions replay with
+    back to back they take a fraction of that), counted from the session's first submission —
+    here each first turn reaches its submission 50 ms late, as on a loaded host (CI once saw
+    4 ms, and turn 1 went 0.9965 s after turn 0); the Table 2 generator's sessions replay with
     every hit as its hash ids predict."""
+    submit = Replayer.request
+
+    async def first_turns_late(self, rec, *args, **kw):
+        if rec.turn == 0:
+            await asyncio.sleep(0.05)
+        return await submit(self, rec, *args, **kw)
+
+    monkeypatch.setattr(Replayer, "request", first_turns_late)
     d = write_agentic(tmp_path / "c", n_files=1, first=1024, append=256, gen=8)
     timed = _spec(d, arrivals="trace", speed=10.0, repeat=1)
     table2 = SessionTraceSpec("table2:32k", conversations=None, max_turns=3, agents=2, scale=0.125)

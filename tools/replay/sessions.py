@@ -154,7 +154,7 @@ async def run_sessions(pool: ClientPool, trace: SessionTrace, *, aps: float | No
 
     async def session(p: SessionPlan, key: int) -> None:
         scope = sent.setdefault(p.scope, set())
-        t0 = r.now()
+        t0 = r.now()            # then the first turn's submission: the offsets' origin
         for k, (think, prompt, gen, keys) in enumerate(p.turns):
             wait = t0 + p.offsets[k] - r.now() if timed else think
             if k and wait > 0:
@@ -164,6 +164,8 @@ async def run_sessions(pool: ClientPool, trace: SessionTrace, *, aps: float | No
             rec = RequestRecord(request_id=f"{p.sid}-t{k}", session_id=p.sid, turn=k, prompt_tokens=prompt,
                                 gen_tokens=gen, expected_hit=expected_hit(keys, scope, prompt, trace.bt))
             final = await r.request(rec, key, block_keys=keys)
+            if k == 0:
+                t0 = rec.submit_s             # turn k goes >= offsets[k] after turn 0 went
             if final is None:
                 return                        # a session cannot go on past a failed turn
             scope.update(keys)

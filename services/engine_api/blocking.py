@@ -31,11 +31,11 @@ from .remote_async import CALL_MARGIN_S, EngineClient
 
 T = TypeVar("T")
 
-
 # a handle's ``fail`` once its client closed has nothing left to do (like a gone node's
 # errors, which it swallows): closing detached the engine, and the node failed every attempt
 # the engine held — a worker failing a session in an error path must not raise from there
 _DONE_WHEN_CLOSED = frozenset({"fail"})
+
 
 class Blocking(Generic[T]):
     """``target``'s coroutine methods as blocking calls on ``portal`` (module docstring)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from common.errors import AlreadyExists
 from common.shm import sweep_stale
@@ -225,6 +226,34 @@ async def test_a_node_puts_its_key_again_after_its_lease_was_lost_and_after_etcd
         reliability.record("fault", "etcd lost and back while a node service runs",
                            f"its key was put again ({reg.registrations} registrations)",
                            target="etcd", action="kill")
+
+
+async def test_a_node_started_before_etcd_waits_for_it_and_registers(tmp_path):
+    """A node started beside etcd (compose, systemd, or a host stall past a dial timeout, as
+    in ci99) retries its first registration for ``start_timeout_s`` instead of exiting."""
+    require_etcd()
+    members = EtcdMembers(tmp_path / "etcd", 1)             # ports chosen; etcd not started
+    cfg = msgspec.structs.replace(etcd_cfg(members), dial_timeout_s=1.0, start_timeout_s=60.0)
+    rec = make_record("d1", "de_loader", "127.0.0.1", 9005, 9505, ["d1.e0"], "f",
+                      PROTOCOL_VERSION)
+    reg = EtcdRegistrar(cfg, rec)
+    with capture_logs() as logs:
+        task = asyncio.create_task(reg.register())
+        try:
+            await until(lambda: any(e["event"] == "etcd_unreachable_at_start" for e in logs),
+                        what="the registration retrying an etcd that is not there yet")
+            assert not task.done()
+            await asyncio.to_thread(members.start)
+            await asyncio.wait_for(task, 30)
+            assert reg.registrations == 1
+            assert json.loads(await etcd_value(members, reg.key) or b"{}")["instance"] == \
+                rec.instance
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await reg.close()
+            members.stop()
 
 
 async def _present(members: EtcdMembers, key: bytes) -> bool:

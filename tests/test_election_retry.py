@@ -1,6 +1,7 @@
 """The leader's lease renewal while etcd does not answer (no etcd needed: ``_renew`` is
 replaced): retries back off and the warnings are counted, not repeated twenty times a second;
-a renewal that works again confirms the lease and the loop goes on."""
+a renewal that works again confirms the lease and the loop goes on. A node's first
+registration likewise waits out an unanswered etcd for ``start_timeout_s``."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import asyncio
 import math
 import time
 
+import pytest
 from structlog.testing import capture_logs
 
 from common.errors import Unavailable
+from services.scheduler.etcd.discovery import EtcdRegistrar, NodeRecord, make_record
 from services.scheduler.etcd.election import RETRY_FIRST_S, RETRY_LOG_S, SchedulerElection
 from services.scheduler.service_config import EtcdConfig
 
@@ -83,3 +86,64 @@ async def test_a_campaign_against_an_unreachable_etcd_polls_and_logs_once_a_seco
     assert 1 <= len(warned) <= math.ceil(took / RETRY_LOG_S) + 1 < 150, (len(warned), took)
     assert [e["failures"] for e in warned] == sorted(e["failures"] for e in warned)
     assert warned[0]["failures"] == 1 and warned[-1]["failures"] <= 150
+
+
+def registrar(**etcd: object) -> EtcdRegistrar:
+    cfg = EtcdConfig(endpoints=["127.0.0.1:1"], lease_s=1, poll_s=0.01, **etcd)  # type: ignore[arg-type]
+    return EtcdRegistrar(cfg, make_record("d1", "de_loader", "127.0.0.1", 1, 2, [], "f", 1))
+
+
+async def test_a_first_registration_waits_out_an_unanswered_etcd_then_registers():
+    """ci99: one 2-s dial timeout during a host stall made a starting node exit. Its first
+    registration now retries for start_timeout_s, logging the count once a second."""
+    reg = registrar(start_timeout_s=30.0)
+    outcomes: list[object] = [Unavailable("etcd unreachable at 127.0.0.1:1")] * 120 + [None]
+
+    async def put() -> NodeRecord | None:
+        got = outcomes.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return None
+
+    reg._put_if_vacant = put                             # type: ignore[method-assign]
+    with capture_logs() as logs:
+        await asyncio.wait_for(reg.register(), 20)
+    assert outcomes == []
+    warned = [e for e in logs if e["event"] == "etcd_unreachable_at_start"]
+    assert 1 <= len(warned) < 120 and "d1/de_loader" in warned[0]["what"], warned
+
+
+async def test_a_first_registration_gives_up_after_start_timeout_naming_the_endpoint():
+    reg = registrar(start_timeout_s=0.3)
+    tries: list[float] = []
+
+    async def put() -> NodeRecord | None:
+        tries.append(time.monotonic())
+        raise Unavailable("etcd unreachable at 127.0.0.1:1 (127.0.0.1:1: TimeoutError)")
+
+    reg._put_if_vacant = put                             # type: ignore[method-assign]
+    with pytest.raises(Unavailable, match="127.0.0.1:1"):
+        await asyncio.wait_for(reg.register(), 20)
+    assert len(tries) > 1 and tries[-1] - tries[0] >= 0.3, tries
+
+
+async def test_a_twin_is_refused_one_lease_after_it_was_first_seen_not_after_the_start():
+    """An etcd unanswered for longer than a lease at start must not turn a twin's key, seen
+    once etcd answers, into an immediate refusal: the predecessor may still let it lapse."""
+    reg = registrar(start_timeout_s=30.0)
+    holder = make_record("d1", "de_loader", "10.0.0.9", 1, 2, [], "f", 1)
+    outcomes: list[object] = [Unavailable("down")] * 4 + [holder] * 3 + [None]
+    seen_holder: list[float] = []
+
+    async def put() -> NodeRecord | None:
+        got = outcomes.pop(0)
+        if isinstance(got, Exception):
+            await asyncio.sleep(0.6)                     # 4 × 0.6 s > lease_s + 1 before etcd answers
+            raise got
+        if got is not None:
+            seen_holder.append(time.monotonic())
+        return got                                      # type: ignore[return-value]
+
+    reg._put_if_vacant = put                             # type: ignore[method-assign]
+    await asyncio.wait_for(reg.register(), 20)          # the key lapsed: registered, not refused
+    assert outcomes == [] and len(seen_holder) == 3

@@ -284,11 +284,12 @@ async def test_a_term_that_fails_on_its_own_ends_the_replica_and_a_clean_stop_re
 def test_etcd_unreachable_at_start_fails_naming_the_endpoint(tmp_path):
     dead = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "DUALPATH__ETCD__ENDPOINTS": json.dumps([dead]),
-           "DUALPATH__ETCD__DIAL_TIMEOUT_S": "1.0"}
+           "DUALPATH__ETCD__DIAL_TIMEOUT_S": "1.0", "DUALPATH__ETCD__START_TIMEOUT_S": "1.5"}
     r = subprocess.run([sys.executable, "-m", "tools.cluster.serve", "scheduler", "--port", "0"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert dead in r.stderr and "etcd unreachable" in r.stderr
+    assert "etcd_unreachable_at_start" in r.stderr       # it retried for start_timeout_s first
 
 
 # --------------------------------------------------------------------------- fencing, in-process

@@ -22,6 +22,10 @@ class EtcdConfig(Section):
     poll_s: FinitePositiveFloat = 0.2          # a standby looks for a vacant leader key this often
     dial_timeout_s: FinitePositiveFloat = 2.0  # one etcd call (then the next endpoint)
     step_down_s: FinitePositiveFloat = 10.0    # a leader unconfirmed this long steps down (>= lease_s)
+    # a starting process (the scheduler's start check, a node's first registration) retries an
+    # unanswered etcd this long, then exits naming the endpoints: a host stall or an etcd
+    # started beside it costs a wait, not a restart
+    start_timeout_s: FinitePositiveFloat = 10.0
 
     def __post_init__(self) -> None:
         if self.step_down_s < self.lease_s:

@@ -154,11 +154,12 @@ async def run_sessions(pool: ClientPool, trace: SessionTrace, *, aps: float | No
 
     async def session(p: SessionPlan, key: int) -> None:
         scope = sent.setdefault(p.scope, set())
-        t0 = r.now()            # then the first turn's submission: the offsets' origin
+        t0 = 0.0                # turn 0's submission (set below): the offsets' origin
         for k, (think, prompt, gen, keys) in enumerate(p.turns):
-            wait = t0 + p.offsets[k] - r.now() if timed else think
-            if k and wait > 0:
-                await asyncio.sleep(wait)
+            if k:
+                wait = t0 + p.offsets[k] - r.now() if timed else think
+                if wait > 0:
+                    await asyncio.sleep(wait)
             if k in p.subs:
                 await asyncio.gather(*(session(c, key) for c in p.subs[k]))
             rec = RequestRecord(request_id=f"{p.sid}-t{k}", session_id=p.sid, turn=k, prompt_tokens=prompt,

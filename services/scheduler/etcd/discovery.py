@@ -32,7 +32,7 @@ import structlog
 
 from common.errors import AlreadyExists, Unavailable
 
-from .election import EtcdEndpoints, put_if_absent
+from .election import EtcdEndpoints, put_if_absent, retried_at_start
 from ..service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
@@ -77,8 +77,8 @@ class EtcdRegistrar:
     """Keeps one process's key alive: ``await register()`` at start, then ``run()`` forever.
 
     ``register`` raises AlreadyExists when another live process holds the key after one
-    lease, Unavailable when etcd cannot be reached (the service does not start: the endpoint
-    is named). ``run`` renews every third of the lease and, when the lease is gone (etcd lost
+    lease, Unavailable when etcd goes unanswered for ``start_timeout_s`` (the service does not
+    start: the endpoint is named). ``run`` renews every third of the lease and, when the lease is gone (etcd lost
     for longer than it), puts the key again under a fresh lease as soon as etcd answers."""
 
     def __init__(self, cfg: EtcdConfig, record: NodeRecord) -> None:
@@ -91,11 +91,14 @@ class EtcdRegistrar:
         self.registrations = 0          # puts of the key (1 + re-registrations after a loss)
 
     async def register(self) -> None:
-        deadline = time.monotonic() + self.cfg.lease_s + 1.0
+        deadline: float | None = None       # one lease after the holder was first seen
         while True:
-            holder = await self._put_if_vacant()
+            holder = await retried_at_start(self._put_if_vacant, self.cfg,
+                                            f"registration of {self.key.decode()}")
             if holder is None:
                 return
+            if deadline is None:
+                deadline = time.monotonic() + self.cfg.lease_s + 1.0
             if time.monotonic() >= deadline:
                 raise AlreadyExists(
                     f"node id {self.record.node_id!r} ({self.record.service}) is already "

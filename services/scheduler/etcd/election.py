@@ -29,8 +29,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import structlog
 
@@ -39,6 +39,8 @@ from common.errors import Unavailable
 from ..service_config import EtcdConfig
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 def leader_key(cfg: EtcdConfig) -> bytes:
@@ -116,6 +118,28 @@ class EtcdEndpoints:
         await self.failed()
 
 
+async def retried_at_start(fn: Callable[[], Awaitable[T]], cfg: EtcdConfig, what: str) -> T:
+    """``fn()`` (a process's first etcd work) retried while etcd is Unavailable, every
+    ``poll_s``, for ``start_timeout_s``; then its last Unavailable, which names the endpoints
+    (the process exits on it). Why: a host that stalls for a dial timeout, or an etcd started
+    beside the service, must cost a wait, not a restart (docs/cluster.md, "etcd")."""
+    end = time.monotonic() + cfg.start_timeout_s
+    failures, next_log = 0, 0.0
+    while True:
+        try:
+            return await fn()
+        except Unavailable as e:
+            failures += 1
+            now = time.monotonic()
+            if now >= end:
+                raise
+            if now >= next_log:
+                log.warning("etcd_unreachable_at_start", what=what, error=e.message,
+                            failures=failures, gives_up_in_s=round(end - now, 1))
+                next_log = now + RETRY_LOG_S
+        await asyncio.sleep(cfg.poll_s)
+
+
 async def put_if_absent(etcd: EtcdEndpoints, key: bytes, value: bytes, ttl_s: int) -> Any:
     """Put ``key`` under a fresh lease of ``ttl_s`` only while it does not exist (a transaction
     on ``create_revision == 0``): the lease; None (the lease revoked) when the key exists."""
@@ -150,8 +174,9 @@ class SchedulerElection:
         self._value = b""
 
     async def check(self) -> None:
-        """Fail at start (Unavailable naming the endpoints) when etcd cannot be reached."""
-        await self.etcd.client()
+        """Fail at start (Unavailable naming the endpoints) when etcd cannot be reached
+        within ``start_timeout_s``."""
+        await retried_at_start(self.etcd.client, self.cfg, "scheduler start")
 
     async def win(self, host: str, port: int) -> int:
         """Campaign until this replica leads; its epoch (the key's create revision)."""

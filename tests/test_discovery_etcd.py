@@ -17,13 +17,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from common.errors import AlreadyExists
+from common.errors import AlreadyExists, Unavailable
 from common.shm import sweep_stale
 from common.protocol import EngineInfo, RequestQueued
 from common.protocol.base import PROTOCOL_VERSION
@@ -254,6 +255,32 @@ async def test_a_node_started_before_etcd_waits_for_it_and_registers(tmp_path):
                 await task
             await reg.close()
             members.stop()
+
+
+async def test_an_etcd_client_answers_at_once_when_etcd_returns(etcd):
+    """ci101: etcd down for 3 s, then back; the node's lease renewals still failed for 5 s
+    more (first "connection refused", then timeouts) and its 1-s lease lapsed. gRPC backs off
+    reconnecting after refusals (1, 1.6, 2.6, 4.1 s ...), and shares that backoff through its
+    process-wide connection pool with every new client to the address: here 2-3 s after a
+    6-s outage. With each client on its own connection the first call after the return
+    answers."""
+    ep = EtcdEndpoints(etcd.endpoints, 1.0)
+    try:
+        await ep.call(lambda c: c.status())
+        etcd.kill(0)
+        refused = 0
+        outage_end = time.monotonic() + 6.0         # a renewal's worth of refused connects
+        while time.monotonic() < outage_end:
+            try:
+                await ep.call(lambda c: c.status(), 0.25)
+            except Unavailable:
+                refused += 1
+            await asyncio.sleep(0.3)
+        assert refused >= 10
+        await asyncio.to_thread(etcd.restart, 0)    # etcdctl sees it healthy again
+        await ep.call(lambda c: c.status(), 1.0)    # and so does our client, at once
+    finally:
+        await ep.close()
 
 
 async def _present(members: EtcdMembers, key: bytes) -> bool:

@@ -73,6 +73,7 @@ class FakeClient:
         self.max_wait_s = 1.0
         self.fail_with: Exception | None = None
         self.waits: dict[str, float] = {}
+        self.loaded: dict[int, asyncio.Event] = {}    # WaitLayer(l) answers once set
 
     async def call(self, msg, wait_s: float = 0.0):
         self.sent.append(msg)
@@ -81,6 +82,8 @@ class FakeClient:
             raise self.fail_with
         name = type(msg).__name__
         if name == "WaitLayer":
+            if msg.layer in self.loaded:
+                await self.loaded[msg.layer].wait()
             return LayerReady(msg.request_id, msg.layer, ArenaSlot(0, 64 * 16),
                               ArenaSlot(1024, 6 * 16), ArenaSlot(0, 70 * 16))
         if name == "NewBlock":
@@ -234,6 +237,46 @@ async def test_a_pipelined_put_failure_is_raised_by_the_next_call_and_finish_dra
         await pre.layer(2)
 
 
+async def test_layer_reads_the_next_layer_ahead_and_a_late_one_can_be_asked_again():
+    """``layer(l)`` asks for ``l + 1`` as it returns, so the engine's next ``layer()`` costs
+    no round trip when the KV is there; a read-ahead still waiting when the engine's timeout
+    runs out raises DeadlineExceeded and goes on for the next ask."""
+    client = FakeClient()
+    layer1_loaded = client.loaded[1] = asyncio.Event()   # the node has not loaded layer 1 yet
+    pre, _ = remote_pair(client)
+    await pre.layer(0)
+    await until_sent(client, 2)
+    assert [(type(m).__name__, m.layer) for m in client.sent] == [   # type: ignore[attr-defined]
+        ("WaitLayer", 0), ("WaitLayer", 1)]
+    with pytest.raises(DeadlineExceeded, match="layer 1 .*ask again"):
+        await pre.layer(1, 0.05)
+    layer1_loaded.set()
+    assert (await pre.layer(1, 1.0)).shape == (64, 16)
+    assert len(client.sent) == 2                     # answered by the read-ahead: no new call
+    await pre.fail("done")                           # nothing left ahead (layer 1 is the last)
+    assert not pre._ahead
+
+
+async def test_ending_a_handle_cancels_its_read_ahead():
+    client = FakeClient()
+    client.loaded[1] = asyncio.Event()               # never set: layer 1 never loads
+    pre, _ = remote_pair(client)
+    await pre.layer(0)
+    ahead = pre._ahead[1]
+    await until_sent(client, 2)
+    await pre.fail("given up")
+    await asyncio.sleep(0)
+    assert ahead.cancelled() and not pre._ahead
+
+
+async def until_sent(client: FakeClient, n: int) -> None:
+    for _ in range(100):
+        if len(client.sent) >= n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{n} calls expected, sent {client.sent}")
+
+
 # ---------------------------------------------------------------- the in-process adapters
 
 class PrefillBackendStub:
@@ -341,8 +384,10 @@ def test_the_blocking_bridge_waits_for_calls_and_returns_handles_blocking():
             Blocking(dec, portal).took_kv()
     finally:
         portal.stop()
-    assert [type(m).__name__ for m in client.sent] == ["WaitLayer", "PutLayer",
+    # layer(0) asked for layer 1 ahead (read-ahead) before the pipelined put went out
+    assert [type(m).__name__ for m in client.sent] == ["WaitLayer", "WaitLayer", "PutLayer",
                                                        "FinishPrefill", "TookKV"]
+    assert [m.layer for m in client.sent[:2]] == [0, 1]                 # type: ignore[attr-defined]
 
 
 def test_a_portal_stopping_under_its_callers_strands_none_of_them():

@@ -154,8 +154,8 @@ class LocalPrefillSession:
     def prompt_layer(self, layer: int) -> np.ndarray:
         return self._kv[layer]
 
-    async def put_layer(self, layer: int) -> None:
-        self._put.add(layer)
+    async def put_layer(self, layer: int, wait: bool = True) -> None:
+        self._put.add(layer)            # in-process: nothing to pipeline (``wait`` is moot)
 
     async def finish(self, first_token_id: int | None = None) -> None:
         spec = self._store.spec

@@ -249,7 +249,10 @@ class WorkerHalf:
         slots = token_slots(step.block_ids, self._block_size, start, stop)
         gather_layer_into(self._geom, kv_layer, slots, dst)
         if stop == step.prompt_tokens:
-            session.put_layer(layer)
+            # pipelined: no round trip to the node per layer inside the forward; a failed
+            # put is raised by the session's next call (the next layer's load or put, or
+            # finish, off the forward path), which fails the dualpath attempt as above
+            session.put_layer(layer, wait=False)
 
     def end_step(self) -> None:
         """vLLM's ``wait_for_save``: decode sessions count their forwards (TTST). A decode

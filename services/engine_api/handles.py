@@ -83,8 +83,11 @@ class PrefillHandle(Protocol):
         """``[prompt_tokens, B]`` view of the whole layer (hit part, then the new part)."""
         ...
 
-    async def put_layer(self, layer: int) -> None:
-        """Layer ``layer``'s new KV is written (layers in order): forward it."""
+    async def put_layer(self, layer: int, wait: bool = True) -> None:
+        """Layer ``layer``'s new KV is written (layers in order): forward it. ``wait=False``
+        may return before the put is through (a forward pass need not wait a round trip per
+        layer); its failure is then raised by the next call on this handle, by ``finish()``
+        at the latest. Either way the engine must not write that layer's output again."""
         ...
 
     async def finish(self, first_token_id: int | None = None) -> None:

@@ -96,8 +96,9 @@ class PrefillRequest:
     def output(self, layer: int) -> np.ndarray:
         return self._b.output_view(layer)
 
-    async def put_layer(self, layer: int) -> None:
-        """Returns when the layer is queued for sending."""
+    async def put_layer(self, layer: int, wait: bool = True) -> None:
+        """Returns when the layer is queued for sending: in-process that costs no round
+        trip, so ``wait=False`` (the protocol's pipelined put) is the same call."""
         await self._b.put_layer(layer)
 
     async def finish(self, first_token_id: int | None = None) -> None:

@@ -256,12 +256,18 @@ class RemotePrefillHandle(_RemoteRequest):
     ``put_layer(l, wait=False)`` returns at once (a forward pass need not wait a round trip
     per layer): the put goes out in order behind earlier ones, and its failure is raised by
     the next call on this handle — by ``finish()`` at the latest.
+
+    ``layer(l)`` asks for layer ``l + 1`` as it returns (read-ahead), so while the engine
+    computes layer ``l`` the next one's answer is on its way, and a forward pass waits a
+    round trip per layer only where the KV itself is late. The node sees the engine one
+    layer further on than it is (its look-ahead window moves one layer early).
     """
 
     def __init__(self, client: EngineClient, msg: PrefillAssigned) -> None:
         super().__init__(client, msg.prompt, msg.hit_tokens)
         self._ready: dict[int, LayerReady] = {}
         self._puts: list[asyncio.Task] = []          # put_layer(wait=False) calls
+        self._ahead: dict[int, asyncio.Task[LayerReady]] = {}   # layer -> its read-ahead
 
     @property
     def dropped(self) -> bool:
@@ -273,19 +279,47 @@ class RemotePrefillHandle(_RemoteRequest):
 
     async def layer(self, layer: int, timeout_s: float | None = None) -> np.ndarray:
         self._raise_failed_put()
+        ahead = self._ahead.pop(layer, None)
+        if ahead is None:
+            ready = await self._wait_layer(layer, timeout_s)
+        else:
+            try:
+                ready = await asyncio.wait_for(asyncio.shield(ahead), timeout_s)
+            except TimeoutError:
+                self._ahead[layer] = ahead      # still asking: the next layer(l) waits on
+                raise DeadlineExceeded(f"layer {layer} of {self.request_id!r} not loaded "
+                                       f"within {timeout_s:.3g}s (ask again)") from None
+        self._ready[layer] = ready
+        nxt = layer + 1
+        if nxt < self._c.kv_spec.num_layers and nxt not in self._ready \
+                and nxt not in self._ahead:
+            self._ahead[nxt] = asyncio.get_running_loop().create_task(
+                self._wait_layer(nxt, None), name=f"read-ahead-{self.request_id}-{nxt}")
+        return self._c.view(ready.hit)
+
+    async def _wait_layer(self, layer: int, timeout_s: float | None) -> LayerReady:
+        """WaitLayer until the layer is loaded (each call bounded by the node's
+        ``max_wait_s``), or DeadlineExceeded after ``timeout_s`` (None: the attempt's own
+        deadline on the node ends it)."""
         loop = asyncio.get_running_loop()
         end = None if timeout_s is None else loop.time() + timeout_s
         while True:
             left = self._c.max_wait_s if end is None else max(0.0, end - loop.time())
             wait = min(left, self._c.max_wait_s)
             try:
-                ready = await self._send(WaitLayer, layer, wait, wait_s=wait)
-                break
+                return await self._send(WaitLayer, layer, wait, wait_s=wait)
             except DeadlineExceeded:
                 if end is not None and loop.time() >= end:
                     raise
-        self._ready[layer] = ready
-        return self._c.view(ready.hit)
+
+    def _drop_ahead(self) -> None:
+        """The handle ends: read-aheads nobody will ask for are cancelled (their errors
+        are this ending's, not news)."""
+        ahead, self._ahead = self._ahead, {}
+        for t in ahead.values():
+            if t.done() and not t.cancelled():
+                t.exception()
+            t.cancel()
 
     def _slots(self, layer: int) -> LayerReady:
         ready = self._ready.get(layer)
@@ -318,6 +352,7 @@ class RemotePrefillHandle(_RemoteRequest):
             t.result()                    # raises the put's typed error
 
     async def finish(self, first_token_id: int | None = None) -> None:
+        self._drop_ahead()
         puts, self._puts = self._puts, []
         for t in puts:                    # puts still on their way, in order
             await t
@@ -325,6 +360,7 @@ class RemotePrefillHandle(_RemoteRequest):
         await self._send(FinishPrefill, first_token_id, wait_s=self._c.max_wait_s)
 
     async def fail(self, error: BaseException | str | None = None) -> None:
+        self._drop_ahead()
         puts, self._puts = self._puts, []
         for t in puts:
             if t.done() and not t.cancelled():

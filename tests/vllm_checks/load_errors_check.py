@@ -48,7 +48,7 @@ class FakeSession:
             raise ConnectionError("the DE closed the connection")
         return np.zeros((64, self.token_bytes), dtype=np.uint8)
 
-    def put_layer(self, layer: int) -> None:
+    def put_layer(self, layer: int, wait: bool = True) -> None:
         pass
 
     def fail(self, reason: str) -> None:

@@ -47,6 +47,18 @@ def leader_key(cfg: EtcdConfig) -> bytes:
     return f"{cfg.prefix.rstrip('/')}/scheduler/leader".encode()
 
 
+# gRPC channel options of every etcd client. gRPC keeps a process-wide pool of connections
+# (subchannels) shared by every channel to one address, with their reconnect backoff: after
+# etcd refused a few connects (it was down a few seconds), even a brand-new client failed for
+# 1-3 s more after etcd answered again (measured here), longer than a 1-2 s lease, so a node's
+# key or the leader's lease lapsed after etcd had come back (ci101). Each client gets its own
+# connection, and a lost one is retried within a second, not after gRPC's up to 120 s.
+GRPC_OPTIONS = {"grpc.use_local_subchannel_pool": 1,
+                "grpc.initial_reconnect_backoff_ms": 100,
+                "grpc.min_reconnect_backoff_ms": 100,
+                "grpc.max_reconnect_backoff_ms": 1000}
+
+
 class EtcdEndpoints:
     """An ``aetcd`` client on the first reachable endpoint; the next one after a failure."""
 
@@ -72,7 +84,7 @@ class EtcdEndpoints:
         for _ in range(len(self.endpoints)):
             host, _, port = self.current.rpartition(":")
             c = aetcd.Client(host=host or "127.0.0.1", port=int(port),
-                             timeout=max(1, round(self.timeout_s)))
+                             timeout=max(1, round(self.timeout_s)), options=GRPC_OPTIONS)
             try:
                 async with asyncio.timeout(wait):
                     await c.connect()

@@ -6,6 +6,7 @@ same calls, blocking. No sockets here: the remote client is a recording stand-in
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import re
 import threading
@@ -78,12 +79,12 @@ class FakeClient:
     async def call(self, msg, wait_s: float = 0.0):
         self.sent.append(msg)
         self.waits[type(msg).__name__] = wait_s
+        name = type(msg).__name__
+        if name == "WaitLayer" and msg.layer in self.loaded:
+            await self.loaded[msg.layer].wait()
         if self.fail_with is not None:
             raise self.fail_with
-        name = type(msg).__name__
         if name == "WaitLayer":
-            if msg.layer in self.loaded:
-                await self.loaded[msg.layer].wait()
             return LayerReady(msg.request_id, msg.layer, ArenaSlot(0, 64 * 16),
                               ArenaSlot(1024, 6 * 16), ArenaSlot(0, 70 * 16))
         if name == "NewBlock":
@@ -267,6 +268,32 @@ async def test_ending_a_handle_cancels_its_read_ahead():
     await pre.fail("given up")
     await asyncio.sleep(0)
     assert ahead.cancelled() and not pre._ahead
+
+
+async def test_a_failed_read_ahead_nobody_asks_for_is_not_reported_as_unretrieved():
+    """The client closed under a handle: its read-ahead fails and nobody asks for that
+    layer; dropping the handle must not log "Task exception was never retrieved"."""
+    client = FakeClient()
+    client.loaded[1] = asyncio.Event()
+    pre, _ = remote_pair(client)
+    await pre.layer(0)
+    ahead = pre._ahead[1]
+    await until_sent(client, 2)
+    client.fail_with = NotFound("the node detached this engine")
+    client.loaded[1].set()
+    await asyncio.wait({ahead})                     # failed (NotFound); nobody asked
+    assert ahead.done() and not ahead.cancelled()
+    unretrieved: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
+    try:
+        client.fail_with = None                     # its traceback holds the handle
+        del pre, ahead
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert not unretrieved, unretrieved
 
 
 async def until_sent(client: FakeClient, n: int) -> None:

@@ -203,6 +203,11 @@ def prompt_info(p: EnginePrompt) -> PromptInfo:
                       p.block_tokens, p.read_side, tuple(p.block_keys), p.tail_key)
 
 
+def _quiet(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _reason(error: BaseException | str | None) -> str:
     if error is None or isinstance(error, str):
         return error or ""
@@ -293,8 +298,12 @@ class RemotePrefillHandle(_RemoteRequest):
         nxt = layer + 1
         if nxt < self._c.kv_spec.num_layers and nxt not in self._ready \
                 and nxt not in self._ahead:
-            self._ahead[nxt] = asyncio.get_running_loop().create_task(
+            ahead = asyncio.get_running_loop().create_task(
                 self._wait_layer(nxt, None), name=f"read-ahead-{self.request_id}-{nxt}")
+            # its error reaches whoever asks for that layer; a handle dropped without
+            # asking (its client closed) must not log "exception was never retrieved"
+            ahead.add_done_callback(_quiet)
+            self._ahead[nxt] = ahead
         return self._c.view(ready.hit)
 
     async def _wait_layer(self, layer: int, timeout_s: float | None) -> LayerReady:
@@ -313,12 +322,10 @@ class RemotePrefillHandle(_RemoteRequest):
                     raise
 
     def _drop_ahead(self) -> None:
-        """The handle ends: read-aheads nobody will ask for are cancelled (their errors
-        are this ending's, not news)."""
+        """The handle ends: read-aheads nobody will ask for are cancelled (their errors,
+        retrieved by ``_quiet``, are this ending's, not news)."""
         ahead, self._ahead = self._ahead, {}
         for t in ahead.values():
-            if t.done() and not t.cancelled():
-                t.exception()
             t.cancel()
 
     def _slots(self, layer: int) -> LayerReady:

@@ -47,12 +47,14 @@ ConnHook = Callable[["ServerConnection"], Any]
 class CallContext:
     """What a handler knows about its call: the peer, the deadline, whether it was cancelled."""
 
-    __slots__ = ("conn", "call_id", "deadline", "_cancelled")
+    __slots__ = ("conn", "call_id", "deadline", "notice", "_cancelled")
 
-    def __init__(self, conn: ServerConnection, call_id: int, deadline: float | None) -> None:
+    def __init__(self, conn: ServerConnection, call_id: int, deadline: float | None,
+                 notice: bool = False) -> None:
         self.conn = conn
         self.call_id = call_id
         self.deadline = deadline          # loop.time() (monotonic) seconds; None: no deadline
+        self.notice = notice              # a CancelCall does not stop it (RpcServer notices)
         self._cancelled = asyncio.Event()
 
     @property
@@ -124,6 +126,7 @@ class _StreamWindow:
 class _Entry(msgspec.Struct, frozen=True):
     handler: Handler
     streaming: bool
+    notice: bool = False
 
 
 class RpcServer:
@@ -133,7 +136,13 @@ class RpcServer:
                  handlers: Mapping[type, Handler], request_type: Any,
                  kv_fingerprint: str = "", auth_secret: bytes | None = None,
                  on_connect: ConnHook | None = None,
-                 on_disconnect: ConnHook | None = None) -> None:
+                 on_disconnect: ConnHook | None = None,
+                 notices: frozenset[type] = frozenset()) -> None:
+        """``notices``: request types that tell the server something rather than ask it (an
+        engine giving a request up): once received, such a call runs to its end (its deadline
+        still bounds it) even when the client cancels it. A client cancels a call it stopped
+        waiting for; after a host stall the CancelCall arrives with the call itself, and a
+        cancelled notice would be lost although it was sent."""
         self._cfg = cfg
         self._service = service
         self._node_id = node_id
@@ -144,7 +153,7 @@ class RpcServer:
             self._tls, cfg.handshake_timeout_s)
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
-        self._entries = _build_entries(handlers, request_type)
+        self._entries = _build_entries(handlers, request_type, notices)
         self._codec = FrameCodec(request_type, cfg.max_frame_bytes)
         self._hello_checks = (self._check_version, self._check_auth, self._check_kv_spec)
         envelope_handlers: dict[type, Callable[[ServerConnection, Any], Awaitable[None]]] = {
@@ -161,7 +170,7 @@ class RpcServer:
         self._conn_tasks: set[asyncio.Task] = set()
         self._counters = dict.fromkeys(
             ("connections_accepted", "handshakes_rejected", "calls_total", "calls_failed",
-             "calls_rejected", "frames_rejected"), 0)
+             "calls_rejected", "frames_rejected", "notice_cancels_ignored"), 0)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -438,7 +447,7 @@ class RpcServer:
     def _spawn_call(self, conn: ServerConnection, call: Call, msg: Any, entry: _Entry) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + call.deadline_s if math.isfinite(call.deadline_s) else None
-        ctx = CallContext(conn, call.id, deadline)
+        ctx = CallContext(conn, call.id, deadline, entry.notice)
         task = asyncio.create_task(self._run_call(conn, msg, entry, ctx),
                                    name=f"rpc-call-{conn.conn_id}-{call.id}")
         conn.calls[call.id] = (task, ctx)
@@ -523,6 +532,9 @@ class RpcServer:
         entry = conn.calls.get(cancel.id)
         if entry is not None:
             task, ctx = entry
+            if ctx.notice:
+                self._counters["notice_cancels_ignored"] += 1
+                return
             ctx._cancelled.set()
             task.cancel()
 
@@ -538,9 +550,12 @@ class RpcServer:
                                       f"not {type(env).__name__}"))
 
 
-def _build_entries(handlers: Mapping[type, Handler], request_type: Any) -> dict[type, _Entry]:
+def _build_entries(handlers: Mapping[type, Handler], request_type: Any,
+                   notices: frozenset[type] = frozenset()) -> dict[type, _Entry]:
     """Validate the handler table at construction: typos fail at start, not on first call."""
     members = set(union_members(request_type))
+    if stray := [t.__name__ for t in notices if t not in handlers]:
+        raise TypeError(f"notices without a handler: {', '.join(sorted(stray))}")
     entries = {}
     for msg_type, handler in handlers.items():
         if msg_type not in members:
@@ -550,7 +565,9 @@ def _build_entries(handlers: Mapping[type, Handler], request_type: Any) -> dict[
         if not (streaming or inspect.iscoroutinefunction(handler)):
             raise TypeError(f"handler for {msg_type.__name__} must be an async function or "
                             f"an async generator function")
-        entries[msg_type] = _Entry(handler, streaming)
+        if streaming and msg_type in notices:
+            raise TypeError(f"{msg_type.__name__}: a notice is a unary call, not a stream")
+        entries[msg_type] = _Entry(handler, streaming, msg_type in notices)
     return entries
 
 

@@ -18,8 +18,8 @@ from common.errors import (
 )
 from common.framing import FrameCodec, read_frame
 from common.protocol import (
-    PROTOCOL_VERSION, Call, CallError, ErrorReply, GetStats, GetStatsReply, Hello, HelloReply,
-    Message, Ping, Pong, ServerHello,
+    PROTOCOL_VERSION, Call, CallError, CancelCall, ErrorReply, GetStats, GetStatsReply, Hello, HelloReply,
+    Message, Ping, Pong, Reply, ServerHello,
 )
 from common.rpc import RpcClient, RpcServer, check_handler_coverage
 from tests.helpers import until
@@ -71,6 +71,7 @@ class Probe:
         self.server: RpcServer | None = None
         self.started = self.cancelled = self.produced = self.streams_closed = 0
         self.saw_ctx_cancelled = False
+        self.slept = 0
         self.connected: list[str] = []
         self.disconnected: list[str] = []
 
@@ -105,6 +106,7 @@ class Probe:
             self.cancelled += 1
             self.saw_ctx_cancelled |= ctx.cancelled
             raise
+        self.slept += 1
         return Slept()
 
     async def fail(self, msg: Fail, ctx) -> Pong:
@@ -309,6 +311,30 @@ async def test_deadline_exceeded_is_typed_and_cancels_the_handler(rig, pair):
     assert info.value.retryable
     await until(lambda: rig.probe.cancelled == 1)
     assert await client.call(Ping()) == Pong()
+
+
+async def test_a_notice_runs_to_its_end_though_its_client_stopped_waiting(rig):
+    """A notice (``RpcServer(notices=...)``: an engine giving a request up) is not undone by
+    the CancelCall its client sends when it stops waiting: after a host stall that cancel
+    arrives with the call itself (ci102: an AbandonRequest lost that way left a decode
+    attempt waiting for nobody). Its deadline still bounds it."""
+    server = await rig.server(notices=frozenset({Sleep}))
+    peer = await rig.raw(server.port)                 # the call and its cancel in one read
+    peer.send(Call(7, 5.0, msgspec.Raw(msgspec.msgpack.encode(Sleep(0.3)))))
+    peer.send(CancelCall(7))
+    reply = await peer.recv()
+    assert type(reply) is Reply and reply.id == 7
+    assert rig.probe.slept == 1 and rig.probe.cancelled == 0
+    assert server.stats()["notice_cancels_ignored"] == 1
+    reply = await peer.call(8, Sleep(30), deadline_s=0.05)   # still bounded by its deadline
+    assert type(reply) is CallError and reply.error.code == ErrorCode.DEADLINE_EXCEEDED
+
+
+def test_a_notice_must_have_a_handler_and_be_unary():
+    for notices, why in (({Unserved}, "without a handler"), ({Count}, "not a stream")):
+        with pytest.raises(TypeError, match=why):
+            RpcServer(CFG, service="test", node_id="n0", handlers=Probe().handlers,
+                      request_type=TestRequest, notices=frozenset(notices))
 
 
 async def test_server_enforces_the_deadline_it_was_sent(rig):

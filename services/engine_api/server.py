@@ -102,7 +102,11 @@ class EngineApiServer:
         self.claims_waiting: collections.Counter[str] = collections.Counter()  # id → claims
         self.rpc = RpcServer(rpc_cfg, service=f"engine_api:{node_id}", node_id=node_id,
                              handlers=self.handlers(), request_type=EngineRequest,
-                             on_disconnect=self._on_disconnect)
+                             on_disconnect=self._on_disconnect,
+                             # an engine's give-ups are notices: its own timeout (a stalled
+                             # host) must not cancel them, or the attempt waits for nobody
+                             # until the request's deadline (docs/engine-api.md)
+                             notices=frozenset({FailRequest, AbandonRequest}))
         self.path: str | None = None
         # who may attach: uids the kernel reports for the peer (SO_PEERCRED); default: us
         self.allowed_uids = frozenset(allowed_uids or (os.getuid(),))

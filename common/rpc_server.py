@@ -138,11 +138,9 @@ class RpcServer:
                  on_connect: ConnHook | None = None,
                  on_disconnect: ConnHook | None = None,
                  notices: frozenset[type] = frozenset()) -> None:
-        """``notices``: request types that tell the server something rather than ask it (an
-        engine giving a request up): once received, such a call runs to its end (its deadline
-        still bounds it) even when the client cancels it. A client cancels a call it stopped
-        waiting for; after a host stall the CancelCall arrives with the call itself, and a
-        cancelled notice would be lost although it was sent."""
+        """``notices``: request types that tell rather than ask; once received they run to
+        their end (deadline-bounded) though cancelled: after a stall a CancelCall arrives with
+        its call (docs/engine-api.md, notices)."""
         self._cfg = cfg
         self._service = service
         self._node_id = node_id

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common import faults
 from common.config import TransportConfig
 from common.kv import PRESETS, KVSpec, block_keys_from_tokens
 from common.shm import ShmSegment
@@ -251,3 +252,22 @@ async def test_write_back_of_ten_times_max_batch_bytes_is_stored_whole(tmp_path,
 
 async def _stored(c, keys: list[str], n: int) -> bool:
     return await c.stored_prefix(keys) >= n
+
+
+async def test_a_write_back_that_fails_retryably_is_tried_again_and_stored(tmp_path):
+    """ci103: a gateway's UCX connect back to the DE loader timed out on the loaded host and
+    the turn's write-back was lost (``writeback_failed``); a retryable failure is now tried
+    again while the write-back's budget lasts."""
+    spec = PRESETS["test-small"]
+    faults.arm("de.writeback=error@1")                # the first write-back call fails
+    try:
+        async with local_datapath(tmp_path, scheduler=False) as c:
+            toks = tokens(3 * spec.block_tokens + 10, 12)
+            keys = block_keys_from_tokens(toks, spec.block_tokens)
+            await run_plan(c, plan(c, "wb-retry", toks, 0, "none"))
+            await until(lambda: _stored(c, keys, 3), what="the write-back stored after a retry")
+            assert faults.fired("de.writeback") == 1
+            assert c.de["d0"].counters["writeback_retries"] == 1
+            assert c.de["d0"].counters.get("writeback_failed", 0) == 0
+    finally:
+        faults.arm("")

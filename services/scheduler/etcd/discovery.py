@@ -78,8 +78,9 @@ class EtcdRegistrar:
 
     ``register`` raises AlreadyExists when another live process holds the key after one
     lease, Unavailable when etcd goes unanswered for ``start_timeout_s`` (the service does not
-    start: the endpoint is named). ``run`` renews every third of the lease and, when the lease is gone (etcd lost
-    for longer than it), puts the key again under a fresh lease as soon as etcd answers."""
+    start: the endpoint is named). ``run`` renews every third of the lease and, when the
+    lease is gone (etcd lost for longer than it), puts the key again under a fresh lease as
+    soon as etcd answers."""
 
     def __init__(self, cfg: EtcdConfig, record: NodeRecord) -> None:
         self.cfg = cfg

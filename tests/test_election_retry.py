@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -16,6 +18,16 @@ from common.errors import Unavailable
 from services.scheduler.etcd.discovery import EtcdRegistrar, NodeRecord, make_record
 from services.scheduler.etcd.election import RETRY_FIRST_S, RETRY_LOG_S, SchedulerElection
 from services.scheduler.service_config import EtcdConfig
+
+
+def scripted(outcomes: list[Any]) -> Callable[[], Awaitable[Any]]:
+    """A stand-in etcd call: each call takes the next outcome, raising it if an exception."""
+    async def call() -> Any:
+        got = outcomes.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+    return call
 
 
 def election(step_down_s: float) -> SchedulerElection:
@@ -48,14 +60,7 @@ async def test_an_unreachable_etcd_is_retried_with_backoff_and_logged_with_a_cou
 async def test_a_renewal_that_works_again_confirms_and_the_loop_goes_on():
     elec = election(step_down_s=30.0)
     outcomes = [Unavailable("down")] * 8 + [None, None, "leader lease expired in etcd"]
-
-    async def renew() -> str | None:
-        got = outcomes.pop(0)
-        if isinstance(got, Exception):
-            raise got
-        return got
-
-    elec._renew = renew                                  # type: ignore[method-assign]
+    elec._renew = scripted(outcomes)                     # type: ignore[method-assign]
     doubts: list[str] = []
     confirmed: list[float] = []
     reason = await asyncio.wait_for(elec.keep(doubts.append, confirmed.append), 20)
@@ -68,14 +73,7 @@ async def test_a_campaign_against_an_unreachable_etcd_polls_and_logs_once_a_seco
     failure counted, the warning at most once a second — then it wins when etcd answers."""
     elec = SchedulerElection(EtcdConfig(endpoints=["127.0.0.1:1"], poll_s=0.01), "s0")
     outcomes: list[object] = [Unavailable("etcd: connection refused")] * 150 + [None, 42]
-
-    async def campaign() -> int | None:
-        got = outcomes.pop(0)
-        if isinstance(got, Exception):
-            raise got
-        return got                                      # type: ignore[return-value]
-
-    elec._campaign = campaign                            # type: ignore[method-assign]
+    elec._campaign = scripted(outcomes)                  # type: ignore[method-assign]
     t0 = time.monotonic()
     with capture_logs() as logs:
         epoch = await asyncio.wait_for(elec.win("127.0.0.1", 1), 60)
@@ -98,14 +96,7 @@ async def test_a_first_registration_waits_out_an_unanswered_etcd_then_registers(
     registration now retries for start_timeout_s, logging the count once a second."""
     reg = registrar(start_timeout_s=30.0)
     outcomes: list[object] = [Unavailable("etcd unreachable at 127.0.0.1:1")] * 120 + [None]
-
-    async def put() -> NodeRecord | None:
-        got = outcomes.pop(0)
-        if isinstance(got, Exception):
-            raise got
-        return None
-
-    reg._put_if_vacant = put                             # type: ignore[method-assign]
+    reg._put_if_vacant = scripted(outcomes)              # type: ignore[method-assign]
     with capture_logs() as logs:
         await asyncio.wait_for(reg.register(), 20)
     assert outcomes == []

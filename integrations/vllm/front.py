@@ -24,15 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import signal
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-import aiohttp
 import msgspec
 import structlog
 from aiohttp import web
@@ -43,6 +39,8 @@ from common.auth import load_secret
 from common.config import RpcConfig
 from common.protocol import RequestFailed, RequestFinished, RequestPlaced
 from integrations.vllm import openai_api as api
+from integrations.vllm.engine_calls import (Call, Decoded, EngineCallFailed, EngineCalls, Sent,
+                                            sse)
 from services.scheduler.client.client import SchedulerClient, failure_error
 from services.scheduler.client.leader import LeaderResolver
 from services.scheduler.service_config import EtcdConfig
@@ -66,6 +64,11 @@ class FrontConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: PositiveInt = 512
     max_inflight: PositiveInt = 64
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    # after an engine call failed: how long a re-plan or the outcome may still come
+    engine_failure_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    # after vLLM's whole output: how long the outcome (write-back durable) is waited for;
+    # above the nodes' writeback_timeout_s (30 s) + a report, so a slow write-back completes
+    finish_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     recompute_engine: str = ""                # kv_loading=false goes here ("" = first engine)
     auth_secret_file: str = ""                # the scheduler's rpc.auth_secret_file, if set
     etcd_endpoints: list[str] = []            # find the scheduler leader there (etcd mode)
@@ -113,10 +116,9 @@ class Front:
         self.cfg, self.tok = cfg, tokenizer
         self.metrics = Metrics()
         self.sched = scheduler_client(cfg)
-        self.http: aiohttp.ClientSession | None = None
+        self.calls = EngineCalls(cfg.engines, cfg.model_name, tokenizer, self.metrics.ttft)
         self.slots = asyncio.Semaphore(cfg.max_inflight)
         self.api_key = api.load_api_key(cfg.api_key, cfg.api_key_file)   # None: open
-        self._models: dict[str, str] = {}     # vLLM base URL -> the model name it serves
         self._let_finish: set[asyncio.Task] = set()     # superseded prefills run to their end
 
     def app(self) -> web.Application:
@@ -130,19 +132,13 @@ class Front:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
-        # idle connections to vLLM are dropped here before vLLM (uvicorn, keep-alive 5 s) drops
-        # them: with aiohttp's 15 s, a request sent on a connection the server was closing
-        # failed "Server disconnected" (a CI run: a turn after a service restart's idle gap)
-        self.http = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(keepalive_timeout=4.0))
+        self.calls.start(self.cfg.request_timeout_s)
         await self.sched.connect(timeout=10.0)
 
     async def _stop(self, app: web.Application) -> None:
         for task in list(self._let_finish):
             task.cancel()
-        if self.http is not None:
-            await self.http.close()
+        await self.calls.close()
         await self.sched.close()
 
     @web.middleware
@@ -240,6 +236,10 @@ class Front:
             self.metrics.requests.labels("failed").inc()
             log.warning("front_request_failed", request_id=call.rid, error=str(e))
             return await self._fail(out, 503, str(e), e.code.value)
+        except EngineCallFailed as e:            # a vLLM instance failed the call: a 502
+            self.metrics.requests.labels("engine_failed").inc()
+            log.warning("front_engine_failed", request_id=call.rid, error=str(e))
+            return await self._fail(out, e.status, str(e), e.code)
         except Exception as e:  # noqa: BLE001 -- the front's own fault: a 500, not blamed on dualpath
             self.metrics.requests.labels("error").inc()
             log.exception("front_request_error", request_id=call.rid)
@@ -270,79 +270,147 @@ class Front:
         return out
 
     async def _run(self, call: Call, out: web.StreamResponse | None) -> dict[str, Any]:
-        """Submit, follow the events, drive the placed pair; the final response dict."""
+        """Submit, follow the events and the placed pair together; the final response dict."""
         self.metrics.prompt_tokens.inc(len(call.ids))
-        sent = Sent()
-        attempt: asyncio.Task[Decoded] | None = None
-        placed: RequestPlaced | None = None
-        async with self.sched.submit(call.rid, call.session, len(call.ids), call.max_tokens,
-                                     token_ids=call.ids,
-                                     deadline_s=self.cfg.request_timeout_s) as events:
-            async for ev in events:
-                if isinstance(ev, RequestPlaced):
-                    if attempt is not None:
-                        attempt.cancel()
-                    placed = ev
-                    attempt = asyncio.create_task(self._attempt(ev, call, out, sent))
-                elif isinstance(ev, RequestFailed):
-                    if attempt is not None:
-                        attempt.cancel()
-                    raise failure_error(ev)
-                elif isinstance(ev, RequestFinished):
-                    break
-        if attempt is None or placed is None:
-            raise DualpathError(f"request {call.rid}: finished without a placement")
-        decoded = await attempt
+        stream = self.sched.submit(call.rid, call.session, len(call.ids), call.max_tokens,
+                                   token_ids=call.ids, deadline_s=self.cfg.request_timeout_s)
+        run = PlacedRun()
+        try:
+            try:
+                await self._follow(stream, run, call, out)
+            finally:
+                await stream.aclose()     # before an outcome: cancels it on the scheduler
+            if run.attempt is None or run.placed is None:
+                raise DualpathError(f"request {call.rid}: finished without a placement")
+            decoded = await run.attempt   # an engine's failure: EngineCallFailed, a 502
+        except BaseException:
+            if run.attempt is not None:   # the client left or the front failed: stop it
+                run.attempt.cancel()
+            raise
+        placed = run.placed
         self.metrics.hit_tokens.inc(placed.hit_tokens)
         return self._response(call, decoded, hit_tokens=placed.hit_tokens,
                               read_side=placed.read_side, pe_engine=placed.pe_engine,
                               de_engine=placed.de_engine)
+
+    async def _follow(self, stream: Any, run: PlacedRun, call: Call,
+                      out: web.StreamResponse | None) -> None:
+        """The scheduler's events and the current attempt, until one decides the request.
+
+        Neither holds the client to the request's deadline once the other has decided:
+        * the attempt failed (an engine call failed): a re-plan or an outcome may still come
+          within ``engine_failure_grace_s`` (a dead instance's node fails its requests and the
+          scheduler re-plans them); after it the engine's failure is answered, and closing the
+          stream cancels the request, so no node waits for a claim that cannot come;
+        * the attempt holds vLLM's whole output: the outcome is awaited ``finish_grace_s`` (it
+          comes once the turn's write-back is durable, so the session's next turn hits); after
+          that, or on a failure or a re-plan meanwhile, the output is served anyway (vLLM's
+          own: its loaded KV verified, or recomputed) and the request is cancelled.
+        """
+        sent = Sent()
+        loop = asyncio.get_running_loop()
+        nxt: asyncio.Task[Any] | None = None
+        try:
+            while True:
+                if nxt is None:
+                    nxt = asyncio.create_task(next_event(stream))
+                waits: set[asyncio.Future[Any]] = {nxt}
+                left = None
+                if run.attempt is not None and not run.attempt.done():
+                    waits.add(run.attempt)
+                elif run.attempt is not None:
+                    if run.ended_at is None:
+                        run.ended_at = loop.time()
+                    grace = (self.cfg.finish_grace_s if run.complete()
+                             else self.cfg.engine_failure_grace_s)
+                    left = max(run.ended_at + grace - loop.time(), 0.0)
+                done, _ = await asyncio.wait(waits, timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:              # the grace after the attempt ended is over
+                    log.warning("front_outcome_late", request_id=call.rid,
+                                served=run.complete(), grace_s=grace)
+                    return
+                if nxt not in done:
+                    continue              # the attempt ended: wait for its grace
+                try:
+                    ev = nxt.result()
+                except DualpathError as e:   # the scheduler is lost (past its resubmits)
+                    if not run.complete():
+                        raise
+                    log.warning("front_served_without_outcome", request_id=call.rid,
+                                error=str(e))
+                    return
+                finally:
+                    nxt = None
+                if ev is None or isinstance(ev, RequestFinished):
+                    return
+                if isinstance(ev, RequestFailed):
+                    if not run.complete():
+                        raise failure_error(ev)
+                    log.warning("front_served_though_failed", request_id=call.rid,
+                                code=ev.code, error=ev.message)
+                    return
+                if isinstance(ev, RequestPlaced):
+                    if run.complete():    # a re-plan after vLLM answered: serve the answer
+                        log.warning("front_served_before_replan", request_id=call.rid)
+                        return
+                    run.start(ev, asyncio.create_task(self._attempt(ev, call, out, sent)))
+        finally:
+            if nxt is not None:
+                nxt.cancel()
+                await asyncio.wait([nxt])
 
     async def _recompute(self, call: Call, out: web.StreamResponse | None) -> dict[str, Any]:
         """The A/B baseline (``kv_loading: false``): the whole request on one engine without
         ``kv_transfer_params`` — the connector stays idle and vLLM computes every prompt token
         (prefix caching off on the instances). No scheduler involved, same response shape."""
         engine = self.cfg.recompute_engine or next(iter(self.cfg.engines))
-        decoded = await self._relay(self._url(engine), call, None, out, Sent(), call.rid)
+        decoded = await self.calls.relay(self.calls.url(engine), call, None, out, Sent(),
+                                         call.rid)
         return self._response(call, decoded, hit_tokens=0, read_side="off",
                               pe_engine=engine, de_engine=engine)
 
     def _response(self, call: Call, decoded: Decoded, **dualpath: Any) -> dict[str, Any]:
         """The OpenAI-shaped body, with the ``dualpath`` object (placement, token ids, TTFT)."""
         body = api.response(call.rid, self.cfg.model_name, call.chat, decoded.text,
-                            decoded.finish_reason, len(call.ids), len(decoded.token_ids),
+                            decoded.finish_reason or "length", len(call.ids),
+                            len(decoded.token_ids),
                             call.created, cached_tokens=dualpath["hit_tokens"])
         body["dualpath"] = {"request_id": call.rid, **dualpath, "token_ids": decoded.token_ids,
                             "ttft_s": decoded.ttft_s, "e2e_s": time.monotonic() - call.arrival}
         return body
 
-    def _url(self, engine: str) -> str:
-        try:
-            return self.cfg.engines[engine]
-        except KeyError:
-            raise DualpathError(f"the scheduler placed on engine {engine!r}, which this front "
-                                f"has no URL for (known: {sorted(self.cfg.engines)})") from None
-
     async def _attempt(self, p: RequestPlaced, call: Call, out: web.StreamResponse | None,
                        sent: Sent) -> Decoded:
-        """Prefill (max_tokens=1) and decode on the placed pair; stream the decode's tokens."""
+        """Prefill (max_tokens=1) and decode on the placed pair; stream the decode's tokens.
+
+        A prefill call that fails while the decode waits ends the attempt at once: the decode
+        would wait for KV that nobody computes. Once the decode has vLLM's whole output, the
+        prefill no longer matters (a failure is logged, one still running ends on its own)."""
         # the attempt scopes the engines' claims: this attempt's vLLM requests claim this
         # attempt's plan, never an earlier attempt's request still ending in vLLM
         plan = {"request_id": p.request_id, "hit_tokens": p.hit_tokens, "attempt": p.attempt}
-        prefill = asyncio.create_task(self._post(self._url(p.pe_engine), call, plan))
+        pe_url, de_url = self.calls.url(p.pe_engine), self.calls.url(p.de_engine)
+        prefill = asyncio.create_task(self.calls.prefill(pe_url, call, plan))
+        decode = asyncio.create_task(self.calls.relay(
+            de_url, call, {"request_id": p.request_id, "attempt": p.attempt}, out, sent,
+            p.request_id))
         try:
-            decoded = await self._relay(self._url(p.de_engine), call,
-                                        {"request_id": p.request_id, "attempt": p.attempt},
-                                        out, sent, p.request_id)
-            await prefill
+            await asyncio.wait([prefill, decode], return_when=asyncio.FIRST_COMPLETED)
+            if not decode.done() and not prefill.cancelled() \
+                    and (error := prefill.exception()) is not None:
+                raise error
+            return await decode
         finally:
+            if not decode.done():
+                decode.cancel()
+                await asyncio.wait([decode])
             if not prefill.done():
                 self._let_prefill_finish(prefill)
             elif not prefill.cancelled() and (error := prefill.exception()) is not None:
                 # retrieved here too when the decode side failed first (else asyncio reports
                 # "Task exception was never retrieved" and the prefill's answer is lost)
                 log.info("front_prefill_failed", request_id=p.request_id, error=str(error))
-        return decoded
 
     def _let_prefill_finish(self, prefill: asyncio.Task) -> None:
         """A prefill whose attempt ended early (re-planned, client gone) is not aborted in
@@ -365,109 +433,33 @@ class Front:
         if not task.cancelled() and task.exception() is not None:
             log.info("front_superseded_prefill_failed", error=str(task.exception()))
 
-    async def _relay(self, url: str, call: Call, plan: dict[str, Any] | None,
-                     out: web.StreamResponse | None, sent: Sent, rid: str) -> Decoded:
-        """Stream one vLLM completion; forward what the client does not have yet (a re-planned
-        attempt does not repeat it). The text is vLLM's own incremental detokenization (a
-        multi-byte character split over tokens arrives whole; stop strings are cut there)."""
-        got = Decoded()
-        async for piece in self._stream(url, call, plan):
-            choice = piece["choices"][0]
-            new = list(choice.get("token_ids") or [])
-            if new and got.ttft_s is None:
-                got.ttft_s = time.monotonic() - call.arrival
-                if not sent.token_ids:
-                    self.metrics.ttft.observe(got.ttft_s)
-            before = len(got.token_ids)
-            got.token_ids.extend(new)
-            got.text += choice.get("text") or ""
-            got.finish_reason = choice.get("finish_reason") or got.finish_reason
-            if out is not None and len(got.token_ids) > len(sent.token_ids):
-                fresh = got.token_ids[len(sent.token_ids):]
-                # a chunk wholly new: vLLM's text; one straddling what a re-planned attempt
-                # already streamed: only its unsent tokens, decoded here
-                text = ((choice.get("text") or "") if before >= len(sent.token_ids) else
-                        self.tok.decode(fresh, skip_special_tokens=True))
-                sent.token_ids.extend(fresh)
-                await out.write(sse(api.chunk(rid, self.cfg.model_name, call.chat,
-                                              call.created, text=text, token_ids=fresh)))
-        got.finish_reason = got.finish_reason or "length"
-        return got
 
-    async def _upstream_model(self, url: str) -> str:
-        """The name vLLM serves under (its ``/v1/models``), asked once per instance: the
-        front's own ``--model-name`` is what clients say, not what vLLM was started with."""
-        name = self._models.get(url)
-        if name is None:
-            assert self.http is not None
-            async with self.http.get(f"{url}/v1/models") as r:
-                if r.status != 200:
-                    raise DualpathError(f"vLLM at {url}/v1/models answered {r.status}")
-                name = str((await r.json())["data"][0]["id"])
-            self._models[url] = name
-        return name
-
-    async def _vllm_body(self, url: str, call: Call, max_tokens: int,
-                         plan: dict[str, Any] | None, stream: bool) -> dict[str, Any]:
-        body = {"model": await self._upstream_model(url), "prompt": call.ids,
-                "max_tokens": max_tokens, **api.sampling_fields(call.body), "stream": stream,
-                "return_token_ids": True}
-        return body if plan is None else {**body, "kv_transfer_params": {"dualpath": plan}}
-
-    async def _post(self, url: str, call: Call, plan: dict[str, Any]) -> dict[str, Any]:
-        assert self.http is not None
-        body = await self._vllm_body(url, call, 1, plan, False)
-        async with self.http.post(f"{url}/v1/completions", json=body) as r:
-            data = await r.json()
-            if r.status != 200:
-                raise DualpathError(f"vLLM at {url} answered {r.status}: {data}")
-            return data
-
-    async def _stream(self, url: str, call: Call, plan: dict[str, Any] | None
-                      ) -> AsyncIterator[dict[str, Any]]:
-        assert self.http is not None
-        body = await self._vllm_body(url, call, call.max_tokens, plan, True)
-        async with self.http.post(f"{url}/v1/completions", json=body) as r:
-            if r.status != 200:
-                raise DualpathError(f"vLLM at {url} answered {r.status}: {await r.text()}")
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                yield json.loads(line[6:])
-
-
-class Call:
-    """One client request as the front serves it: its body, prompt ids and arrival time."""
-
-    def __init__(self, body: api.CompletionBody, ids: list[int], chat: bool,
-                 arrival: float) -> None:
-        self.body, self.ids, self.chat, self.arrival = body, ids, chat, arrival
-        self.rid = f"front-{uuid.uuid4().hex[:16]}"
-        self.session = body.session_id or body.user or self.rid
-        self.max_tokens = api.max_tokens(body)
-        self.created = int(time.time())
-
-
-class Sent:
-    """The token ids already streamed to the client (kept across re-planned attempts)."""
+class PlacedRun:
+    """The front's current attempt at one request: its placement and the task driving it."""
 
     def __init__(self) -> None:
-        self.token_ids: list[int] = []
+        self.placed: RequestPlaced | None = None
+        self.attempt: asyncio.Task[Decoded] | None = None
+        self.ended_at: float | None = None        # loop time the attempt was seen ended
+
+    def start(self, placed: RequestPlaced, attempt: asyncio.Task[Decoded]) -> None:
+        """A (re-)placement: the earlier attempt is stopped, the new one followed."""
+        if self.attempt is not None:
+            self.attempt.cancel()
+        self.placed, self.attempt, self.ended_at = placed, attempt, None
+
+    def complete(self) -> bool:
+        """The attempt ended with vLLM's whole output."""
+        a = self.attempt
+        return a is not None and a.done() and not a.cancelled() and a.exception() is None
 
 
-class Decoded:
-    """What one vLLM completion produced."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.ttft_s: float | None = None
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+async def next_event(stream: Any) -> Any:
+    """The stream's next event, or None at its end."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 def scheduler_client(cfg: FrontConfig) -> SchedulerClient:
@@ -497,6 +489,12 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
     ap.add_argument("--max-prompt-tokens", type=int, default=2000)
     ap.add_argument("--request-timeout-s", type=float, default=300.0,
                     help="each request's dualpath deadline (and the HTTP calls' to vLLM)")
+    ap.add_argument("--engine-failure-grace-s", type=float, default=10.0,
+                    help="after a vLLM call failed, how long a re-plan may still come before "
+                         "the failure is answered (502) and the request cancelled")
+    ap.add_argument("--finish-grace-s", type=float, default=60.0,
+                    help="after vLLM's whole output, how long dualpath's outcome (the turn's "
+                         "write-back durable) is waited for before the output is served")
     ap.add_argument("--recompute-engine", default="",
                     help="engine id for requests with kv_loading=false (default: the first)")
     ap.add_argument("--auth-secret-file", default="",
@@ -526,6 +524,8 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
                             "engines": engines, "host": a.host, "port": a.port,
                             "max_prompt_tokens": a.max_prompt_tokens,
                             "request_timeout_s": a.request_timeout_s,
+                            "engine_failure_grace_s": a.engine_failure_grace_s,
+                            "finish_grace_s": a.finish_grace_s,
                             "recompute_engine": a.recompute_engine,
                             "auth_secret_file": a.auth_secret_file,
                             "etcd_endpoints": [e for e in a.etcd.split(",") if e],

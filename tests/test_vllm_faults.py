@@ -14,7 +14,9 @@ real SIGKILL at a chosen step of a request (a failpoint armed in the victim over
 2. the PE receiver dies while sending a prefilled layer to the DE, and is restarted;
 3. a storage gateway dies while reading a hit; restarted;
 4. the scheduler is killed with a request in flight and restarted on its port (no etcd
-   standby here: tests/test_failover_burst.py covers the standby).
+   standby here: tests/test_failover_burst.py covers the standby);
+5. a decode vLLM instance is killed and stays dead: the scheduler takes its engine out of
+   placement (its node reports it not attached) and every later turn is served by the other.
 
 Every answered request's greedy output equals plain vLLM (the front with ``kv_loading: false``
 on the same prompt); a failed one is a typed OpenAI error (503/502/500 with a code), within a
@@ -35,9 +37,12 @@ from pathlib import Path
 import pytest
 
 from common.faults import FILE_ENV
+from services.scheduler.client.client import SchedulerClient
+from tests.helpers import until
 from tests.vllm_env import require_vllm
 from tools.cluster.launcher import Launcher, State, alive
 from tools.cluster.real_engines import on_loopback
+from tools.proc_group import group_pids, group_segments, remove_segments
 from tools.vllm_serve import ahttp, tokenize
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -172,6 +177,21 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         await asyncio.to_thread(launcher.restart, "scheduler")
         check_answered(await turn)
 
+        # 5. a decode vLLM instance is SIGKILLed and stays dead: its DE loader reports its
+        # engine not attached, the scheduler places nothing more on it, and every turn is
+        # served by the other decode instance (before, each placement there waited for its
+        # deadline: docs/engine-api.md "An engine that is not attached")
+        victim = state.proc("vllm:d1.e0")
+        segments = group_segments(victim.pid)        # unlinked below: nobody stops it later
+        os.killpg(victim.pid, signal.SIGKILL)         # the instance: its engine core too
+        await asyncio.to_thread(wait_dead, victim)
+        await until(lambda: not group_pids(victim.pid), 60, what="d1's vLLM group gone")
+        remove_segments(segments)
+        await engine_out_of_placement(state.proc("scheduler").rpc_port, "d1.e0")
+        outs = await asyncio.gather(*(agents.turn(a) for a in range(3)))
+        for out in outs:
+            assert out["status"] == 200 and out["equal"] and out["de"] == "d0.e0", out
+
         # afterwards: every agent's next turn loads what the faults' turns stored
         for out in await asyncio.gather(*(agents.turn(a) for a in range(3))):
             assert out["status"] == 200 and out["equal"], out
@@ -187,6 +207,20 @@ def wait_dead(proc, timeout_s: float = 120.0) -> None:
     while alive(proc):
         assert time.monotonic() < deadline, f"{proc.name} did not die"
         time.sleep(0.05)
+
+
+async def engine_out_of_placement(port: int | None, engine: str,
+                                  timeout_s: float = 60.0) -> None:
+    """Until the scheduler's status lists ``engine`` as not attached."""
+    assert port is not None
+    deadline = time.monotonic() + timeout_s
+    async with SchedulerClient("127.0.0.1", port) as sched:
+        while True:
+            status = await sched.cluster_status(timeout=10.0)
+            if any(e.engine_id == engine and not e.attached for e in status.engines):
+                return
+            assert time.monotonic() < deadline, f"{engine} still placed on: {status.engines}"
+            await asyncio.sleep(0.1)
 
 
 async def front_in_flight(front: str, timeout_s: float = 60.0) -> None:

@@ -13,7 +13,9 @@ import msgspec
 # RequestPlaced .split_tokens (docs/datapath.md "Split reads")
 # 4: ReportProgress .pe_read_bytes/.de_read_bytes and stage "dropped" (a failed or dropped
 # attempt's storage reads add up per side: docs/frontend-api.md "Retried attempts re-read")
-PROTOCOL_VERSION = 4
+# 5: EngineLoad .attached (an engine its node reports detached leaves placement until it is
+# back: docs/engine-api.md "An engine that is not attached")
+PROTOCOL_VERSION = 5
 
 # Where a request's hit KV is read from storage (paper §4): through the PE's own gateway, through
 # the DE's (which then streams the layers to the PE), split between the two (the DE reads the

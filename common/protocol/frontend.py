@@ -165,7 +165,7 @@ class NodeStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class EngineStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The scheduler's view of one engine: seq_e, tok_e, free HBM (DEs)."""
+    """The scheduler's view of one engine: seq_e, tok_e, free HBM (DEs), attached."""
 
     engine_id: str
     node_id: str
@@ -173,6 +173,7 @@ class EngineStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seq: int
     tok: int
     free_hbm_bytes: int | None = None
+    attached: bool = True       # v5: False: its node reports it not attached (not placed on)
 
 
 class ClusterStatus(Message, tag="sched.status", frozen=True):

@@ -83,6 +83,10 @@ class EngineLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seq: int
     tok: int
     free_hbm_bytes: int | None = None
+    # v5: False while the engine, served over its node's engine socket, is not attached (its
+    # process died or has not started): the scheduler places nothing on it and re-plans what
+    # it held, until the node reports it attached again
+    attached: bool = True
 
 
 class FetchWork(Message, tag="sched.node.fetch", frozen=True):

@@ -193,7 +193,18 @@ class Links:
             link = self._links.get(peer)
             if link is not None and link.usable:
                 return link
-            return await self._connect(peer, deadline_at)
+            while True:
+                try:
+                    return await self._connect(peer, deadline_at)
+                except Unavailable as e:
+                    # a handshake that ran out of connect_timeout_s (a peer or this host
+                    # starved of CPU: ci103, ci106) is tried again while the caller's deadline
+                    # allows; a refused one (nothing listens) fails at once
+                    if not isinstance(e.__cause__, TimeoutError):
+                        raise
+                    self.counts["connect_retries"] += 1
+                    log.info("page_transport_connect_retry", peer=f"{peer[0]}:{peer[1]}",
+                             retries=self.counts["connect_retries"])
 
     async def _connect(self, peer: Peer, deadline_at: float) -> Link:
         u, loop, cfg = ucxx(), asyncio.get_running_loop(), self._cfg
@@ -455,7 +466,8 @@ class Links:
     def stats(self) -> dict[str, float]:
         """Counters and gauges of the endpoint side (part of ``PageTransport.stats``)."""
         out = {k: float(self.counts.get(k, 0)) for k in (
-            "connects", "accepts", "endpoint_aborts", "single_copy_endpoints", "requests_parked")}
+            "connects", "connect_retries", "accepts", "endpoint_aborts", "single_copy_endpoints",
+            "requests_parked")}
         out["requests_parked_now"] = float(len(self._parked))
         out["endpoints"] = float(sum(1 for link in self._all_links if link.usable))
         out["single_copy_links"] = float(sum(1 for link in self._all_links

@@ -42,7 +42,7 @@ _STATS = (
     "bytes_sent", "bytes_received", "messages_sent", "messages_received",
     "transfers_sent_ok", "transfers_sent_failed", "transfers_received_ok",
     "transfers_received_failed", "packed_messages", "packed_bytes", "gathered_bytes",
-    "connects", "accepts", "endpoint_aborts", "single_copy_endpoints",
+    "connects", "connect_retries", "accepts", "endpoint_aborts", "single_copy_endpoints",
     "sends_abandoned", "requests_parked", "requests_orphaned", "requests_parked_now",
     "staging_in_use_bytes", "staging_peak_bytes", "staging_capacity_bytes", "endpoints",
     "single_copy_links", "single_copy_endpoints_open", "transfers_active",

@@ -38,6 +38,7 @@ log = structlog.get_logger(__name__)
 # node never planned is still refused after that grace rather than after claim_timeout_s
 CLAIM_ROUND_S = 35.0
 ABANDON_WAIT_S = 10.0    # how long the node waits for a plan the engine abandons
+KEEP_ATTACHED_S = 1.0    # how often the worker checks that its node still has it attached
 Stop = Callable[[], bool]
 
 
@@ -50,6 +51,8 @@ class EngineSource:
         self._spec, self._timeout_s = spec, timeout_s
         self._client: SyncEngineClient | None = None
         self._lock = threading.Lock()
+        self._keeper: threading.Thread | None = None
+        self._stop_keeping = threading.Event()
 
     @property
     def spec(self) -> KVSpec:
@@ -62,6 +65,42 @@ class EngineSource:
                     self._socket, engine_id=self._engine_id, role=self._role,
                     kv_spec=self._spec, timeout_s=self._timeout_s)
             return self._client
+
+    def keep_attached(self) -> None:
+        """Attach now, and from then on again whenever the node's connection is lost.
+
+        The node reports an engine with nothing attached as such and the scheduler places
+        nothing on it (docs/engine-api.md, "An engine that is not attached"): re-attaching
+        only when a claim comes would never happen after the node service restarted. A
+        daemon thread checks once a second (idle, it makes no call)."""
+        self.client()
+        if self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, name="dualpath-attach",
+                                            daemon=True)
+            self._keeper.start()
+
+    def stop_keeping(self) -> None:
+        self._stop_keeping.set()
+
+    def _keep(self) -> None:
+        lost = 0
+        while not self._stop_keeping.wait(KEEP_ATTACHED_S):
+            client = self._client
+            if client is not None and client.connected:
+                continue
+            if client is not None:
+                self._drop(client)
+            try:
+                self.client()
+            except (DualpathError, OSError) as e:
+                lost += 1
+                if lost == 1 or lost % 60 == 0:      # the node restarting: not every second
+                    log.warning("dualpath_node_not_attached", engine=self._engine_id,
+                                socket=self._socket, tries=lost, error=str(e))
+                continue
+            if lost:
+                log.info("dualpath_node_reattached", engine=self._engine_id, tries=lost)
+            lost = 0
 
     def planned_hit(self, params: dict[str, Any], token_ids: Sequence[int]) -> int:
         """The plan's hit (whole blocks, below the prompt), or 0 when the params are unusable.
@@ -170,6 +209,7 @@ class EngineSource:
         self._close(client)
 
     def close(self) -> None:
+        self._stop_keeping.set()
         with self._lock:
             client, self._client = self._client, None
         self._close(client)

@@ -105,9 +105,9 @@ class WorkerHalf:
                             num_layers=len(self._caches), check_layout=self._check_layout,
                             copy_hit=self._copy_hit, threads=self._open_threads,
                             counters=self.counters, post=self._notices.submit)
-        connect = getattr(self._source, "client", None)
-        if connect is not None:
-            connect()        # attach to the node now: it places requests on attached engines
+        keep = getattr(self._source, "keep_attached", None)
+        if keep is not None:     # attached now and again after a node restart: the node
+            keep()               # reports an engine with nothing attached, not placed on
         live = self._live_cache(0) if 0 in self._caches else first
         log.info("dualpath_kv_caches_registered", layers=len(self._caches),
                  geometry=str(self._geom), shape=tuple(first.shape),
@@ -326,6 +326,9 @@ class WorkerHalf:
         return errors
 
     def shutdown(self) -> None:
+        stop_keeping = getattr(self._source, "stop_keeping", None)
+        if stop_keeping is not None:
+            stop_keeping()
         if self._off is not None:
             self._off.shutdown()
         if self._pool is not None:

@@ -92,6 +92,12 @@ class EngineClient:
                  arena_bytes=attached.arena_bytes)
         return cls(client, attached, role, arena)
 
+    @property
+    def connected(self) -> bool:
+        """The connection to the node is open (False once the node closed it: it died,
+        restarted, or another attach replaced this one; attaching again is up to the caller)."""
+        return self._rpc.connected
+
     async def close(self) -> None:
         """Detach: the node fails whatever this engine still holds (retryable)."""
         await self._rpc.close()

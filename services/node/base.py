@@ -23,6 +23,7 @@ import collections
 import os
 from typing import Any, TYPE_CHECKING
 
+import msgspec
 import structlog
 
 from common.auth import load_secret
@@ -265,7 +266,7 @@ class NodeBase(Service):
         s = self.session
         while True:
             try:
-                reply = await s.fetch(self.engine_loads(), self.read_q)
+                reply = await s.fetch(self._reported_loads(), self.read_q)
             except asyncio.CancelledError:
                 raise
             except DualpathError as e:
@@ -278,6 +279,17 @@ class NodeBase(Service):
             await self.apply(reply)
             if not reply.more:
                 await asyncio.sleep(s.fetch_interval_s)
+
+    def _reported_loads(self) -> list[EngineLoad]:
+        """The engines' loads as the scheduler gets them. Behind an engine socket an engine
+        whose process is not attached (died, or not started yet) is reported so: the scheduler
+        re-plans what it held and places nothing on it until it attaches again."""
+        loads = self.engine_loads()
+        api = self.engine_api
+        if api is None:
+            return loads
+        return [load if load.engine_id in api.sessions
+                else msgspec.structs.replace(load, attached=False) for load in loads]
 
     async def _on_lease_lost(self) -> None:
         await self.drop_all("scheduler lease lost (the scheduler re-planned our work)")

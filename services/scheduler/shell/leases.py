@@ -19,11 +19,13 @@ ROLES = ("prefill", "decode")
 class Registration:
     """One live node service."""
 
-    __slots__ = ("msg", "expires_at")
+    __slots__ = ("msg", "expires_at", "detached")
 
     def __init__(self, msg: RegisterNode, expires_at: float) -> None:
         self.msg = msg
         self.expires_at = expires_at
+        # its engines the node last reported not attached: out of the core until they are
+        self.detached: set[str] = set()
 
     @property
     def key(self) -> tuple[str, str]:

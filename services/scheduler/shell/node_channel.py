@@ -11,9 +11,10 @@ Progress reports are ``progress.ProgressReports``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
-from common.errors import DualpathError, ErrorCode, InvalidArgument, NotFound
+from common.errors import AlreadyExists, DualpathError, ErrorCode, InvalidArgument, NotFound
 from common.kv import KVSpec
 from common.protocol import (DecodeBinding, FetchWork, FetchWorkReply, Heartbeat,
                              HeartbeatReply, RegisterNode, RegisterNodeReply, RequestPlaced,
@@ -109,11 +110,16 @@ class NodeChannel:
             return
         self.outboxes.close(reg.role, reg.group_id)
         self.work.kick()
+        self._remove_engines([e.engine_id for e in reg.engines], reason)
+
+    def _remove_engines(self, engine_ids: list[str], reason: str) -> tuple[int, int]:
+        """Take engines out of the core (those already out are skipped): their requests are
+        re-planned (old attempts revoked) or failed past ``max_replans``; (requeued, failed)."""
         requeued: dict[str, None] = {}
         failed: list[str] = []
-        for e in reg.engines:
+        for eid in engine_ids:
             try:
-                res = self.core.remove_engine(e.engine_id)
+                res = self.core.remove_engine(eid)
             except NotFound:
                 continue
             requeued.update(dict.fromkeys(res.requeued))
@@ -121,6 +127,7 @@ class NodeChannel:
         for rid in failed:
             requeued.pop(rid, None)
         self.lifecycle.after_replan(list(requeued), failed, reason, ErrorCode.PEER_FAILED)
+        return len(requeued), len(failed)
 
     async def on_heartbeat(self, msg: Heartbeat, ctx: CallContext) -> HeartbeatReply:
         self.gate.check_leading()
@@ -154,7 +161,11 @@ class NodeChannel:
             hold_until = min(hold_until, ctx.deadline - 0.1)
         while True:
             telemetry = leader_telemetry(reg, msg, box, self.table.live(), self.core.pe_load)
-            if msg.role == Role.PREFILL:
+            self._note_attachment(reg, msg)
+            if len(reg.detached) == len(reg.engines):     # no engine of the group to place on
+                if telemetry is not None:
+                    self.core.apply_telemetry(telemetry)  # its node's read queue still counts
+            elif msg.role == Role.PREFILL:
                 for a in self.core.on_pe_group_fetch(reg.group_id, telemetry):
                     self._on_assignment(a, box, now)
             else:
@@ -174,6 +185,37 @@ class NodeChannel:
         return self.gate.fence(take_reply(box, self.table.live(), self._limits,
                                           self._binding_msg, self._plan_msg, self._delivered,
                                           msg.ack_seq is not None))
+
+    def _note_attachment(self, reg: Registration, msg: FetchWork) -> None:
+        """An engine its node reports not attached (its process died or has not started)
+        leaves the core — what it held re-plans onto the others, nothing new is placed on it —
+        and returns when the node reports it attached again (docs/engine-api.md, "An engine
+        that is not attached"). The telemetry was checked: every id is one of ``reg``'s."""
+        gone = [e.engine_id for e in msg.engines
+                if not e.attached and e.engine_id not in reg.detached]
+        back = [e.engine_id for e in msg.engines if e.attached and e.engine_id in reg.detached]
+        for info in reg.engines:
+            if info.engine_id in back:
+                reg.detached.discard(info.engine_id)
+                self.counters["engines_attached"] += 1
+                self.log.info("engine_attached", node=reg.node_id, engine=info.engine_id)
+                with contextlib.suppress(AlreadyExists):     # never left: nothing to add
+                    self.core.add_engine(EngineSpec(info.engine_id, Role(reg.role),
+                                                    reg.node_id,
+                                                    hbm_capacity_bytes=info.hbm_capacity_bytes))
+        if back:
+            self.work.kick()
+        if not gone:
+            return
+        reg.detached.update(gone)
+        self.counters["engines_detached"] += len(gone)
+        requeued, failed = self._remove_engines(
+            gone, f"engine {', '.join(gone)} on {reg.node_id} is not attached to its node")
+        # an engine that starts after its node is reported detached once: info, not a warning
+        (self.log.warning if requeued or failed else self.log.info)(
+            "engine_detached", node=reg.node_id, engines=gone, requeued=requeued,
+            failed=failed)
+        self.work.kick()
 
     def _on_binding(self, b: DEBinding, box: Outbox) -> None:
         rs = self.table.get(b.request_id)

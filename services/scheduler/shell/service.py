@@ -29,13 +29,14 @@ How a node service drives it, step by step: docs/frontend-api.md ("Node services
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
 import msgspec
 
 from common.auth import load_secret
-from common.errors import ErrorCode
+from common.errors import ErrorCode, NotFound
 from common.kv import spec_from_config
 from common.protocol import (CancelRequest, ClusterStatus, EngineStatus, FetchWork,
                              GetClusterStatus, GetStats, GetStatsReply, Heartbeat, Ping, Pong,
@@ -67,7 +68,7 @@ COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded",
             "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
             "dropped_reports", "attempts_failed", "resubmits", "detached", "results_kept",
             "results_recovered", "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone",
-            "lease_sweeps_stalled", "lease_unconfirmed")
+            "lease_sweeps_stalled", "lease_unconfirmed", "engines_detached", "engines_attached")
 
 # stats() keys the metrics floor (common.metrics) turns into labelled series: live requests per
 # status, and the core's planned reads per node and per read side
@@ -252,10 +253,13 @@ class SchedulerService(Service):
         where = {e.engine_id: (reg.node_id, reg.role) for reg in self.leases for e in reg.engines}
         engines = [EngineStatus(r.engine_id, *where.get(r.engine_id, ("", "")), r.seq, r.tok,
                                 r.free_hbm_bytes) for r in self.core.engine_reports()]
+        engines += [EngineStatus(eid, reg.node_id, reg.role, 0, 0, attached=False)
+                    for reg in self.leases for eid in sorted(reg.detached)]
         read_q = {}
         for reg in self.leases:
             if reg.engines and reg.node_id not in read_q:
-                read_q[reg.node_id] = self.core.read_queue(reg.node_id)
+                with contextlib.suppress(NotFound):   # every engine of the node detached
+                    read_q[reg.node_id] = self.core.read_queue(reg.node_id)
         by_state = {s.value: n for s, n in self.table.by_status().items()}  # ended: counters
         return ClusterStatus(self.core.config.policy, nodes, engines, read_q,
                              self.core.queue_lengths(), by_state,

@@ -61,10 +61,13 @@ class EngineSource:
     def client(self) -> SyncEngineClient:
         with self._lock:
             if self._client is None:
-                self._client = SyncEngineClient.connect(
-                    self._socket, engine_id=self._engine_id, role=self._role,
-                    kv_spec=self._spec, timeout_s=self._timeout_s)
+                self._client = self._connect()
             return self._client
+
+    def _connect(self) -> SyncEngineClient:
+        return SyncEngineClient.connect(self._socket, engine_id=self._engine_id,
+                                        role=self._role, kv_spec=self._spec,
+                                        timeout_s=self._timeout_s)
 
     def keep_attached(self) -> None:
         """Attach now, and from then on again whenever the node's connection is lost.
@@ -91,7 +94,11 @@ class EngineSource:
             if client is not None:
                 self._drop(client)
             try:
-                self.client()
+                with self._lock:     # close() sets the event first, then takes the lock
+                    if self._stop_keeping.is_set():
+                        return
+                    if self._client is None:
+                        self._client = self._connect()
             except (DualpathError, OSError) as e:
                 lost += 1
                 if lost == 1 or lost % 60 == 0:      # the node restarting: not every second

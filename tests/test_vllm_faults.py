@@ -28,6 +28,7 @@ would change the greedy output of the turns that load it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -183,7 +184,7 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         # deadline: docs/engine-api.md "An engine that is not attached")
         victim = state.proc("vllm:d1.e0")
         segments = group_segments(victim.pid)        # unlinked below: nobody stops it later
-        os.killpg(victim.pid, signal.SIGKILL)         # the instance: its engine core too
+        kill_instance(victim.pid)
         await asyncio.to_thread(wait_dead, victim)
         await until(lambda: not group_pids(victim.pid), 60, what="d1's vLLM group gone")
         remove_segments(segments)
@@ -200,6 +201,22 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         print("outcomes:", json.dumps(agents.outcomes))
     finally:
         await asyncio.to_thread(launcher.down)
+
+
+def kill_instance(pgid: int) -> None:
+    """SIGKILL every process of a vLLM instance (its server, its engine core) but its
+    multiprocessing resource tracker: that one sees its clients gone, unlinks the named
+    semaphores they registered (``/dev/shm/sem.mp-*``, which no mapping names, so
+    ``group_segments`` cannot find them) and exits — killed with the rest, it left one per
+    run."""
+    for pid in group_pids(pgid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def wait_dead(proc, timeout_s: float = 120.0) -> None:

@@ -28,7 +28,7 @@ from common.transport.plan import TransferHello, rma_link
 from common.transport import rma_path
 from common.transport.rma_path import tls_allows_ib
 from tests.helpers import until
-from tests.test_transport import PeerProc, gapped
+from tests.peer_proc import PeerProc, gapped
 from tests.test_transport_shm import move as shm_move
 from tests.transport_peer import gather, pattern
 

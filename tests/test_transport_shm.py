@@ -29,7 +29,7 @@ from common.transport.plan import (HELLO_BYTES, TransferHello, decode_hello, enc
 from common.transport.shm_path import (COMMIT, Control, Fence, copy_stream, slots_digest,
                                        stream_pieces, stream_runs)
 from tests.helpers import until
-from tests.test_transport import PeerProc, gapped
+from tests.peer_proc import PeerProc, gapped
 from tests.transport_peer import gather, pattern, split_views
 
 KIB, MIB = 1024, 1024 * 1024

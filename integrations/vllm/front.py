@@ -41,7 +41,7 @@ from common.protocol import RequestFailed, RequestFinished, RequestPlaced
 from integrations.vllm import openai_api as api
 from integrations.vllm.engine_calls import (Call, Decoded, EngineCallFailed, EngineCalls, Sent,
                                             sse)
-from services.scheduler.client.client import SchedulerClient, failure_error
+from services.scheduler.client.client import SchedulerClient, failure_error, next_event
 from services.scheduler.client.leader import LeaderResolver
 from services.scheduler.service_config import EtcdConfig
 
@@ -452,14 +452,6 @@ class PlacedRun:
         """The attempt ended with vLLM's whole output."""
         a = self.attempt
         return a is not None and a.done() and not a.cancelled() and a.exception() is None
-
-
-async def next_event(stream: Any) -> Any:
-    """The stream's next event, or None at its end."""
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 def scheduler_client(cfg: FrontConfig) -> SchedulerClient:

@@ -271,13 +271,14 @@ class DecodeAttempt:
             return
         loop = asyncio.get_running_loop()
         end = loop.time() + min(self.remaining or s.writeback_timeout_s, s.writeback_timeout_s)
+        hosted = None                 # the payloads in host memory (a pool on the GPU)
         for tries in range(1, WRITEBACK_TRIES + 1):
             try:
                 failpoint("de.writeback")
-                if tries == 1:
-                    payloads = await self.io.gateways.host_payloads(payloads)  # a GPU pool
+                if hosted is None:    # once, however the first try failed
+                    hosted = await self.io.gateways.host_payloads(payloads)
                 done = await client.write_blocks(f"{self.request_id}#{self.attempt}", keys,
-                                                 payloads, end - loop.time())
+                                                 hosted, end - loop.time())
                 counters["blocks_written"] += done.written
                 counters["blocks_duplicate"] += done.duplicates   # an earlier try's, too
                 return

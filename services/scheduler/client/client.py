@@ -179,7 +179,7 @@ class SyncSchedulerClient:
         stream = self._client.submit(request_id, session_id, prompt_tokens, gen_tokens, **kw)
         try:
             while True:
-                ev = self._call(_next(stream))
+                ev = self._call(next_event(stream))
                 if ev is None:
                     return
                 yield ev
@@ -219,7 +219,7 @@ async def _build(host: str, port: int, kw: dict[str, Any]) -> SchedulerClient:
     return SchedulerClient(host, port, **kw)
 
 
-async def _next(stream: AsyncIterator[RequestEvent]) -> RequestEvent | None:
+async def next_event(stream: AsyncIterator[RequestEvent]) -> RequestEvent | None:
     """One event, or None at the end (StopAsyncIteration must not cross the thread boundary)."""
     try:
         return await stream.__anext__()

@@ -43,6 +43,7 @@ log = structlog.get_logger(__name__)
 
 PREFETCH = 16              # requests one NextRequest may hand out (try_next's local queue)
 CALL_MARGIN_S = 5.0        # RPC deadline beyond a call's own wait
+ATTACH_RETRY_MAX_S = 0.5   # longest wait between connects to a node's socket that is not there
 
 
 class EngineClient:
@@ -73,7 +74,9 @@ class EngineClient:
         NotFound (no such engine), AlreadyExists (attached elsewhere; ``replace=True`` takes
         it over), VersionMismatch.
         """
-        cfg = rpc or RpcConfig(reconnect_attempts=0)     # retried up to timeout_s
+        # retried up to timeout_s, at most ATTACH_RETRY_MAX_S apart: the node is local, a
+        # refused connect costs nothing, and every second detached is a second not placed on
+        cfg = rpc or RpcConfig(reconnect_attempts=0, reconnect_max_s=ATTACH_RETRY_MAX_S)
         client = RpcClient(cfg, "", 0, role=f"engine:{role}", node_id=engine_id,
                            reply_type=EngineReply, unix_path=socket_path)
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +25,7 @@ from tools.cluster import cli
 from tools.cluster.config import free_port, load_data, read_toml
 from tools.cluster.real_engines import (front_command, front_url, instance_commands,
                                         on_loopback)
-from tools.proc_group import end_group_blocking, group_pids, group_segments
+from tools.proc_group import end_group_blocking, group_files, group_pids, private_ipc_env
 from tools.vllm_engines import REPO, VLLM_PYTHON
 from tools.vllm_serve import instance_port, runbook
 
@@ -149,13 +151,19 @@ def test_the_fronts_url_is_its_latest_ready_line(tmp_path):
 # a group like a vLLM server's: the leader and a child that maps a /dev/shm segment it created;
 # the child outlives the leader unless the group is killed
 _GROUP = textwrap.dedent("""
-    import mmap, os, sys, time
-    name = sys.argv[1]
+    import mmap, os, socket, sys, time
+    name, sock_path = sys.argv[1], sys.argv[2]
+    closed = socket.socket(socket.AF_UNIX)  # vLLM's handshake: bound, closed, its file left
+    closed.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "handshake"))
+    closed.close()
     if os.fork() == 0:
         fd = os.open(name, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 1 << 20)
         m = mmap.mmap(fd, 1 << 20)
         m[:5] = b"hello"
+        s = socket.socket(socket.AF_UNIX)     # as vLLM's ZeroMQ IPC queues: a socket file
+        s.bind(sock_path)
+        s.listen()
         print("MAPPED", flush=True)
         time.sleep(600)
     else:
@@ -163,27 +171,42 @@ _GROUP = textwrap.dedent("""
 """)
 
 
-def test_ending_a_group_kills_its_children_and_unlinks_what_it_mapped(tmp_path):
+def test_ending_a_group_kills_its_children_and_unlinks_what_it_left(tmp_path):
+    """The group's ``/dev/shm`` file, the socket file it was bound to and its private IPC
+    directory (with a socket file closed long before) are removed once it is gone (vLLM leaves
+    all of them: docs/vllm.md); files of ours the group never held stay."""
     name = f"/dev/shm/psm_dualpath_test_{os.getpid()}_{time.monotonic_ns()}"
+    sock_path = str(tmp_path / "ipc.sock")
     other = Path(f"{name}_not_mapped")
     other.write_bytes(b"x")               # ours, but not the group's: left alone
-    proc = subprocess.Popen([sys.executable, "-c", _GROUP, name], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    other_sock = socket.socket(socket.AF_UNIX)     # a live socket of ours: left alone
+    other_sock.bind(str(tmp_path / "mine.sock"))
+    ipc_env = private_ipc_env()
+    ipc_dir = ipc_env["VLLM_RPC_BASE_PATH"]
+    proc = subprocess.Popen([sys.executable, "-c", _GROUP, name, sock_path],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, **ipc_env))
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "MAPPED"
         assert len(group_pids(proc.pid)) == 2
-        segments = group_segments(proc.pid)
-        assert name in segments
+        left_files = group_files(proc.pid)
+        assert left_files == {name, sock_path, ipc_dir}, left_files
+        assert Path(ipc_dir, "handshake").is_socket()
         proc.terminate()                  # the leader goes; its child would stay
         proc.wait(timeout=10)
         wait_until(lambda: len(group_pids(proc.pid)) == 1, 10, "the leader gone, its child left")
-        removed = end_group_blocking(proc.pid, segments, grace_s=0.5)
-        assert removed == [name] and not Path(name).exists()
+        removed = end_group_blocking(proc.pid, left_files | {str(tmp_path / "mine.sock")},
+                                     grace_s=0.5)
+        assert removed == sorted([name, sock_path, ipc_dir]), removed
+        assert not any(Path(f).exists() for f in (name, sock_path, ipc_dir))
         assert group_pids(proc.pid) == [] and other.exists()
+        assert (tmp_path / "mine.sock").exists()      # bound by a live socket: in use
     finally:
         end_group_blocking(proc.pid, set(), grace_s=0)
+        other_sock.close()
         Path(name).unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def test_status_of_services_started_by_hand_asks_the_configured_scheduler(tmp_path, capsys):

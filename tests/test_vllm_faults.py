@@ -43,7 +43,7 @@ from tests.helpers import until
 from tests.vllm_env import require_vllm
 from tools.cluster.launcher import Launcher, State, alive
 from tools.cluster.real_engines import on_loopback
-from tools.proc_group import group_pids, group_segments, remove_segments
+from tools.proc_group import group_files, group_pids, remove_files
 from tools.vllm_serve import ahttp, tokenize
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -183,11 +183,11 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         # served by the other decode instance (before, each placement there waited for its
         # deadline: docs/engine-api.md "An engine that is not attached")
         victim = state.proc("vllm:d1.e0")
-        segments = group_segments(victim.pid)        # unlinked below: nobody stops it later
+        left_files = group_files(victim.pid)        # unlinked below: nobody stops it later
         kill_instance(victim.pid)
         await asyncio.to_thread(wait_dead, victim)
         await until(lambda: not group_pids(victim.pid), 60, what="d1's vLLM group gone")
-        remove_segments(segments)
+        remove_files(left_files)
         await engine_out_of_placement(state.proc("scheduler").rpc_port, "d1.e0")
         outs = await asyncio.gather(*(agents.turn(a) for a in range(3)))
         for out in outs:
@@ -207,7 +207,7 @@ def kill_instance(pgid: int) -> None:
     """SIGKILL every process of a vLLM instance (its server, its engine core) but its
     multiprocessing resource tracker: that one sees its clients gone, unlinks the named
     semaphores they registered (``/dev/shm/sem.mp-*``, which no mapping names, so
-    ``group_segments`` cannot find them) and exits — killed with the rest, it left one per
+    ``group_files`` cannot find them) and exits — killed with the rest, it left one per
     run."""
     for pid in group_pids(pgid):
         try:

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import NoReturn
 
-from tools.proc_group import end_group_blocking, group_segments
+from tools.proc_group import end_group_blocking, group_files, private_ipc_env
 from tools.vllm_engines import REPO, VLLM_PYTHON, model_dir
 from tests import helpers
 
@@ -39,14 +39,15 @@ def run_check(python: Path, *args: str, timeout: float = 1500,
     """Run ``tests/vllm_checks/<script>`` in the vLLM venv; its RESULT line as a dict
     (``with_log``: plus its last warnings and errors under ``"log_tail"``, for a caller's
     failure message)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **private_ipc_env())
     proc = subprocess.Popen([str(python), str(REPO / "tests" / "vllm_checks" / script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=env, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:                           # vLLM's engine processes outlive their parent otherwise
-        end_group_blocking(proc.pid, group_segments(proc.pid), grace_s=10.0)
+        end_group_blocking(proc.pid, group_files(proc.pid) | {env["VLLM_RPC_BASE_PATH"]},
+                           grace_s=10.0)
         proc.wait()
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (

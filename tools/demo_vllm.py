@@ -67,10 +67,10 @@ async def demo(agents: int, turns: int, first: int, out: Path, config: str) -> i
         finally:
             procs = {p.name: p for p in launcher.state.procs} if launcher.state else {}
             await asyncio.to_thread(launcher.down)
-        left = [s for p in procs.values() for s in p.shm if Path(s).exists()]
-        if launcher.removed_segments:
-            print(f"removed {len(launcher.removed_segments)} /dev/shm segment(s) the vLLM "
-                  "instances left", flush=True)
+        left = [s for p in procs.values() for s in p.left_files if Path(s).exists()]
+        if launcher.removed_files:
+            print(f"removed {len(launcher.removed_files)} file(s) the vLLM instances left "
+                  "(/dev/shm queues, IPC sockets)", flush=True)
     cols = ["turn", "agent", "prompt", "hit", "read side", "TTFT dualpath s",
             "TTFT recompute s", "ratio", "equal"]
     table = [dict(zip(cols, [r["turn"], r["agent"], r["prompt"],
@@ -87,8 +87,8 @@ async def demo(agents: int, turns: int, first: int, out: Path, config: str) -> i
                "ttft_ratio_median_from_turn_2": statistics.median(
                    r["ttft_dp"] / r["ttft_rc"] for r in later) if later else None,
                "processes": {name: p.pid for name, p in procs.items()},
-               "shm_segments_of_instances": sorted({s for p in procs.values() for s in p.shm}),
-               "shm_left_after_stop": left,
+               "files_of_instances": sorted({s for p in procs.values() for s in p.left_files}),
+               "files_left_after_stop": left,
                "wall_s": time.monotonic() - t_start}
     print(f"\nfrom turn 2: hit rate {summary['hit_rate_from_turn_2']:.1%}, read sides "
           f"{summary['read_sides']}, median TTFT dualpath/recompute "

@@ -13,7 +13,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tools.proc_group import end_group, group_segments
+from tools.proc_group import end_group, group_files, private_ipc_env
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -56,7 +56,8 @@ class Engine:
 
     @classmethod
     async def start(cls, model: Path, role: str, log_dir: Path, *args: str) -> Engine:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role),
+                   **private_ipc_env())                      # removed by stop()
         log_path = log_dir / f"vllm-{role}.log"
         with open(log_path, "wb") as log:
             proc = await asyncio.create_subprocess_exec(
@@ -118,7 +119,7 @@ class Engine:
         """EOF on stdin ends the instance; then its whole process group goes (vLLM's engine
         core and worker outlive a killed parent otherwise) and the ``/dev/shm`` segments it
         left (``tools.proc_group``)."""
-        segments = group_segments(self.proc.pid)
+        left_files = group_files(self.proc.pid)
         if self.proc.returncode is None:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -126,7 +127,7 @@ class Engine:
                 await asyncio.wait_for(self.proc.wait(), 60)
             except TimeoutError:
                 pass
-        await end_group(self.proc.pid, segments)
+        await end_group(self.proc.pid, left_files)
         await self.proc.wait()
 
 

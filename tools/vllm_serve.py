@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tools.proc_group import end_group, group_segments
+from tools.proc_group import end_group, group_files, private_ipc_env
 from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, omp_bind
 
 
@@ -157,7 +157,7 @@ async def vllm_server(model: Path, role: str, sock: str, engine_id: str, port: i
     """``vllm serve`` (the OpenAI server) with the DualPathConnector attached to a node's
     engine socket: kv_producer on a prefill node, kv_consumer on a decode node."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KVCACHE_GIB, PYTHONPATH=str(REPO),
-               **omp_bind(role))
+               **omp_bind(role), **private_ipc_env())        # removed by stop()
     return await start(vllm_server_argv(str(VLLM_PYTHON), str(model), role, sock, engine_id,
                                         port, max_model_len, step=step), env,
                        log_dir / f"vllm-{role}-{engine_id}.log")
@@ -182,12 +182,12 @@ async def front(model: Path, scheduler_port: int, urls: dict[str, str], log_dir:
 async def stop(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM to the server, then its whole group and the ``/dev/shm`` it left
     (``tools.proc_group.end_group``)."""
-    segments = group_segments(proc.pid)
+    left_files = group_files(proc.pid)
     if proc.returncode is None:
         proc.terminate()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), 60)
-    await end_group(proc.pid, segments)
+    await end_group(proc.pid, left_files)
     await proc.wait()
 
 

@@ -69,9 +69,9 @@ def _down(launcher: Launcher) -> int:
     stopped = launcher.down()
     print(f"stopped {len(stopped)} service(s)" + (f": {', '.join(stopped)}" if stopped else
                                                   " (none running)"))
-    if launcher.removed_segments:
-        print(f"removed {len(launcher.removed_segments)} /dev/shm segment(s) the vLLM "
-              f"instances left: {', '.join(launcher.removed_segments)}")
+    if launcher.removed_files:
+        print(f"removed {len(launcher.removed_files)} file(s) the vLLM instances left "
+              f"(/dev/shm queues, IPC sockets): {', '.join(launcher.removed_files)}")
     return 0
 
 

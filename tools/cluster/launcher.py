@@ -37,7 +37,7 @@ from typing import Any
 
 from common.errors import ConfigError, DualpathError
 
-from tools.proc_group import group_pids, group_segments, remove_segments
+from tools.proc_group import group_files, group_pids, private_ipc_env, remove_files
 
 from . import real_engines
 from .config import (ROLE_SERVICE, Cluster, check_local_resources, check_ports_free,
@@ -73,7 +73,8 @@ class Proc:
     metrics_port: int | None = None
     engines: list[str] = field(default_factory=list)
     url: str | None = None                  # a vLLM instance's / the front's HTTP endpoint
-    shm: list[str] = field(default_factory=list)   # /dev/shm files its group mapped (vLLM)
+    left_files: list[str] = field(default_factory=list)  # its group's /dev/shm files, sockets
+    ipc_dir: str = ""                       # a vLLM instance's IPC socket directory
 
 
 @dataclass
@@ -124,6 +125,8 @@ class State:
             return None
         except (OSError, ValueError) as e:
             raise DualpathError(f"unreadable state file {path}: {e}") from e
+        for p in d.get("procs", []):
+            p.pop("shm", None)          # written before 2026-12-06 (now left_files), always []
         d["procs"] = [Proc(**p) for p in d.get("procs", [])]
         return cls(**d)
 
@@ -166,7 +169,7 @@ class Launcher:
         self.state_dir = c.state_dir().resolve()
         self.log_dir = self.state_dir / "logs"
         self._popen: dict[str, subprocess.Popen] = {}
-        self.removed_segments: list[str] = []   # /dev/shm files `down` unlinked (vLLM's)
+        self.removed_files: list[str] = []   # what `down` unlinked of vLLM's (shm, sockets)
         self.state: State | None = None
 
     def is_local(self) -> bool:
@@ -236,6 +239,8 @@ class Launcher:
         if _running(old):
             raise ConfigError(f"{name} is still running (pid {old.pid}): stop it first")
         state.procs.remove(old)
+        if old.ipc_dir:                  # the dead instance's sockets; the new one gets its own
+            remove_files({old.ipc_dir})
         cmd = self._command_again(old)
         self._wave([cmd], self.cluster.spec.engine_start_timeout_s
                    if old.service == "vllm" else None)
@@ -367,6 +372,8 @@ class Launcher:
         # PYTHONNODEBUGRANGES: Python 3.11's tracebacks race in the ast module across threads
         # (docs/deploy.md, "Python 3.11"); a caller's own setting wins
         env = {"PYTHONNODEBUGRANGES": "1", **os.environ, **cmd.env}
+        if cmd.service == "vllm":       # its ZeroMQ socket files, removed with it (down)
+            env.update(private_ipc_env())
         if ready is not None:
             ready.unlink(missing_ok=True)
             argv = argv + ["--ready-file", str(ready)]
@@ -378,7 +385,8 @@ class Launcher:
         self._popen[name] = proc
         ticks = proc_start_ticks(proc.pid) or 0
         p = Proc(name, cmd.service, cmd.node, proc.pid, ticks, str(log),
-                 str(ready) if ready else "", url=cmd.url)
+                 str(ready) if ready else "", url=cmd.url,
+                 ipc_dir=env.get("VLLM_RPC_BASE_PATH", "") if cmd.service == "vllm" else "")
         self.state.procs.append(p)
         return p
 
@@ -444,9 +452,10 @@ class Launcher:
             return []
         engines = [e for e in state.procs if e.service in GROUPS and alive(e)]
         for e in engines:                # what vLLM maps now, to unlink what it leaves
-            e.shm = sorted(group_segments(e.pid))
+            e.left_files = sorted(group_files(e.pid))
         stopped = stop_procs(state.procs, self.cluster.spec.stop_grace_s)
-        self.removed_segments = remove_segments({s for e in engines for s in e.shm})
+        self.removed_files = remove_files({s for e in engines for s in e.left_files}
+                                          | {p.ipc_dir for p in state.procs if p.ipc_dir})
         for p in self._popen.values():
             if p.poll() is None:      # pragma: no cover - stop_procs killed it already
                 p.kill()

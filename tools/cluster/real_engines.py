@@ -18,10 +18,11 @@ the front when its log carries the READY line.
 Stopping: vLLM runs its engine core in child processes (and the front none), so the launcher
 signals the whole process group of these services (each started in its own session). vLLM's
 message queues live in ``/dev/shm/psm_*`` segments that a killed instance leaves behind (160–
-240 MiB each were found after hand-run clusters): before stopping, :func:`mapped_segments`
-notes every ``/dev/shm`` file the group maps; after, :func:`remove_segments` unlinks those
-still present that no live process maps — only files our own processes mapped, owned by us
-(:mod:`tools.proc_group`).
+240 MiB each were found after hand-run clusters), and its ZeroMQ IPC socket files in
+``$TMPDIR`` are left even by a clean stop: before stopping, :func:`group_files` notes every
+``/dev/shm`` file the group maps and every socket file it is bound to; after,
+:func:`remove_files` unlinks those still present that no live process uses — only files our
+own processes held, owned by us (:mod:`tools.proc_group`).
 """
 
 from __future__ import annotations

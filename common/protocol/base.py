@@ -15,7 +15,9 @@ import msgspec
 # attempt's storage reads add up per side: docs/frontend-api.md "Retried attempts re-read")
 # 5: EngineLoad .attached (an engine its node reports detached leaves placement until it is
 # back: docs/engine-api.md "An engine that is not attached")
-PROTOCOL_VERSION = 5
+# 6: EngineLoad .attaches, ReportProgress .detached_engine/.engine_attaches (a detach the
+# node's failure report names takes the engine out before its request re-plans: one re-plan)
+PROTOCOL_VERSION = 6
 
 # Where a request's hit KV is read from storage (paper §4): through the PE's own gateway, through
 # the DE's (which then streams the layers to the PE), split between the two (the DE reads the

@@ -87,6 +87,9 @@ class EngineLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # process died or has not started): the scheduler places nothing on it and re-plans what
     # it held, until the node reports it attached again
     attached: bool = True
+    # v6: how many times the engine attached to this node process (0: in-process, or never).
+    # "attached" with the number of an attachment known dead is telemetry older than its end
+    attaches: int = 0
 
 
 class FetchWork(Message, tag="sched.node.fetch", frozen=True):
@@ -243,6 +246,12 @@ class ReportProgress(Message, tag="sched.node.progress", frozen=True):
     # v4: this node's own part of ``read_bytes``, by the side it read for
     pe_read_bytes: int = 0
     de_read_bytes: int = 0
+    # v6 (with "failed"): the attempt failed because this engine's process detached from the
+    # node — its attachment number ``engine_attaches`` ended. The scheduler takes the engine
+    # out of placement before the request re-plans (docs/engine-api.md "An engine that is not
+    # attached")
+    detached_engine: str = ""
+    engine_attaches: int = 0
 
 
 class ReportProgressReply(Message, tag="sched.node.progress.reply", frozen=True):

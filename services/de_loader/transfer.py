@@ -32,7 +32,7 @@ from common.kv import KVSpec
 from common.protocol import LayerSlots
 from services.engine_api.prompt import PromptInfo, next_block_key
 from services.node.actions import Log, Report
-from services.node.errors import copy_error, peer_error, with_hop
+from services.node.errors import copy_error, detach_fields, peer_error, with_hop
 
 
 # ---------------------------------------------------------------------- actions
@@ -444,7 +444,8 @@ class DecodeTransfer:
                                          "retryable": err.retryable,
                                          "hop": hop or "de_loader",
                                          "read_bytes": self.read_bytes,
-                                         "de_read_bytes": self.read_bytes}))
+                                         "de_read_bytes": self.read_bytes,
+                                         **detach_fields(err)}))
         return [*out, Release()]
 
     def drop(self, reason: str) -> list[Action]:

@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 
 from common.config import RpcConfig
-from common.errors import (AlreadyExists, Cancelled, DualpathError, InternalError,
+from common.errors import (AlreadyExists, Cancelled, DualpathError, EngineDetached, InternalError,
                            InvalidArgument, KVSpecMismatch, NotFound, PeerFailed, Unavailable,
                            VersionMismatch)
 from common.kv import KVSpec
@@ -65,6 +65,7 @@ class EngineSession:
     conn: ServerConnection
     engine_id: str
     role: str
+    attach_no: int                  # the engine's how-manieth attach to this node process
     prefill: dict[str, PrefillRequest] = field(default_factory=dict)
     decode: dict[str, DecodeRequest] = field(default_factory=dict)
     blocks: dict[tuple[str, int], GeneratedBlock] = field(default_factory=dict)
@@ -96,6 +97,9 @@ class EngineApiServer:
         # attempt of it
         self.abandon = abandon
         self.sessions: dict[str, EngineSession] = {}        # engine id → session
+        # engine id → how many times it attached to this node process (the scheduler tells a
+        # report of an attachment's end from telemetry older than it by this number)
+        self.attach_counts: collections.Counter[str] = collections.Counter()
         self._by_conn: dict[int, EngineSession] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.reported: dict[str, dict[str, float]] = {}    # engine id → its latest counters
@@ -189,7 +193,9 @@ class EngineApiServer:
             old.conn.sender.abort(f"engine {msg.engine_id} was attached again (replace)")
             if msg.engine_id in self.sessions or ctx.conn.closed:    # raced while detaching
                 raise AlreadyExists(f"engine {msg.engine_id} was attached meanwhile")
-        sess = EngineSession(ctx.conn, msg.engine_id, msg.role)
+        self.attach_counts[msg.engine_id] += 1
+        sess = EngineSession(ctx.conn, msg.engine_id, msg.role,
+                             self.attach_counts[msg.engine_id])
         self.sessions[msg.engine_id] = sess
         self._by_conn[ctx.conn_id] = sess
         self.counters["attaches"] += 1
@@ -229,6 +235,12 @@ class EngineApiServer:
         if sess is not None:
             await self._detach(sess, "engine disconnected")
 
+    @staticmethod
+    def _detached(sess: EngineSession, message: str) -> EngineDetached:
+        """What each request ``sess`` held fails with: a PEER_FAILED that names the ended
+        attachment, so the node's report takes the engine out of placement first."""
+        return EngineDetached(message, engine_id=sess.engine_id, attach_no=sess.attach_no)
+
     async def _detach(self, sess: EngineSession, reason: str) -> None:
         """Fail every request ``sess`` holds (retryable: the scheduler re-plans them)."""
         if sess.closed:
@@ -240,9 +252,9 @@ class EngineApiServer:
         err = f"engine {sess.engine_id} on {self.node_id}: {reason}"
         held = sess.held
         for h in list(sess.prefill.values()):
-            await h.fail(PeerFailed(err))
+            await h.fail(self._detached(sess, err))
         for req in list(sess.decode.values()):
-            await req.fail(PeerFailed(err))
+            await req.fail(self._detached(sess, err))
         sess.prefill.clear()
         sess.decode.clear()
         sess.blocks.clear()

@@ -288,8 +288,9 @@ class NodeBase(Service):
         api = self.engine_api
         if api is None:
             return loads
-        return [load if load.engine_id in api.sessions
-                else msgspec.structs.replace(load, attached=False) for load in loads]
+        return [msgspec.structs.replace(load, attached=load.engine_id in api.sessions,
+                                        attaches=api.attach_counts[load.engine_id])
+                for load in loads]
 
     async def _on_lease_lost(self) -> None:
         await self.drop_all("scheduler lease lost (the scheduler re-planned our work)")

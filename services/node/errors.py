@@ -6,7 +6,9 @@ scheduler's re-plan and the request record can say where a request failed.
 
 from __future__ import annotations
 
-from common.errors import Cancelled, DualpathError, PeerFailed
+from typing import Any
+
+from common.errors import Cancelled, DualpathError, EngineDetached, PeerFailed
 
 
 def with_hop(err: DualpathError, hop: str) -> DualpathError:
@@ -27,6 +29,17 @@ def peer_error(err: DualpathError) -> DualpathError:
 
 
 def copy_error(err: DualpathError) -> DualpathError:
+    """A fresh error of the same type, for another raise site: its tags (hop, the detached
+    engine) come along."""
     out = type(err)(err.message, retry_after_s=err.retry_after_s)
+    out.__dict__.update(err.__dict__)
     out.hop = getattr(err, "hop", None)
     return out
+
+
+def detach_fields(err: DualpathError) -> dict[str, Any]:
+    """A failure report's fields naming the engine attachment whose end failed the attempt
+    (:class:`~common.errors.EngineDetached`); none for any other error."""
+    if isinstance(err, EngineDetached) and err.engine_id:
+        return {"detached_engine": err.engine_id, "engine_attaches": err.attach_no}
+    return {}

@@ -23,7 +23,7 @@ from common.errors import (Cancelled, DeadlineExceeded, DualpathError, InternalE
 from common.protocol import Endpoint, LayerSlots, PrepareDecode
 from services.engine_api.prompt import PromptInfo
 from services.node.actions import Count, Log, Report
-from services.node.errors import copy_error, with_hop
+from services.node.errors import copy_error, detach_fields, with_hop
 
 
 # ---------------------------------------------------------------------------- actions
@@ -469,7 +469,8 @@ class PrefillTransfer:
                     "request_id": self.info.request_id, "attempt": self.info.attempt,
                     "hop": hop, "code": err.code.value, "error": err.message}),
                 Report("failed", {"code": err.code.value, "message": err.message[:500],
-                                  "retryable": err.retryable, "hop": hop, **reads})]
+                                  "retryable": err.retryable, "hop": hop, **reads,
+                                  **detach_fields(err)})]
 
     def release(self) -> list[Action]:
         """What the release does once the attempt's tasks ended, in order: wait for the

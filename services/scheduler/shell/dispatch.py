@@ -158,9 +158,9 @@ def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
         if load.engine_id not in own:
             raise InvalidArgument(f"engine {load.engine_id[:80]!r} is not one of "
                                   f"{reg.node_id}'s registered {reg.role} engines")
-        if load.seq < 0 or load.tok < 0 or (load.free_hbm_bytes or 0) < 0:
-            raise InvalidArgument(f"engine {load.engine_id!r}: seq, tok and free_hbm_bytes "
-                                  f"must be >= 0")
+        if load.seq < 0 or load.tok < 0 or (load.free_hbm_bytes or 0) < 0 or load.attaches < 0:
+            raise InvalidArgument(f"engine {load.engine_id!r}: seq, tok, free_hbm_bytes and "
+                                  f"attaches must be >= 0")
     if not msg.engines and msg.read_q_tokens is None:
         return None
     extra = pending_load(box, requests, pe_load)

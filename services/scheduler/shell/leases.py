@@ -19,13 +19,17 @@ ROLES = ("prefill", "decode")
 class Registration:
     """One live node service."""
 
-    __slots__ = ("msg", "expires_at", "detached")
+    __slots__ = ("msg", "expires_at", "detached", "attaches")
 
     def __init__(self, msg: RegisterNode, expires_at: float) -> None:
         self.msg = msg
         self.expires_at = expires_at
-        # its engines the node last reported not attached: out of the core until they are
-        self.detached: set[str] = set()
+        # its engines out of the core because the node reported them not attached (telemetry
+        # or a failure report), each with the number of the attachment known to have ended:
+        # out until the node reports another one attached
+        self.detached: dict[str, int] = {}
+        # per engine, the latest attachment number its node reported (EngineLoad.attaches)
+        self.attaches: dict[str, int] = {}
 
     @property
     def key(self) -> tuple[str, str]:

@@ -189,14 +189,20 @@ class NodeChannel:
     def _note_attachment(self, reg: Registration, msg: FetchWork) -> None:
         """An engine its node reports not attached (its process died or has not started)
         leaves the core — what it held re-plans onto the others, nothing new is placed on it —
-        and returns when the node reports it attached again (docs/engine-api.md, "An engine
-        that is not attached"). The telemetry was checked: every id is one of ``reg``'s."""
-        gone = [e.engine_id for e in msg.engines
-                if not e.attached and e.engine_id not in reg.detached]
-        back = [e.engine_id for e in msg.engines if e.attached and e.engine_id in reg.detached]
+        and returns when the node reports another attachment of it (docs/engine-api.md, "An
+        engine that is not attached"). "Attached" under the number of an attachment known to
+        have ended is telemetry from before its end (a fetch held here since, or sent before
+        the node's failure report came): it changes nothing. The telemetry was checked: every
+        id is one of ``reg``'s."""
+        for e in msg.engines:
+            reg.attaches[e.engine_id] = max(reg.attaches.get(e.engine_id, 0), e.attaches)
+        gone = {e.engine_id: e.attaches for e in msg.engines
+                if not e.attached and e.engine_id not in reg.detached}
+        back = [e.engine_id for e in msg.engines if e.attached and e.engine_id in reg.detached
+                and e.attaches != reg.detached[e.engine_id]]
         for info in reg.engines:
             if info.engine_id in back:
-                reg.detached.discard(info.engine_id)
+                del reg.detached[info.engine_id]
                 self.counters["engines_attached"] += 1
                 self.log.info("engine_attached", node=reg.node_id, engine=info.engine_id)
                 with contextlib.suppress(AlreadyExists):     # never left: nothing to add
@@ -205,15 +211,40 @@ class NodeChannel:
                                                     hbm_capacity_bytes=info.hbm_capacity_bytes))
         if back:
             self.work.kick()
-        if not gone:
+        if gone:
+            self._detach(reg, gone, f"engine {', '.join(gone)} on {reg.node_id} is not "
+                                    f"attached to its node")
+
+    def engine_detached(self, node_id: str, engine_id: str, attach_no: int, why: str) -> None:
+        """A node's failure report says attachment ``attach_no`` of its engine ``engine_id``
+        ended (the engine's process died holding the request): the engine leaves the core
+        now, so the request re-plans once, onto another engine — not at the node's next fetch,
+        by which a fetch held here could have placed it on the dead engine again (a second
+        re-plan of its ``max_replans``). An engine id the node does not lead is ignored, and so
+        is the end of an attachment older than one the node's telemetry already reported (the
+        engine was back before the report came)."""
+        for role in ROLES:
+            reg = self.leases.leader(node_id, role)
+            if reg is None or engine_id not in {e.engine_id for e in reg.engines}:
+                continue
+            if reg.attaches.get(engine_id, 0) > attach_no:
+                return
+            if engine_id in reg.detached:       # out already: remember the later end
+                reg.detached[engine_id] = max(reg.detached[engine_id], attach_no)
+            else:
+                self._detach(reg, {engine_id: attach_no}, f"engine {engine_id} on {node_id} "
+                                                          f"detached: {why[:300]}")
             return
+
+    def _detach(self, reg: Registration, gone: dict[str, int], reason: str) -> None:
+        """Take ``gone`` (engine id → the ended attachment's number) out of the core: their
+        requests re-plan onto the role's other engines."""
         reg.detached.update(gone)
         self.counters["engines_detached"] += len(gone)
-        requeued, failed = self._remove_engines(
-            gone, f"engine {', '.join(gone)} on {reg.node_id} is not attached to its node")
+        requeued, failed = self._remove_engines(list(gone), reason)
         # an engine that starts after its node is reported detached once: info, not a warning
         (self.log.warning if requeued or failed else self.log.info)(
-            "engine_detached", node=reg.node_id, engines=gone, requeued=requeued,
+            "engine_detached", node=reg.node_id, engines=list(gone), requeued=requeued,
             failed=failed)
         self.work.kick()
 

@@ -25,16 +25,20 @@ from .request_state import RequestState, Status
 from .table import RequestTable, loop_now
 
 StageHandler = Callable[[RequestState, ReportProgress, float], None]
+# (node id, engine id, ended attachment number, why): NodeChannel.engine_detached
+EngineDetachedHook = Callable[[str, str, int, str], None]
 
 
 class ProgressReports:
     """The ``ReportProgress`` handler of the node channel and its stage transitions."""
 
     def __init__(self, core: Scheduler, table: RequestTable, lifecycle: RequestLifecycle, *,
-                 gate: Gate, kept: KeptResults, counters: dict[str, int], work: WorkSignal
+                 gate: Gate, kept: KeptResults, counters: dict[str, int], work: WorkSignal,
+                 engine_detached: EngineDetachedHook = lambda node, eid, no, why: None
                  ) -> None:
         self.core, self.table, self.lifecycle = core, table, lifecycle
         self.gate, self.kept, self.counters, self.work = gate, kept, counters, work
+        self.engine_detached = engine_detached
         self._stages: dict[str, StageHandler] = {
             "allocated": self._allocated, "read_done": self._read_done,
             "prefill_done": self._prefill_done, "first_token": self._first,
@@ -45,7 +49,8 @@ class ProgressReports:
         if stage is None and msg.stage != "dropped":
             raise InvalidArgument(f"unknown stage {msg.stage[:40]!r}; one of "
                                   f"{[*self._stages, 'dropped']}")
-        for name in ("tokens", "read_bytes", "pe_read_bytes", "de_read_bytes"):
+        for name in ("tokens", "read_bytes", "pe_read_bytes", "de_read_bytes",
+                     "engine_attaches"):
             if getattr(msg, name) < 0:
                 raise InvalidArgument(f"{name}={getattr(msg, name)} must be >= 0")
         self.gate.check_leading()
@@ -64,11 +69,29 @@ class ProgressReports:
         if rs.assignment is None and msg.stage != "failed":
             raise InvalidArgument(f"stage {msg.stage!r} for request {rs.request_id!r} attempt "
                                   f"{rs.attempt}, which has not been placed yet")
+        if msg.stage == "failed" and msg.retryable and msg.detached_engine \
+                and self._took_out_engine(rs, msg):
+            # the engine's removal re-planned the request (or failed it past max_replans)
+            return ReportProgressReply(False, self.table.status(rs).value)
         stage(rs, msg, loop_now())
         self.work.kick()                    # capacity may have freed up (finished, failed)
         status = self.table.status(rs)
         live = rs.attempt == msg.attempt and (not rs.terminal or status is Status.FINISHED)
         return ReportProgressReply(live, status.value)
+
+    def _took_out_engine(self, rs: RequestState, msg: ReportProgress) -> bool:
+        """A failure naming the engine whose process detached: when it is the engine of this
+        attempt, that engine leaves placement first; True when that ended the attempt (its
+        request re-planned with the engine's other requests)."""
+        a = rs.assignment
+        if msg.detached_engine not in ((a.pe_engine if a else None), rs.de_engine):
+            return False
+        code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value
+        self.lifecycle.close_attempt(rs, "failed", msg.hop or "engine", code, msg.message)
+        self.engine_detached(msg.node_id, msg.detached_engine, msg.engine_attaches,
+                             msg.message)
+        self.work.kick()
+        return rs.attempt != msg.attempt or self.core.held(rs.request_id) is None
 
     def _status(self, request_id: str) -> str:
         """A live request's status, an ended one's outcome, else ``unknown``."""

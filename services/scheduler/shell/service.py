@@ -121,7 +121,8 @@ class SchedulerService(Service):
                                  self.leases, settings=s, kv=self.kv, gate=self.gate,
                                  counters=counters, work=work, log=log)
         self.progress = ProgressReports(self.core, self.table, self.lifecycle, gate=self.gate,
-                                        kept=self.kept, counters=counters, work=work)
+                                        kept=self.kept, counters=counters, work=work,
+                                        engine_detached=self.nodes.engine_detached)
         self.handlers: dict[type, Any] = {
             SubmitRequest: self.frontends.on_submit, CancelRequest: self.frontends.on_cancel,
             GetClusterStatus: self._on_status, RegisterNode: self.nodes.on_register,

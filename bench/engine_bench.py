@@ -83,6 +83,7 @@ async def _example_server(model: Path, root: Path) -> tuple[Any, str]:
     budget: ExampleConnector saves and loads whole prompts)."""
     from tools.cluster.config import free_port
     from tools.vllm_engines import omp_bind
+    from tools.proc_group import private_ipc_env
     from tools.vllm_serve import KVCACHE_GIB, start, vllm_server_argv
 
     port = free_port()
@@ -91,7 +92,7 @@ async def _example_server(model: Path, root: Path) -> tuple[Any, str]:
     argv = vllm_server_argv(str(VLLM_PYTHON), str(model), "example", "", "", port,
                             MAX_MODEL_LEN, prefix_caching=False, kv_transfer=kv)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KVCACHE_GIB, PYTHONPATH=str(REPO),
-               **omp_bind("example"))
+               **omp_bind("example"), **private_ipc_env())      # removed by its stop()
     return await start(argv, env, root / "vllm-example.log"), f"http://127.0.0.1:{port}"
 
 

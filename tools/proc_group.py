@@ -5,9 +5,9 @@ so the group is ours), and keeps its message queues in ``/dev/shm/psm_*`` segmen
 each on this model) that it unlinks only when it shuts down cleanly: a group killed before its
 engine core finished shutting down leaves them (94 such files, 1.2 GB of RAM, were found after
 a day of test runs). Its ZeroMQ IPC sockets (``$TMPDIR/<uuid4>``, one per queue between the
-server and the engine core) are left even by a clean stop: ~20 per instance, 3,300 in ``/tmp``
-after a day and a half of test runs; a socket closed after start-up, e.g. the engine core's
-handshake, leaves its file before anyone could note it). So each instance we start gets a
+server and the engine core) are left even by a clean stop: ~7 per instance, 3,300 in ``/tmp``
+after a day and a half of test runs, and a socket closed after start-up (the engine core's
+handshake) leaves its file before anyone could note it. So each instance we start gets a
 directory of its own for them (:func:`private_ipc_env`). :func:`end_group` stops a group so
 that nothing is left: it notes what the group maps, which socket files it is bound to and its
 IPC directory, waits (deadline) for the group to exit on its own after the leader was told to

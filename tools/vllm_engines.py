@@ -51,13 +51,16 @@ def model_dir() -> Path | None:
 class Engine:
     """One engine_worker.py process: a JSON request line in, a JSON reply line out."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, role: str, log_path: Path) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, role: str, log_path: Path,
+                 ipc_dir: str = "") -> None:
         self.proc, self.role, self.log_path = proc, role, log_path
+        self.ipc_dir = ipc_dir          # its IPC socket directory, removed by stop()
 
     @classmethod
     async def start(cls, model: Path, role: str, log_dir: Path, *args: str) -> Engine:
+        ipc_env = private_ipc_env()
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO), **omp_bind(role),
-                   **private_ipc_env())                      # removed by stop()
+                   **ipc_env)
         log_path = log_dir / f"vllm-{role}.log"
         with open(log_path, "wb") as log:
             proc = await asyncio.create_subprocess_exec(
@@ -65,7 +68,7 @@ class Engine:
                 "--dtype", DTYPE, "--preset", PRESET, *args,
                 cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 limit=1 << 24, start_new_session=True)
-        engine = cls(proc, role, log_path)
+        engine = cls(proc, role, log_path, ipc_env["VLLM_RPC_BASE_PATH"])
         try:
             await engine._expect_ready()
         except BaseException:
@@ -118,8 +121,9 @@ class Engine:
     async def stop(self) -> None:
         """EOF on stdin ends the instance; then its whole process group goes (vLLM's engine
         core and worker outlive a killed parent otherwise) and the ``/dev/shm`` segments it
-        left (``tools.proc_group``)."""
-        left_files = group_files(self.proc.pid)
+        left and its IPC socket directory (``tools.proc_group``), whether or not it was still
+        running."""
+        left_files = group_files(self.proc.pid) | ({self.ipc_dir} if self.ipc_dir else set())
         if self.proc.returncode is None:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()

@@ -243,3 +243,20 @@ def test_status_of_services_started_by_hand_asks_the_configured_scheduler(tmp_pa
     finally:
         sched.terminate()
         sched.wait(timeout=30)
+
+
+_LEAVES_A_SOCKET = ("import os, socket; s = socket.socket(socket.AF_UNIX); "
+                    "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'queue'))")
+
+
+async def test_a_server_that_died_before_its_stop_still_loses_its_ipc_directory(tmp_path):
+    """``tools.vllm_serve.start`` keeps the IPC directory it was given: ``stop`` removes it
+    though the process died first (its environment, where ``group_files`` looks, is gone)."""
+    from tools.vllm_serve import start, stop
+    env = dict(os.environ, **private_ipc_env())
+    ipc_dir = Path(env["VLLM_RPC_BASE_PATH"])
+    proc = await start([sys.executable, "-c", _LEAVES_A_SOCKET], env, tmp_path / "log")
+    assert await proc.wait() == 0
+    assert (ipc_dir / "queue").is_socket()            # left behind, as vLLM's are
+    await stop(proc)
+    assert not ipc_dir.exists()

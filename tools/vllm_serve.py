@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tools.proc_group import end_group, group_files, private_ipc_env
+from tools.proc_group import IPC_DIR_PREFIX, end_group, group_files, private_ipc_env
 from tools.vllm_engines import CORES, DTYPE, PRESET, REPO, VLLM_PYTHON, omp_bind
 
 
@@ -65,14 +65,22 @@ async def wait_healthy(urls, timeout_s: float = 900.0) -> None:
             await asyncio.sleep(1.0)
 
 
+# pid -> the IPC socket directory (tools.proc_group.private_ipc_env) of a process start()
+# started: stop() removes it even when the process died first (its environment is gone then)
+_IPC_DIRS: dict[int, str] = {}
+
+
 async def start(args: list[str], env: dict, log_path: Path,
                 pipe_stdout: bool = False) -> asyncio.subprocess.Process:
     """A process in its own group; its output goes to ``log_path`` (stdout piped for the
     front's READY line only: an unread pipe would block a chatty vLLM server)."""
     with open(log_path, "wb") as log:
-        return await asyncio.create_subprocess_exec(
+        proc = await asyncio.create_subprocess_exec(
             *args, cwd=REPO, env=env, stdout=subprocess.PIPE if pipe_stdout else log,
             stderr=log, limit=1 << 20, start_new_session=True)
+    if Path(env.get("VLLM_RPC_BASE_PATH", "")).name.startswith(IPC_DIR_PREFIX):
+        _IPC_DIRS[proc.pid] = env["VLLM_RPC_BASE_PATH"]
+    return proc
 
 
 # What the runbook's vLLM instances get, whatever the host (the tests' omp_bind drops the
@@ -180,9 +188,10 @@ async def front(model: Path, scheduler_port: int, urls: dict[str, str], log_dir:
 
 
 async def stop(proc: asyncio.subprocess.Process) -> None:
-    """SIGTERM to the server, then its whole group and the ``/dev/shm`` it left
-    (``tools.proc_group.end_group``)."""
-    left_files = group_files(proc.pid)
+    """SIGTERM to the server, then its whole group, the ``/dev/shm`` it left and its IPC
+    socket directory (``tools.proc_group.end_group``)."""
+    own_dir = _IPC_DIRS.pop(proc.pid, None)
+    left_files = group_files(proc.pid) | ({own_dir} if own_dir else set())
     if proc.returncode is None:
         proc.terminate()
         with contextlib.suppress(TimeoutError):

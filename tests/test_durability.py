@@ -417,7 +417,12 @@ async def test_kill9_of_the_cluster_mid_write_never_exposes_a_torn_block(tmp_pat
     assert total(stats, "gateway", "checksum_failures") == 0
     assert total(stats, "pe_receiver", "hit_shortened") + \
         total(stats, "de_loader", "hit_shortened") == 0
-    assert total(stats, "de_loader", "engine_verified_requests") == len(turns) + len(acked)
+    # every request's prompt checked on the DE by its finishing attempt; a re-planned attempt
+    # may have checked it before (ci114: the restarted DE loader stood still past its 5-s lease
+    # on the loaded host, and 4 requests re-planned), never more often than it was tried
+    verified = total(stats, "de_loader", "engine_verified_requests")
+    tries = sum(len(f.attempts) for f in finals.values())
+    assert len(turns) + len(acked) == len(finals) <= verified <= tries, (verified, tries)
     assert total(stats, "de_loader", "engine_prompt_mismatches") == 0
     assert total(stats, "pe_receiver", "engine_hit_mismatches") == 0
     reliability.record("durability", "kill -9 of every cluster process mid-write (2 MiB block "

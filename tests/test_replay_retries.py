@@ -12,7 +12,7 @@ from common.kv import spec_from_config
 from tools.cluster.inprocess import start_cluster
 from tools.replay.results import summary_rows
 from tools.replay.run import ClusterTarget, replay
-from tools.replay.workloads import TraceSpec
+from tools.replay.workloads import TraceSpec, load_mooncake
 from tests.test_replay_e2e import cluster
 
 pytestmark = pytest.mark.usefixtures("keep_logging")
@@ -25,31 +25,34 @@ def _disarm():
 
 
 async def test_a_failed_send_is_retried_and_the_storage_check_counts_its_read(tmp_path):
-    # Request 0 stores blocks 0 and 1; request 1 (3 s later) hits them on the PE path. The
-    # first layer send of request 1 (the 5th send: request 0 sent its 4 layers) fails after
-    # its read, so attempt 1 reads the same 2 blocks again.
-    lines = [{"timestamp": 0, "input_length": 1100, "output_length": 8, "hash_ids": [0, 1, 2]},
-             {"timestamp": 3000, "input_length": 1600, "output_length": 8,
+    # A past turn stored blocks 0 and 1: in storage before the replay starts (a request of
+    # the replay storing them raced the next one's lookup on a loaded host, the CI on
+    # be8cb3b). The request hits them on the PE path. Its first layer send fails after its
+    # read, so attempt 1 reads the same 2 blocks again.
+    lines = [{"timestamp": 0, "input_length": 1600, "output_length": 8,
               "hash_ids": [0, 1, 5, 6]}]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     cfg = cluster().with_mode("basic")
     kv = spec_from_config(cfg.cfg.kv)
-    faults.arm(f"pe.handoff.send=error@{kv.num_layers + 1}")
+    spec = TraceSpec(str(trace), speed=1.0)
+    stored = load_mooncake(spec, kv.block_tokens)[0].keys[:2]
+    faults.arm("pe.handoff.send=error@1")
     async with start_cluster(cfg, storage_root=tmp_path / "s") as c:
-        res = await replay(ClusterTarget.from_inprocess(c), TraceSpec(str(trace), speed=1.0),
-                           progress=False, sample_s=0.1)
+        await c.store_blocks(stored)
+        assert await c.stored_prefix(stored) == 2
+        res = await replay(ClusterTarget.from_inprocess(c), spec, progress=False, sample_s=0.1)
         assert c.leaks() == {n: 0 for n in c.nodes}
     assert faults.fired("pe.handoff.send") == 1
-    recs = sorted(res["records"], key=lambda r: r["submit_s"])
-    assert [r["outcome"] for r in recs] == ["finished", "finished"]
-    failed, final = recs[1]["attempt_history"]
+    [rec] = res["records"]
+    assert rec["outcome"] == "finished"
+    failed, final = rec["attempt_history"]
     assert (failed["outcome"], failed["hop"], failed["code"]) == ("failed", "de_loader",
                                                                   "UNAVAILABLE")
     assert "failpoint pe.handoff.send" in failed["message"]
     block = kv.full_block_bytes
     assert failed["read_bytes"] == 2 * block and failed["read_side"] == "pe"
-    assert final["outcome"] == "finished" and recs[1]["hit_tokens"] == 128
+    assert final["outcome"] == "finished" and rec["hit_tokens"] == 128
     s = res["summary"]
     checks = s["checks"]
     assert checks["storage_read_bytes_failed_attempts"] == 2 * block

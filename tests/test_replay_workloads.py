@@ -83,7 +83,9 @@ def test_mooncake_requests_map_hash_ids_onto_our_keys(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     full = load_mooncake(TraceSpec(str(f), scale=1.0, speed=2.0))
-    assert [r.t_s for r in full] == [0.0, 1.5]
+    assert [r.t_s for r in full] == [0.0, 1.5] and [r.index for r in full] == [0, 1]
+    [later] = load_mooncake(TraceSpec(str(f), scale=1.0, speed=2.0, start_s=3.0))  # keeps its line
+    assert (later.index, later.t_s, later.keys) == (1, 0.0, full[1].keys)
     assert full[0].keys == block_keys_from_mooncake([0, 1, 2], 1100)     # 17 x 64 tokens
     assert full[1].keys[:16] == full[0].keys[:16]                         # shared 2 trace blocks
     small = load_mooncake(TraceSpec(str(f), scale=0.125))

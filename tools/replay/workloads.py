@@ -190,7 +190,7 @@ class TraceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass(frozen=True)
 class TraceRequest:
-    index: int
+    index: int                       # its line in the trace file (0-based): ``trace-<index>``
     t_s: float                       # replay time of arrival
     prompt_tokens: int
     gen_tokens: int
@@ -198,7 +198,8 @@ class TraceRequest:
 
 
 def load_mooncake(spec: TraceSpec, block_tokens: int = 64) -> list[TraceRequest]:
-    """The trace's requests in the window, times rebased to 0 and divided by ``speed``."""
+    """The trace's requests in the window, times rebased to 0 and divided by ``speed``; each
+    keeps its line number as its index (its request id ``trace-<line>`` whatever the window)."""
     per = block_tokens / spec.scale                # trace tokens per one of our blocks
     if per != int(per) or MOONCAKE_BLOCK_TOKENS % int(per) or int(per) % block_tokens:
         raise InvalidArgument(f"trace scale {spec.scale} must make {block_tokens}/scale divide "
@@ -211,7 +212,7 @@ def load_mooncake(spec: TraceSpec, block_tokens: int = 64) -> list[TraceRequest]
         raise InvalidArgument(f"trace file not found: {path}")
     t0 = spec.start_s * 1000.0
     with path.open() as f:
-        for line in f:
+        for line_no, line in enumerate(f):
             if spec.limit is not None and len(out) >= spec.limit:
                 break
             r = json.loads(line)
@@ -220,7 +221,7 @@ def load_mooncake(spec: TraceSpec, block_tokens: int = 64) -> list[TraceRequest]
                 continue
             if spec.duration_s is not None and ts >= t0 + spec.duration_s * 1000.0:
                 break
-            out.append(_trace_request(len(out), r, ts - t0, spec, int(per), block_tokens))
+            out.append(_trace_request(line_no, r, ts - t0, spec, int(per), block_tokens))
     return out
 
 

@@ -298,21 +298,28 @@ async def test_acknowledged_turns_survive_kill9_of_the_whole_cluster(tmp_path, r
             finals = await run_turns(sched, second, "t1")
         recovery_s = time.monotonic() - t_restart
         stats = await service_stats(cluster.cfg.rpc, state_endpoints(state))
-    hit_blocks = 0
+    hit_blocks = tried_blocks = 0
     for s, final in finals.items():
         assert_finished(final)
         assert final.hit_tokens == next_hit(sessions[s]), (s, final.hit_tokens)
         hit_blocks += final.hit_tokens // spec.block_tokens
-    # the hits were really read from storage, and every byte was checked by the engines
-    assert total(stats, "gateway", "bytes_read") == hit_blocks * spec.full_block_bytes
+        tried_blocks += len(final.attempts) * final.hit_tokens // spec.block_tokens
+    # the hits were really read from storage, and every byte was checked by the engines. A
+    # request re-planned (a process standing still past its lease on the loaded host, as in
+    # ci114) may have read and checked its hit once per attempt: exact without re-plans.
+    read = total(stats, "gateway", "bytes_read")
+    assert hit_blocks * spec.full_block_bytes <= read <= tried_blocks * spec.full_block_bytes
     assert total(stats, "gateway", "checksum_failures") == 0
     assert total(stats, "gateway", "quarantined") == 0
     assert total(stats, "pe_receiver", "hit_shortened") == 0
     assert total(stats, "de_loader", "hit_shortened") == 0
-    assert total(stats, "de_loader", "engine_verified_requests") == len(sessions)
+    tries = sum(len(f.attempts) for f in finals.values())
+    verified = total(stats, "de_loader", "engine_verified_requests")
+    assert len(sessions) == len(finals) <= verified <= tries, (verified, tries)
     assert total(stats, "de_loader", "engine_prompt_mismatches") == 0
     assert total(stats, "pe_receiver", "engine_hit_mismatches") == 0
-    assert total(stats, "pe_receiver", "engine_verified_layers") == len(sessions) * spec.num_layers
+    layers = total(stats, "pe_receiver", "engine_verified_layers")
+    assert len(finals) * spec.num_layers <= layers <= tries * spec.num_layers, (layers, tries)
     reliability.record("durability", "kill -9 of every cluster process after RequestFinished",
                        f"new cluster on the same storage: {len(finals)}/{len(sessions)} next "
                        f"turns hit the acknowledged prefix ({hit_blocks} blocks), every byte "

@@ -27,7 +27,8 @@ from common.errors import (AlreadyExists, Cancelled, DualpathError, InvalidArgum
                            NotFound, PeerFailed, Unavailable, VersionMismatch)
 from common.kv import KVSpec, block_keys_from_tokens
 from common.protocol import (AbandonRequest, ArenaSlot, Assigned, AttachEngine, BlockOpened, ClaimRequest,
-                             CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAttached, EngineOk, EnginePrompt,
+                             CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAlive, EngineAttached, EngineOk,
+                             EnginePrompt,
                              EngineReply, EngineRequest, FailRequest, FinishDecode,
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
                              PutBlock, PutLayer, ReportCounters, RequestFinished,
@@ -96,8 +97,9 @@ SAMPLES = [
     PutLayer("r1", 0, 3), FinishPrefill("r1", 0, 7), TookKV("r1", 0), SecondToken("r1", 0),
     NewBlock("r1", 0, list(range(64))), PutBlock("r1", 0, 2), FinishDecode("r1", 0, [1, 2]),
     FailRequest("r1", 0, "gave up"), AbandonRequest("r1", "refused", 2.0), ReportCounters({"verified_requests": 3.0}),
-    CollectiveBegin(), CollectiveEnd(),
-    EngineAttached("p0", "p0.e0", KVSpec("x", 4, 256), "dualpath-" + "0" * 32, 1 << 20, 60.0),
+    CollectiveBegin(), CollectiveEnd(), EngineAlive(),
+    EngineAttached("p0", "p0.e0", KVSpec("x", 4, 256), "dualpath-" + "0" * 32, 1 << 20, 60.0,
+                   1.0, 15.0),
     Assigned([PrefillAssigned(SAMPLE_PROMPT, 64)],
              [DecodeAssigned(SAMPLE_PROMPT, 64, 5, [SLOT, SLOT])]),
     LayerReady("r1", 2, SLOT, SLOT, SLOT), BlockOpened("r1", 3, "ab" * 16, SLOT), EngineOk("r1"),
@@ -224,6 +226,54 @@ async def test_killed_engine_frees_its_pages_and_a_restarted_one_finishes_the_re
         reliability.record("fault", "kill -9 an engine process holding a prefill request",
                            "pages freed, re-planned, finished by the restarted engine "
                            "(same id, node not restarted)", lost=0, leaked_pages=0)
+
+
+@pytest.mark.reliability
+async def test_a_stopped_engine_is_detached_and_its_request_finishes_on_a_new_one(
+        tmp_path, reliability):
+    """SIGSTOP mid-request: the process lives and its socket stays open, but it says nothing.
+    After ``engine_silence_s`` the node detaches it (its request fails retryable, re-plans
+    once, naming the silence) and closes its connection; a new engine under the same id
+    finishes the request."""
+    ov = sockets(tmp_path)
+    ov["pe_receiver"]["engine_silence_s"] = 3.0
+    async with local_datapath(tmp_path, engines=False, overrides=ov) as c, \
+            SchedulerClient("127.0.0.1", c.scheduler.port) as sched, \
+            contextlib.AsyncExitStack() as stack:
+        pe, spec = c.pe["p0"], c.spec
+        await attach_remote_engines(stack, c.de["d0"], c.cfg)
+        holder = await engine_proc("hold", tmp_path / "p0.sock", "p0.e0", spec)
+        stack.push_async_callback(holder.wait)
+        stack.callback(holder.kill)
+        stack.callback(holder.send_signal, signal.SIGCONT)   # runs first (LIFO)
+        toks = tokens(2 * BT + 30, 3)
+        run = asyncio.ensure_future(sched.run("s1", "ss", len(toks), 3, token_ids=toks,
+                                              deadline_s=60))
+        stack.callback(run.cancel)
+        assert (await asyncio.wait_for(line_starting(holder, b"holding"), 30)).startswith(
+            b"holding s1")
+        first = c.scheduler.core.attempt_base
+        holder.send_signal(signal.SIGSTOP)
+        await until(lambda: pe.engine_api.counters["detaches"] == 1
+                    and not pe.engine_api.sessions, timeout=20.0,
+                    what="the stopped engine detached")
+        stats = pe.engine_api.stats()
+        assert stats["engines_silent"] == 1 and stats["requests_failed_on_detach"] == 1
+        await until(lambda: not any(a.info.attempt == first for a in pe.attempts.values()),
+                    what="the first attempt released")
+        restarted = await engine_proc("prefill", tmp_path / "p0.sock", "p0.e0", spec,
+                                      tmp_path / "pe.npz")
+        ev = await asyncio.wait_for(run, 60)
+        await finished(restarted)
+        assert isinstance(ev, RequestFinished) and ev.attempt == first + 1, ev
+        gone = ev.attempts[0]
+        assert (gone.hop, gone.code) == ("engine", "PEER_FAILED") and "silent for" in \
+            gone.message, gone
+        assert pe.engine_api.stats()["engines_silent"] == 1    # the new engine kept talking
+        await no_leaks(c)
+    reliability.record("fault", "SIGSTOP an engine process holding a prefill request",
+                       "detached after engine_silence_s (3 s), re-planned once, finished by "
+                       "a new engine under the same id", lost=0, leaked_pages=0)
 
 
 async def test_the_vllm_workers_engine_source_attaches_again_once_its_node_dropped_it(tmp_path):

@@ -54,8 +54,8 @@ from common.protocol.engine import (
     ENGINE_API_VERSION, ArenaSlot, EnginePrompt, AttachEngine, EngineAttached, NextRequest,
     ClaimRequest, PrefillAssigned, DecodeAssigned, Assigned, WaitLayer, LayerReady, PutLayer,
     FinishPrefill, TookKV, SecondToken, NewBlock, BlockOpened, PutBlock, FinishDecode,
-    FailRequest, AbandonRequest, EngineOk, EngineRequest, EngineReply, ReportCounters, CollectiveBegin,
-    CollectiveEnd,
+    FailRequest, AbandonRequest, EngineOk, EngineRequest, EngineReply, ReportCounters, EngineAlive,
+    CollectiveBegin, CollectiveEnd,
 )
 
 __all__ = [
@@ -79,5 +79,5 @@ __all__ = [
     "NextRequest", "ClaimRequest", "PrefillAssigned", "DecodeAssigned", "Assigned", "WaitLayer",
     "LayerReady", "PutLayer", "FinishPrefill", "TookKV", "SecondToken", "NewBlock",
     "BlockOpened", "PutBlock", "FinishDecode", "FailRequest", "AbandonRequest", "EngineOk", "EngineRequest",
-    "EngineReply", "ReportCounters", "CollectiveBegin", "CollectiveEnd", "ReadSide",
+    "EngineReply", "ReportCounters", "EngineAlive", "CollectiveBegin", "CollectiveEnd", "ReadSide",
 ]

@@ -33,7 +33,7 @@ from typing import Literal, Union
 from common.kv import KVSpec
 from common.protocol.base import ErrorReply, Message, ReadSide
 
-ENGINE_API_VERSION = 1
+ENGINE_API_VERSION = 2          # 2: EngineAlive, EngineAttached.heartbeat_s / silence_s
 EngineRole = Literal["prefill", "decode"]
 
 
@@ -86,6 +86,10 @@ class EngineAttached(Message, tag="engine.attached", frozen=True):
     arena_name: str
     arena_bytes: int
     max_wait_s: float            # the longest a NextRequest/ClaimRequest/WaitLayer may block
+    # the engine sends EngineAlive every heartbeat_s; after silence_s without a word from it
+    # the node detaches it (a stopped or frozen process). 0: the node watches for neither
+    heartbeat_s: float = 0.0
+    silence_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- getting requests
@@ -237,6 +241,13 @@ class ReportCounters(Message, tag="engine.counters", frozen=True):
     counters: dict[str, float]
 
 
+class EngineAlive(Message, tag="engine.alive", frozen=True):
+    """The engine's process is running (sent every ``EngineAttached.heartbeat_s``; any call
+    counts as well). A node that hears nothing from an attached engine for ``silence_s``
+    detaches it: its requests fail retryable and re-plan elsewhere (docs/engine-api.md,
+    "A silent engine")."""
+
+
 # --------------------------------------------------------------------------- collectives
 
 class CollectiveBegin(Message, tag="engine.collective_begin", frozen=True):
@@ -257,6 +268,6 @@ class EngineOk(Message, tag="engine.ok", frozen=True):
 
 EngineRequest = Union[AttachEngine, NextRequest, ClaimRequest, WaitLayer, PutLayer,
                       FinishPrefill, TookKV, SecondToken, NewBlock, PutBlock, FinishDecode,
-                      FailRequest, AbandonRequest, ReportCounters, CollectiveBegin,
-                      CollectiveEnd]
+                      FailRequest, AbandonRequest, ReportCounters, EngineAlive,
+                      CollectiveBegin, CollectiveEnd]
 EngineReply = Union[EngineAttached, Assigned, LayerReady, BlockOpened, EngineOk, ErrorReply]

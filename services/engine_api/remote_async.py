@@ -16,6 +16,7 @@ node service (``tests/test_engine_ipc.py`` checks ``sys.modules`` in a subproces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +30,8 @@ from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, Pee
 from common.kv import KVSpec
 from common.protocol import (AbandonRequest, ArenaSlot, Assigned, AttachEngine, BlockOpened,
                              ClaimRequest,
-                             CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAttached, EnginePrompt, EngineReply,
+                             CollectiveBegin, CollectiveEnd, DecodeAssigned, EngineAlive, EngineAttached,
+                             EnginePrompt, EngineReply,
                              FailRequest, FinishDecode, FinishPrefill, LayerReady, NewBlock,
                              NextRequest, PrefillAssigned, PutBlock, PutLayer, ReportCounters,
                              SecondToken, TookKV, WaitLayer)
@@ -63,6 +65,12 @@ class EngineClient:
         self._b = attached.kv_spec.kv_bytes_per_token_per_layer
         self.port: RemotePrefillPort | RemoteDecodePort = (
             RemotePrefillPort(self) if role == "prefill" else RemoteDecodePort(self))
+        # the node detaches an engine it has not heard from for attached.silence_s: speak
+        # every heartbeat_s from this loop, whatever the engine's own thread is doing
+        self._heartbeat: asyncio.Task[None] | None = None
+        if attached.heartbeat_s > 0:
+            self._heartbeat = asyncio.get_running_loop().create_task(
+                self._beat(attached.heartbeat_s), name=f"engine-heartbeat-{self.engine_id}")
 
     @classmethod
     async def connect(cls, socket_path: str, *, engine_id: str, role: str, kv_spec: KVSpec,
@@ -103,7 +111,24 @@ class EngineClient:
 
     async def close(self) -> None:
         """Detach: the node fails whatever this engine still holds (retryable)."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
         await self._rpc.close()
+
+    async def _beat(self, every_s: float) -> None:
+        """``EngineAlive`` every ``every_s`` until the connection is gone (the node detached
+        this engine, or it closed); a missed beat is retried at the next one."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.call(EngineAlive(), wait_s=0.0)
+            except PeerFailed:
+                return                          # detached: a new attach brings a new client
+            except DualpathError as e:
+                log.warning("engine_heartbeat_failed", engine=self.engine_id,
+                            node=self.node_id, code=e.code.value, error=e.message)
 
     async def __aenter__(self) -> EngineClient:
         return self

@@ -34,7 +34,8 @@ from common.kv import KVSpec
 from common.protocol import (ENGINE_API_VERSION, AbandonRequest, ArenaSlot, Assigned, AttachEngine,
                              BlockOpened, ClaimRequest, CollectiveBegin, CollectiveEnd,
                              DecodeAssigned, EngineAttached,
-                             EngineOk, EnginePrompt, EngineRequest, FailRequest, FinishDecode,
+                             EngineAlive, EngineOk, EnginePrompt, EngineRequest, FailRequest,
+                             FinishDecode,
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
                              PutBlock, PutLayer, ReportCounters, SecondToken, TookKV,
                              WaitLayer)
@@ -43,6 +44,7 @@ from common.unix_socket import peer_uid
 
 from .decode import DecodeRequest
 from .handles import GeneratedBlock
+from .liveness import SilenceWatch
 from .prefill import PrefillRequest
 from .prompt import PromptInfo
 from .request_queue import release_soon
@@ -75,6 +77,19 @@ class EngineSession:
     def held(self) -> int:
         return len(self.prefill) + len(self.decode)
 
+    def claimed(self, rid: str) -> PrefillRequest | DecodeRequest | None:
+        return self.prefill.get(rid) or self.decode.get(rid)
+
+    def forget(self, rid: str) -> None:
+        """``rid`` is no longer this engine's (either role), nor its generated-block pages."""
+        self.prefill.pop(rid, None)
+        self.forget_decode(rid)
+
+    def forget_decode(self, rid: str) -> None:
+        self.decode.pop(rid, None)
+        for key in [k for k in self.blocks if k[0] == rid]:
+            del self.blocks[key]
+
 
 class EngineApiServer:
     """Serves ``ports`` (engine id → port) of node ``node_id`` on a Unix socket."""
@@ -85,7 +100,7 @@ class EngineApiServer:
                  failure_of: Callable[[str], str | None] = lambda rid: None,
                  abandon: Callable[[str, str, DualpathError, int | None], bool] = (
                      lambda rid, e, err, attempt: False),
-                 allowed_uids: Sequence[int] = ()) -> None:
+                 allowed_uids: Sequence[int] = (), silence_s: float = 0.0) -> None:
         self.node_id, self.role, self.spec = node_id, role, spec
         self.ports = ports
         self.arena = arena
@@ -101,6 +116,10 @@ class EngineApiServer:
         # report of an attachment's end from telemetry older than it by this number)
         self.attach_counts: collections.Counter[str] = collections.Counter()
         self._by_conn: dict[int, EngineSession] = {}
+        # engines not heard from for silence_s are detached (docs/engine-api.md, "A silent
+        # engine"); 0: never
+        self.watch: SilenceWatch[EngineSession] = SilenceWatch(silence_s, self._silent,
+                                                               name=node_id)
         self.counters: collections.Counter[str] = collections.Counter()
         self.reported: dict[str, dict[str, float]] = {}    # engine id → its latest counters
         self.claims_waiting: collections.Counter[str] = collections.Counter()  # id → claims
@@ -122,7 +141,7 @@ class EngineApiServer:
                 SecondToken: self._second_token, NewBlock: self._new_block,
                 PutBlock: self._put_block, FinishDecode: self._finish_decode,
                 FailRequest: self._fail, AbandonRequest: self._abandon,
-                ReportCounters: self._report_counters,
+                ReportCounters: self._report_counters, EngineAlive: self._alive,
                 CollectiveBegin: self._collective_begin, CollectiveEnd: self._collective_end}
 
     async def start(self, path: str) -> None:
@@ -130,10 +149,12 @@ class EngineApiServer:
         # created 0600 and each peer's uid checked: the trust boundary is the uid, as for the
         # arena (common.shm); any process of an allowed uid may attach (docs/security.md)
         await self.rpc.start_unix(path, admit=self._admit)
+        self.watch.start()
         self.path = path
         log.info("engine_api_listening", node=self.node_id, path=path, engines=len(self.ports))
 
     async def stop(self) -> None:
+        await self.watch.stop()
         await self.rpc.stop(grace_s=0.5)
         for sess in list(self.sessions.values()):
             await self._detach(sess, "node service stopping")
@@ -152,6 +173,7 @@ class EngineApiServer:
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counters.items()}
+        out.update({k: float(v) for k, v in self.watch.counters.items()})
         out["engines_attached"] = float(len(self.sessions))
         out["requests_held"] = float(sum(s.held for s in self.sessions.values()))
         return out
@@ -198,11 +220,13 @@ class EngineApiServer:
                              self.attach_counts[msg.engine_id])
         self.sessions[msg.engine_id] = sess
         self._by_conn[ctx.conn_id] = sess
+        self.watch.heard(sess)
         self.counters["attaches"] += 1
         log.info("engine_attached", node=self.node_id, engine=msg.engine_id,
                  replaced=old is not None)
         return EngineAttached(self.node_id, msg.engine_id, self.spec, self.arena_name or "",
-                              int(self.arena.nbytes), MAX_WAIT_S)
+                              int(self.arena.nbytes), MAX_WAIT_S, self.watch.heartbeat_s,
+                              self.watch.silence_s)
 
     def _check_attach(self, msg: AttachEngine, ctx: CallContext) -> None:
         if ctx.conn_id in self._by_conn:
@@ -246,6 +270,7 @@ class EngineApiServer:
         if sess.closed:
             return
         sess.closed = True
+        self.watch.forget(sess)
         self._by_conn.pop(sess.conn.conn_id, None)
         if self.sessions.get(sess.engine_id) is sess:
             del self.sessions[sess.engine_id]
@@ -268,7 +293,23 @@ class EngineApiServer:
         sess = self._by_conn.get(ctx.conn_id)
         if sess is None or sess.closed:
             raise InvalidArgument("attach first (AttachEngine) — this connection is no engine")
+        self.watch.heard(sess)
         return sess
+
+    async def _alive(self, msg: EngineAlive, ctx: CallContext) -> EngineOk:
+        self._session(ctx)
+        return EngineOk()
+
+    async def _silent(self, sess: EngineSession, silent_s: float) -> None:
+        """Nothing from ``sess`` for ``silence_s``: its process stopped without dying. Detach
+        it (its requests re-plan) and close its connection: if it runs again, its calls fail
+        and it attaches anew, like an engine whose node restarted."""
+        log.warning("engine_silent", node=self.node_id, engine=sess.engine_id,
+                    silent_s=round(silent_s, 3), silence_s=self.watch.silence_s,
+                    requests_held=sess.held)
+        await self._detach(sess, f"silent for {silent_s:.1f} s (its process stopped or froze; "
+                                 f"silence_s={self.watch.silence_s:g})")
+        sess.conn.sender.abort(f"engine {sess.engine_id} was silent for {silent_s:.1f} s")
 
     def _open_port(self, sess: EngineSession) -> Any:
         port = self.ports[sess.engine_id]
@@ -304,11 +345,11 @@ class EngineApiServer:
         sess = self._session(ctx)
         timeout = _timeout(msg.timeout_s)
         rid = msg.request_id
-        held = self._claimed(sess, rid)
+        held = sess.claimed(rid)
         if held is not None and _gone(held):
             # the node ended that attempt (a re-plan, the drop after a scheduler restart): its
             # engine request learns it on its next call; a claim of the new one goes on
-            self._forget(sess, rid)
+            sess.forget(rid)
         elif held is not None and (msg.attempt is None or held.info.attempt == msg.attempt):
             raise InvalidArgument(f"request {rid!r} is already claimed by {sess.engine_id}")
         port = self._open_port(sess)
@@ -365,9 +406,9 @@ class EngineApiServer:
         out = Assigned()
         for item in items:
             self.counters["requests_handed"] += 1
-            old = self._claimed(sess, item.request_id)
+            old = sess.claimed(item.request_id)
             if old is not None:
-                self._forget(sess, item.request_id)
+                sess.forget(item.request_id)
                 if not _gone(old):
                     self.counters["claims_superseding"] += 1
                     release_soon(old.fail(PeerFailed(
@@ -446,7 +487,7 @@ class EngineApiServer:
 
     async def _finish_decode(self, msg: FinishDecode, ctx: CallContext) -> EngineOk:
         req = self._held_decode(ctx, msg.request_id, msg.attempt)
-        self._forget_decode(self._session(ctx), msg.request_id)
+        self._session(ctx).forget_decode(msg.request_id)
         await req.finish(msg.output_token_ids)
         self.counters["decodes_finished"] += 1
         return EngineOk(msg.request_id)
@@ -454,19 +495,6 @@ class EngineApiServer:
     def _held_decode(self, ctx: CallContext, rid: str, attempt: int) -> DecodeRequest:
         req: DecodeRequest = self._held(ctx, rid, attempt, "decode")
         return req
-
-    def _forget_decode(self, sess: EngineSession, rid: str) -> None:
-        sess.decode.pop(rid, None)
-        for key in [k for k in sess.blocks if k[0] == rid]:
-            del sess.blocks[key]
-
-    @staticmethod
-    def _claimed(sess: EngineSession, rid: str) -> PrefillRequest | DecodeRequest | None:
-        return sess.prefill.get(rid) or sess.decode.get(rid)
-
-    def _forget(self, sess: EngineSession, rid: str) -> None:
-        sess.prefill.pop(rid, None)
-        self._forget_decode(sess, rid)
 
     # ------------------------------------------------------------------ both
     async def _fail(self, msg: FailRequest, ctx: CallContext) -> EngineOk:
@@ -479,7 +507,7 @@ class EngineApiServer:
             await h.fail(err)
         else:
             req = self._held_decode(ctx, msg.request_id, msg.attempt)
-            self._forget_decode(sess, msg.request_id)
+            sess.forget_decode(msg.request_id)
             await req.fail(err)
         self.counters["requests_failed_by_engine"] += 1
         return EngineOk(msg.request_id)
@@ -494,11 +522,11 @@ class EngineApiServer:
         rid = msg.request_id
         err = PeerFailed(f"engine {sess.engine_id} gave {rid!r} up before claiming it: "
                          f"{msg.reason[:300] or 'no reason given'}")
-        held = self._claimed(sess, rid)
+        held = sess.claimed(rid)
         if held is not None and (msg.attempt is None or held.info.attempt == msg.attempt):
             # claimed, but the engine never saw the answer (its claim's deadline passed on
             # the way back): it computes alone, so nothing may wait for it
-            self._forget(sess, rid)
+            sess.forget(rid)
             await held.fail(err)
             return self._abandoned(sess, rid, "claimed")
         port = self._open_port(sess)

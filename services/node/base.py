@@ -156,7 +156,8 @@ class NodeBase(Service):
             self.cfg.rpc, node_id=self.node_id, role=self.role, spec=self.spec,
             ports=self.ports, arena=self.pool.arena, arena_name=shm.name if shm else None,
             owner_of=self._engine_of, failure_of=self._failure_of, abandon=self._abandon,
-            allowed_uids=self.settings.engine_socket_uids)
+            allowed_uids=self.settings.engine_socket_uids,
+            silence_s=self.settings.engine_silence_s)
         await self.engine_api.start(path)
 
     def _forget(self, key: tuple[str, int], attempt: object) -> None:

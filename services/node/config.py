@@ -7,7 +7,7 @@ section modules.
 
 from __future__ import annotations
 
-from common.config import Device, NonNegInt, PositiveFloat, PositiveInt, Section
+from common.config import Device, FiniteNonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Section
 
 KiB, MiB, GiB = 1024, 1024 * 1024, 1024 * 1024 * 1024
 
@@ -37,6 +37,8 @@ class NodeServiceConfig(Section):
     engine_socket_uids: tuple[int, ...] = ()
                                                     # uids allowed to attach (SO_PEERCRED);
                                                     # (): this service's own uid only
+    engine_silence_s: FiniteNonNegFloat = 15.0      # detach an attached engine not heard from
+                                                    # this long (stopped/frozen); 0: never
     finished_keep_s: PositiveFloat = 120.0          # results kept for a restarted scheduler
 
     @property

@@ -37,6 +37,7 @@ from common.protocol import (AbandonRequest, ArenaSlot, Assigned, AttachEngine, 
 from common.rpc import check_handler_coverage
 import services.engine_api.server
 from services.engine_api.prompt import next_block_key
+from services.engine_api.liveness import StepClock
 from services.engine_api.remote import EngineClient
 from services.scheduler.client.client import SchedulerClient
 from tests.helpers import until
@@ -276,6 +277,65 @@ async def test_a_stopped_engine_is_detached_and_its_request_finishes_on_a_new_on
                        "a new engine under the same id", lost=0, leaked_pages=0)
 
 
+@pytest.mark.reliability
+async def test_a_stuck_engine_leaves_service_and_returns_once_its_step_ends(
+        tmp_path, reliability):
+    """The engine's process runs and beats, but its step does not end (a hung kernel): past
+    ``engine_stuck_s`` the node fails what it held (re-planned once, naming the stuck step)
+    and reports it not attached, so nothing is placed on it and its own calls for work are
+    refused; once a beat shows the step ended it is attached again under a new attachment
+    number, gets the re-planned request and finishes it."""
+    ov = sockets(tmp_path)
+    ov["pe_receiver"]["engine_stuck_s"] = 1.0
+    async with local_datapath(tmp_path, engines=False, overrides=ov) as c, \
+            SchedulerClient("127.0.0.1", c.scheduler.port) as sched, \
+            contextlib.AsyncExitStack() as stack:
+        spec, api = c.spec, c.pe["p0"].engine_api
+        await attach_remote_engines(stack, c.de["d0"], c.cfg)
+        steps = StepClock()
+        eng = await EngineClient.connect(str(tmp_path / "p0.sock"), engine_id="p0.e0",
+                                         role="prefill", kv_spec=spec, steps=steps)
+        stack.push_async_callback(eng.close)
+        toks = tokens(2 * BT + 30, 3)
+        run = asyncio.ensure_future(sched.run("st1", "sst", len(toks), 3, token_ids=toks,
+                                              deadline_s=60))
+        stack.callback(run.cancel)
+        held = await eng.next_prefill(30.0)
+        assert held is not None and held.request_id == "st1"
+        first = held.info.attempt
+        steps.began()                                   # the step that does not end
+        await until(lambda: api.counters["engines_stuck"] == 1 and "p0.e0" not in api.sessions,
+                    timeout=20.0, what="the stuck engine out of service")
+        assert api.counters["requests_failed_on_detach"] == 1
+        await until(lambda: "p0.e0" not in {r.engine_id for r in
+                                            c.scheduler.core.engine_reports()},
+                    what="the scheduler took the stuck engine out of placement")
+        with pytest.raises(Unavailable, match="out of service"):
+            await eng.next_prefill(0.0)
+        steps.ended()                                   # the step ended: back in service
+        await until(lambda: "p0.e0" in api.sessions, timeout=20.0, what="attached again")
+        assert api.attach_counts["p0.e0"] == 2 and api.counters["engines_unstuck"] == 1
+        h = await eng.next_prefill(30.0)
+        assert h is not None and (h.request_id, h.info.attempt) == ("st1", first + 1)
+        info = h.info
+        for layer in range(spec.num_layers):
+            await h.layer(layer, 10.0)
+            fill_tokens(h.output(layer), spec, info.block_keys, info.tail_key, layer,
+                        h.hit_tokens, info.prompt_tokens)
+            await h.put_layer(layer)
+        await h.finish(11)
+        ev = await asyncio.wait_for(run, 60)
+        assert isinstance(ev, RequestFinished) and ev.attempt == first + 1, ev
+        gone = ev.attempts[0]
+        assert (gone.hop, gone.code) == ("engine", "PEER_FAILED") and "stuck" in \
+            gone.message, gone
+        await no_leaks(c)
+    reliability.record("fault", "an engine whose step never ends (process alive, beating)",
+                       "out of service after engine_stuck_s (1 s): request re-planned once, "
+                       "engine back under a new attachment once its step ended, finished",
+                       lost=0, leaked_pages=0)
+
+
 async def test_the_vllm_workers_engine_source_attaches_again_once_its_node_dropped_it(tmp_path):
     """A node reports an engine with nothing attached as such, and the scheduler places
     nothing on it: so the vLLM worker's engine source re-attaches by itself (once a second)
@@ -398,6 +458,10 @@ async def test_bad_calls_get_typed_errors_and_leave_the_node_serving(tmp_path, r
             await eng.call(WaitLayer("nobody", 0, 0, 0.1), 0.1)
         with pytest.raises(InvalidArgument):                       # bad timeout
             await eng.call(NextRequest(float("nan"), 1))
+        for busy in (float("nan"), float("inf"), -1.0):           # a beat's bad step age
+            with pytest.raises(InvalidArgument, match="busy_s"):
+                await eng.call(EngineAlive(busy))
+        assert "p0.e0" in pe.engine_api.sessions                   # still attached
         claim = asyncio.ensure_future(eng.claim_prefill("b1", 10.0))   # before the plan
         await until(lambda: "b1" in pe.engine_api.claims_waiting, what="b1's claim waiting")
         pe.submit_plan(plan(c, "b1", tokens(BT + 9, 4), 0, "none"))

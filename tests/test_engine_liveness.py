@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.engine_api.liveness import HEARTBEAT_MAX_S, SilenceWatch, heartbeat_interval
-from tests.helpers import until
+from services.engine_api.liveness import HEARTBEAT_MAX_S, SilenceWatch, StepClock, heartbeat_interval
+from tests.helpers import poll, until
 
 
 def test_the_heartbeat_spans_several_beats_per_silence():
@@ -71,3 +71,14 @@ async def test_a_watch_with_no_silence_never_runs():
     watch.heard("e0")
     assert not watch.enabled and watch.heartbeat_s == 0.0 and watch._task is None
     await watch.stop()
+
+
+def test_the_step_clock_says_how_long_the_current_step_has_run():
+    clock = StepClock()
+    assert clock.busy_s() == 0.0                 # not in a step
+    clock.began()
+    t = time.monotonic()
+    assert poll(lambda: clock.busy_s() >= 0.01, 5.0)
+    assert 0.01 <= clock.busy_s() <= time.monotonic() - t + 0.01
+    clock.ended()
+    assert clock.busy_s() == 0.0

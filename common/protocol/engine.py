@@ -245,7 +245,14 @@ class EngineAlive(Message, tag="engine.alive", frozen=True):
     """The engine's process is running (sent every ``EngineAttached.heartbeat_s``; any call
     counts as well). A node that hears nothing from an attached engine for ``silence_s``
     detaches it: its requests fail retryable and re-plan elsewhere (docs/engine-api.md,
-    "A silent engine")."""
+    "A silent engine").
+
+    ``busy_s``: how long the engine's current step has run (0: not in a step, or the engine
+    does not report its steps). Past the node's ``engine_stuck_s`` the engine is stuck: its
+    requests fail, it leaves placement, and it returns once a beat reports it out of that
+    step ("A stuck engine")."""
+
+    busy_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- collectives

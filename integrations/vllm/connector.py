@@ -144,6 +144,10 @@ class DualPathConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.step_began()       # a step's first connector call, forward or not
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start(forward_context)
 

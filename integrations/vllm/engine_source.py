@@ -28,6 +28,7 @@ from common.errors import (DualpathError, InvalidArgument, NotFound,
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
 from services.engine_api.blocking import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
+from services.engine_api.liveness import StepClock
 
 from integrations.vllm.sessions import ClaimStopped
 
@@ -53,6 +54,9 @@ class EngineSource:
         self._lock = threading.Lock()
         self._keeper: threading.Thread | None = None
         self._stop_keeping = threading.Event()
+        # the worker marks vLLM's steps here; every client's heartbeat reports the current
+        # one, so the node sees a step that never ends (docs/engine-api.md, "A stuck engine")
+        self.steps = StepClock()
 
     @property
     def spec(self) -> KVSpec:
@@ -67,7 +71,7 @@ class EngineSource:
     def _connect(self) -> SyncEngineClient:
         return SyncEngineClient.connect(self._socket, engine_id=self._engine_id,
                                         role=self._role, kv_spec=self._spec,
-                                        timeout_s=self._timeout_s)
+                                        timeout_s=self._timeout_s, steps=self.steps)
 
     def keep_attached(self) -> None:
         """Attach now, and from then on again whenever the node's connection is lost.

@@ -41,6 +41,7 @@ from integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta, Fin
 from integrations.vllm.off_step import LayoutRefused, OffStep, Sessions, refuse_unverified
 from integrations.vllm.sessions import KVSource
 from services.engine_api.blocking import SyncPrefillHandle
+from services.engine_api.liveness import StepClock
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,6 +80,8 @@ class WorkerHalf:
         self._pool: ThreadPoolExecutor | None = None
         self._notices: ThreadPoolExecutor | None = None
         self.counters = ConnectorCounters()     # read by the connector's get_kv_connector_stats
+        # vLLM's steps, as the node's engine socket sees them (an engine source has one)
+        self._steps: StepClock | None = getattr(source, "steps", None)
 
     # ------------------------------------------------------------------ caches
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -309,8 +312,22 @@ class WorkerHalf:
                               torch.from_numpy(page[layer]))
 
     # ------------------------------------------------------------------ reporting
+    def step_began(self) -> None:
+        """vLLM bound this step's metadata: a step (forward or not) runs until its
+        :meth:`transfer_results`."""
+        if self._steps is not None:
+            self._steps.began()
+
     def transfer_results(self) -> tuple[set[str], set[str], set[str], DualPathWorkerMeta | None]:
-        """Finished sessions, loads ended, loads failed, claims answered — once each."""
+        """Finished sessions, loads ended, loads failed, claims answered — once each; the
+        step's last connector call."""
+        try:
+            return self._transfer_results()
+        finally:
+            if self._steps is not None:
+                self._steps.ended()
+
+    def _transfer_results(self) -> tuple[set[str], set[str], set[str], DualPathWorkerMeta | None]:
         assert self._off is not None
         if self._idle:
             self._off.wait_idle(IDLE_WAIT_S)

@@ -27,6 +27,7 @@ from common.kv import KVSpec
 from common.portal import Portal, PortalStopped
 
 from .handles import DecodeHandle, PrefillHandle
+from .liveness import StepClock
 from .remote_async import CALL_MARGIN_S, EngineClient
 
 T = TypeVar("T")
@@ -85,13 +86,15 @@ class SyncEngineClient(Blocking[EngineClient]):
 
     @classmethod
     def connect(cls, socket_path: str, *, engine_id: str, role: str, kv_spec: KVSpec,
-                timeout_s: float = 10.0, replace: bool = False) -> SyncEngineClient:
-        """Attach as ``engine_id``; the typed errors of :meth:`EngineClient.connect`."""
+                timeout_s: float = 10.0, replace: bool = False,
+                steps: StepClock | None = None) -> SyncEngineClient:
+        """Attach as ``engine_id``; the typed errors of :meth:`EngineClient.connect`.
+        ``steps``: where the engine marks its steps (its heartbeat reports the current one)."""
         portal = Portal(f"dualpath-engine-{engine_id}")
         try:
             client = portal.call(EngineClient.connect(
                 socket_path, engine_id=engine_id, role=role, kv_spec=kv_spec,
-                timeout_s=timeout_s, replace=replace), timeout_s + CALL_MARGIN_S)
+                timeout_s=timeout_s, replace=replace, steps=steps), timeout_s + CALL_MARGIN_S)
         except BaseException:
             portal.stop()
             raise

@@ -8,8 +8,11 @@ waited for their deadline and the scheduler kept placing on it. The engine's cli
 in vLLM), and any call counts too; an engine the node has not heard from for ``silence_s`` is
 handed to ``on_silent`` (the server detaches it: requests fail retryable and re-plan).
 
-What this does not see: an engine whose process runs but whose step is stuck (a hung GPU kernel
-with the heartbeat thread alive). Its requests end at their deadline, as before.
+An engine whose process runs but whose step does not end (a hung GPU kernel, a deadlocked
+collective, while its client's thread still beats) is seen another way: the engine marks its
+steps on a :class:`StepClock`, each beat carries how long the current step has run
+(``EngineAlive.busy_s``), and the server takes an engine past ``engine_stuck_s`` out of
+service until a beat shows it out of that step (docs/engine-api.md, "A stuck engine").
 
 The node's own loop may stand still too (a loaded host): heartbeats then wait unread in the
 socket, and judging silence right after would detach every engine. A tick that comes late by
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -31,6 +35,26 @@ log = structlog.get_logger(__name__)
 K = TypeVar("K")
 
 HEARTBEAT_MAX_S = 1.0      # an engine's heartbeat interval: silence_s / 5, at most this
+
+
+class StepClock:
+    """When the engine's current step began (None: not in a step). The engine's own thread
+    marks its steps; its client's heartbeat, on another thread, reads ``busy_s()`` (a float
+    or None stored in one attribute: atomic under the GIL, no lock on the step's path)."""
+
+    def __init__(self) -> None:
+        self._began: float | None = None
+
+    def began(self) -> None:
+        self._began = time.monotonic()
+
+    def ended(self) -> None:
+        self._began = None
+
+    def busy_s(self) -> float:
+        """How long the current step has run; 0 when the engine is not in a step."""
+        began = self._began
+        return 0.0 if began is None else max(time.monotonic() - began, 0.0)
 
 
 def heartbeat_interval(silence_s: float) -> float:

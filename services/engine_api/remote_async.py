@@ -39,6 +39,7 @@ from common.rpc_client import RpcClient
 from common.shm import ShmMappings, ShmUnavailable
 
 from .handles import GeneratedBlock
+from .liveness import StepClock
 from .prompt import PromptInfo
 
 log = structlog.get_logger(__name__)
@@ -52,7 +53,7 @@ class EngineClient:
     """One engine's attachment to its node (``await EngineClient.connect(...)``)."""
 
     def __init__(self, rpc: RpcClient, attached: EngineAttached, role: str,
-                 arena: np.ndarray) -> None:
+                 arena: np.ndarray, steps: StepClock | None = None) -> None:
         self._rpc = rpc
         self._peer = rpc.peer
         self.attached = attached
@@ -66,7 +67,9 @@ class EngineClient:
         self.port: RemotePrefillPort | RemoteDecodePort = (
             RemotePrefillPort(self) if role == "prefill" else RemoteDecodePort(self))
         # the node detaches an engine it has not heard from for attached.silence_s: speak
-        # every heartbeat_s from this loop, whatever the engine's own thread is doing
+        # every heartbeat_s from this loop, whatever the engine's own thread is doing, and
+        # say how long the engine's current step has run (the engine marks them on steps)
+        self.steps = steps or StepClock()
         self._heartbeat: asyncio.Task[None] | None = None
         if attached.heartbeat_s > 0:
             self._heartbeat = asyncio.get_running_loop().create_task(
@@ -75,7 +78,8 @@ class EngineClient:
     @classmethod
     async def connect(cls, socket_path: str, *, engine_id: str, role: str, kv_spec: KVSpec,
                       timeout_s: float = 10.0, replace: bool = False,
-                      rpc: RpcConfig | None = None) -> EngineClient:
+                      rpc: RpcConfig | None = None,
+                      steps: StepClock | None = None) -> EngineClient:
         """Connect, attach as ``engine_id`` and map the node's arena.
 
         Typed errors: Unavailable (no node there), KVSpecMismatch (naming both specs),
@@ -101,7 +105,7 @@ class EngineClient:
             raise
         log.info("engine_attached_to_node", engine=engine_id, node=attached.node_id,
                  arena_bytes=attached.arena_bytes)
-        return cls(client, attached, role, arena)
+        return cls(client, attached, role, arena, steps)
 
     @property
     def connected(self) -> bool:
@@ -123,7 +127,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(every_s)
             try:
-                await self.call(EngineAlive(), wait_s=0.0)
+                await self.call(EngineAlive(self.steps.busy_s()), wait_s=0.0)
             except PeerFailed:
                 return                          # detached: a new attach brings a new client
             except DualpathError as e:

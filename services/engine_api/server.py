@@ -10,7 +10,8 @@ views become :class:`~common.protocol.ArenaSlot` s of the node's ``/dev/shm`` ar
 maps it once), handles are held per session, and a session that ends — engine exit, kill -9,
 a replacing attach — fails every request it held as retryable (``PeerFailed``), which frees
 their pages and lets the scheduler re-plan them, and ends the collectives it had begun (the
-node's KV cap is released).
+node's KV cap is released). Who is attached, and how an engine leaves (including going silent
+or stuck), is :class:`~.sessions.EngineSessions`'.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ import collections
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import structlog
 
 from common.config import RpcConfig
-from common.errors import (AlreadyExists, Cancelled, DualpathError, EngineDetached, InternalError,
+from common.errors import (AlreadyExists, Cancelled, DualpathError, InternalError,
                            InvalidArgument, KVSpecMismatch, NotFound, PeerFailed, Unavailable,
                            VersionMismatch)
 from common.kv import KVSpec
@@ -39,15 +39,14 @@ from common.protocol import (ENGINE_API_VERSION, AbandonRequest, ArenaSlot, Assi
                              FinishPrefill, LayerReady, NewBlock, NextRequest, PrefillAssigned,
                              PutBlock, PutLayer, ReportCounters, SecondToken, TookKV,
                              WaitLayer)
-from common.rpc import CallContext, RpcServer, ServerConnection
+from common.rpc import CallContext, RpcServer
 from common.unix_socket import peer_uid
 
 from .decode import DecodeRequest
-from .handles import GeneratedBlock
-from .liveness import SilenceWatch
 from .prefill import PrefillRequest
 from .prompt import PromptInfo
 from .request_queue import release_soon
+from .sessions import EngineSession, EngineSessions
 
 log = structlog.get_logger(__name__)
 
@@ -60,37 +59,6 @@ CLAIM_RECHECK_S = 0.25     # a waiting claim re-checks whether another engine go
 UNKNOWN_GRACE_S = 30.0
 
 
-@dataclass(eq=False)
-class EngineSession:
-    """One attached engine: the requests and generated-block pages it holds."""
-
-    conn: ServerConnection
-    engine_id: str
-    role: str
-    attach_no: int                  # the engine's how-manieth attach to this node process
-    prefill: dict[str, PrefillRequest] = field(default_factory=dict)
-    decode: dict[str, DecodeRequest] = field(default_factory=dict)
-    blocks: dict[tuple[str, int], GeneratedBlock] = field(default_factory=dict)
-    closed: bool = False
-
-    @property
-    def held(self) -> int:
-        return len(self.prefill) + len(self.decode)
-
-    def claimed(self, rid: str) -> PrefillRequest | DecodeRequest | None:
-        return self.prefill.get(rid) or self.decode.get(rid)
-
-    def forget(self, rid: str) -> None:
-        """``rid`` is no longer this engine's (either role), nor its generated-block pages."""
-        self.prefill.pop(rid, None)
-        self.forget_decode(rid)
-
-    def forget_decode(self, rid: str) -> None:
-        self.decode.pop(rid, None)
-        for key in [k for k in self.blocks if k[0] == rid]:
-            del self.blocks[key]
-
-
 class EngineApiServer:
     """Serves ``ports`` (engine id → port) of node ``node_id`` on a Unix socket."""
 
@@ -100,7 +68,8 @@ class EngineApiServer:
                  failure_of: Callable[[str], str | None] = lambda rid: None,
                  abandon: Callable[[str, str, DualpathError, int | None], bool] = (
                      lambda rid, e, err, attempt: False),
-                 allowed_uids: Sequence[int] = (), silence_s: float = 0.0) -> None:
+                 allowed_uids: Sequence[int] = (), silence_s: float = 0.0,
+                 stuck_s: float = 0.0) -> None:
         self.node_id, self.role, self.spec = node_id, role, spec
         self.ports = ports
         self.arena = arena
@@ -111,21 +80,17 @@ class EngineApiServer:
         # (request id, engine id, error, attempt or None) -> the node failed that engine's live
         # attempt of it
         self.abandon = abandon
-        self.sessions: dict[str, EngineSession] = {}        # engine id → session
-        # engine id → how many times it attached to this node process (the scheduler tells a
-        # report of an attachment's end from telemetry older than it by this number)
-        self.attach_counts: collections.Counter[str] = collections.Counter()
-        self._by_conn: dict[int, EngineSession] = {}
-        # engines not heard from for silence_s are detached (docs/engine-api.md, "A silent
-        # engine"); 0: never
-        self.watch: SilenceWatch[EngineSession] = SilenceWatch(silence_s, self._silent,
-                                                               name=node_id)
         self.counters: collections.Counter[str] = collections.Counter()
+        # who is attached, under which attachment number; silent and stuck engines leave
+        self.engines = EngineSessions(node_id, ports, self.counters, silence_s=silence_s,
+                                      stuck_s=stuck_s)
+        self.sessions = self.engines.sessions              # engine id → attached session
+        self.attach_counts = self.engines.attach_counts    # engine id → attachments so far
         self.reported: dict[str, dict[str, float]] = {}    # engine id → its latest counters
         self.claims_waiting: collections.Counter[str] = collections.Counter()  # id → claims
         self.rpc = RpcServer(rpc_cfg, service=f"engine_api:{node_id}", node_id=node_id,
                              handlers=self.handlers(), request_type=EngineRequest,
-                             on_disconnect=self._on_disconnect,
+                             on_disconnect=self.engines.on_disconnect,
                              # an engine's give-ups are notices: its own timeout (a stalled
                              # host) must not cancel them, or the attempt waits for nobody
                              # until the request's deadline (docs/engine-api.md)
@@ -149,15 +114,15 @@ class EngineApiServer:
         # created 0600 and each peer's uid checked: the trust boundary is the uid, as for the
         # arena (common.shm); any process of an allowed uid may attach (docs/security.md)
         await self.rpc.start_unix(path, admit=self._admit)
-        self.watch.start()
+        self.engines.watch.start()
         self.path = path
         log.info("engine_api_listening", node=self.node_id, path=path, engines=len(self.ports))
 
     async def stop(self) -> None:
-        await self.watch.stop()
+        await self.engines.watch.stop()
         await self.rpc.stop(grace_s=0.5)
         for sess in list(self.sessions.values()):
-            await self._detach(sess, "node service stopping")
+            await self.engines.detach(sess, "node service stopping")
 
     def _admit(self, sock: Any) -> bool:
         uid = peer_uid(sock)
@@ -173,7 +138,7 @@ class EngineApiServer:
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counters.items()}
-        out.update({k: float(v) for k, v in self.watch.counters.items()})
+        out.update({k: float(v) for k, v in self.engines.watch.counters.items()})
         out["engines_attached"] = float(len(self.sessions))
         out["requests_held"] = float(sum(s.held for s in self.sessions.values()))
         return out
@@ -186,18 +151,18 @@ class EngineApiServer:
         return dict(total)
 
     async def _report_counters(self, msg: ReportCounters, ctx: CallContext) -> EngineOk:
-        sess = self._session(ctx)
+        sess = self.engines.of(ctx)
         if len(msg.counters) > 256:
             raise InvalidArgument(f"{len(msg.counters)} counters reported, at most 256")
         self.reported[sess.engine_id] = {k[:64]: float(v) for k, v in msg.counters.items()}
         return EngineOk()
 
     async def _collective_begin(self, msg: CollectiveBegin, ctx: CallContext) -> EngineOk:
-        await self._open_port(self._session(ctx)).collective_begin()
+        await self._open_port(self.engines.of(ctx)).collective_begin()
         return EngineOk()
 
     async def _collective_end(self, msg: CollectiveEnd, ctx: CallContext) -> EngineOk:
-        await self.ports[self._session(ctx).engine_id].collective_end()
+        await self.ports[self.engines.of(ctx).engine_id].collective_end()
         return EngineOk()
 
     # ------------------------------------------------------------------ attach / detach
@@ -211,27 +176,22 @@ class EngineApiServer:
             raise
         old = self.sessions.get(msg.engine_id)
         if old is not None:
-            await self._detach(old, f"replaced by a new attach of {msg.engine_id}")
+            await self.engines.detach(old, f"replaced by a new attach of {msg.engine_id}")
             old.conn.sender.abort(f"engine {msg.engine_id} was attached again (replace)")
             if msg.engine_id in self.sessions or ctx.conn.closed:    # raced while detaching
                 raise AlreadyExists(f"engine {msg.engine_id} was attached meanwhile")
-        self.attach_counts[msg.engine_id] += 1
-        sess = EngineSession(ctx.conn, msg.engine_id, msg.role,
-                             self.attach_counts[msg.engine_id])
-        self.sessions[msg.engine_id] = sess
-        self._by_conn[ctx.conn_id] = sess
-        self.watch.heard(sess)
+        self.engines.add(ctx.conn, msg.engine_id, msg.role)
         self.counters["attaches"] += 1
         log.info("engine_attached", node=self.node_id, engine=msg.engine_id,
                  replaced=old is not None)
         return EngineAttached(self.node_id, msg.engine_id, self.spec, self.arena_name or "",
-                              int(self.arena.nbytes), MAX_WAIT_S, self.watch.heartbeat_s,
-                              self.watch.silence_s)
+                              int(self.arena.nbytes), MAX_WAIT_S,
+                              self.engines.watch.heartbeat_s, self.engines.watch.silence_s)
 
     def _check_attach(self, msg: AttachEngine, ctx: CallContext) -> None:
-        if ctx.conn_id in self._by_conn:
+        if (bound := self.engines.bound(ctx.conn_id)) is not None:
             raise InvalidArgument(f"this connection is already attached as "
-                                  f"{self._by_conn[ctx.conn_id].engine_id}")
+                                  f"{bound.engine_id}")
         if msg.api_version != ENGINE_API_VERSION:
             raise VersionMismatch(f"engine speaks engine API v{msg.api_version}, node "
                                   f"{self.node_id} speaks v{ENGINE_API_VERSION}; deploy "
@@ -254,64 +214,14 @@ class EngineApiServer:
             raise AlreadyExists(f"engine {msg.engine_id} is already attached on "
                                 f"{self.node_id}; attach with replace=True to take it over")
 
-    async def _on_disconnect(self, conn: ServerConnection) -> None:
-        sess = self._by_conn.get(conn.conn_id)
-        if sess is not None:
-            await self._detach(sess, "engine disconnected")
-
-    @staticmethod
-    def _detached(sess: EngineSession, message: str) -> EngineDetached:
-        """What each request ``sess`` held fails with: a PEER_FAILED that names the ended
-        attachment, so the node's report takes the engine out of placement first."""
-        return EngineDetached(message, engine_id=sess.engine_id, attach_no=sess.attach_no)
-
-    async def _detach(self, sess: EngineSession, reason: str) -> None:
-        """Fail every request ``sess`` holds (retryable: the scheduler re-plans them)."""
-        if sess.closed:
-            return
-        sess.closed = True
-        self.watch.forget(sess)
-        self._by_conn.pop(sess.conn.conn_id, None)
-        if self.sessions.get(sess.engine_id) is sess:
-            del self.sessions[sess.engine_id]
-        err = f"engine {sess.engine_id} on {self.node_id}: {reason}"
-        held = sess.held
-        for h in list(sess.prefill.values()):
-            await h.fail(self._detached(sess, err))
-        for req in list(sess.decode.values()):
-            await req.fail(self._detached(sess, err))
-        sess.prefill.clear()
-        sess.decode.clear()
-        sess.blocks.clear()
-        self.ports[sess.engine_id].collectives.end_all(sess.engine_id, reason)
-        self.counters["detaches"] += 1
-        self.counters["requests_failed_on_detach"] += held
-        log.info("engine_detached", node=self.node_id, engine=sess.engine_id, reason=reason,
-                 requests_failed=held)
-
-    def _session(self, ctx: CallContext) -> EngineSession:
-        sess = self._by_conn.get(ctx.conn_id)
-        if sess is None or sess.closed:
-            raise InvalidArgument("attach first (AttachEngine) — this connection is no engine")
-        self.watch.heard(sess)
-        return sess
-
     async def _alive(self, msg: EngineAlive, ctx: CallContext) -> EngineOk:
-        self._session(ctx)
+        await self.engines.beat(self.engines.of(ctx), msg.busy_s)
         return EngineOk()
 
-    async def _silent(self, sess: EngineSession, silent_s: float) -> None:
-        """Nothing from ``sess`` for ``silence_s``: its process stopped without dying. Detach
-        it (its requests re-plan) and close its connection: if it runs again, its calls fail
-        and it attaches anew, like an engine whose node restarted."""
-        log.warning("engine_silent", node=self.node_id, engine=sess.engine_id,
-                    silent_s=round(silent_s, 3), silence_s=self.watch.silence_s,
-                    requests_held=sess.held)
-        await self._detach(sess, f"silent for {silent_s:.1f} s (its process stopped or froze; "
-                                 f"silence_s={self.watch.silence_s:g})")
-        sess.conn.sender.abort(f"engine {sess.engine_id} was silent for {silent_s:.1f} s")
-
     def _open_port(self, sess: EngineSession) -> Any:
+        if sess.stuck:
+            raise Unavailable(f"engine {sess.engine_id} is out of service on {self.node_id}: "
+                              f"its step has not ended (engine_stuck_s)", retry_after_s=1.0)
         port = self.ports[sess.engine_id]
         if port.closed:
             raise Unavailable(f"node {self.node_id} is stopping; attach again once it is back",
@@ -320,7 +230,7 @@ class EngineApiServer:
 
     # ------------------------------------------------------------------ getting requests
     async def _next(self, msg: NextRequest, ctx: CallContext) -> Assigned:
-        sess = self._session(ctx)
+        sess = self.engines.of(ctx)
         timeout = _timeout(msg.timeout_s)
         if not 1 <= msg.max_items <= MAX_ITEMS:
             raise InvalidArgument(f"max_items must be in [1, {MAX_ITEMS}], got {msg.max_items}")
@@ -342,7 +252,7 @@ class EngineApiServer:
         return self._assign(sess, got)
 
     async def _claim(self, msg: ClaimRequest, ctx: CallContext) -> Assigned:
-        sess = self._session(ctx)
+        sess = self.engines.of(ctx)
         timeout = _timeout(msg.timeout_s)
         rid = msg.request_id
         held = sess.claimed(rid)
@@ -440,7 +350,7 @@ class EngineApiServer:
 
     async def _finish_prefill(self, msg: FinishPrefill, ctx: CallContext) -> EngineOk:
         h = self._held_prefill(ctx, msg.request_id, msg.attempt)
-        self._session(ctx).prefill.pop(msg.request_id, None)
+        self.engines.of(ctx).prefill.pop(msg.request_id, None)
         await h.finish(msg.first_token_id)
         self.counters["prefills_finished"] += 1
         return EngineOk(msg.request_id)
@@ -451,7 +361,7 @@ class EngineApiServer:
 
     def _held(self, ctx: CallContext, rid: str, attempt: int, role: str) -> Any:
         """The request ``rid`` (attempt ``attempt``) this connection's engine holds."""
-        sess = self._session(ctx)
+        sess = self.engines.of(ctx)
         if sess.role != role:
             raise InvalidArgument(f"{sess.engine_id} is a {sess.role} engine: {role} calls "
                                   f"refused")
@@ -473,12 +383,12 @@ class EngineApiServer:
     async def _new_block(self, msg: NewBlock, ctx: CallContext) -> BlockOpened:
         req = self._held_decode(ctx, msg.request_id, msg.attempt)
         blk = await req.new_block(msg.token_ids)
-        self._session(ctx).blocks[(msg.request_id, blk.index)] = blk
+        self.engines.of(ctx).blocks[(msg.request_id, blk.index)] = blk
         return BlockOpened(msg.request_id, blk.index, blk.key, self._slot(blk.view))
 
     async def _put_block(self, msg: PutBlock, ctx: CallContext) -> EngineOk:
         req = self._held_decode(ctx, msg.request_id, msg.attempt)
-        blk = self._session(ctx).blocks.pop((msg.request_id, msg.index), None)
+        blk = self.engines.of(ctx).blocks.pop((msg.request_id, msg.index), None)
         if blk is None:
             raise NotFound(f"{msg.request_id!r} has no open generated block {msg.index} "
                            f"(never opened by NewBlock, or already put)")
@@ -487,7 +397,7 @@ class EngineApiServer:
 
     async def _finish_decode(self, msg: FinishDecode, ctx: CallContext) -> EngineOk:
         req = self._held_decode(ctx, msg.request_id, msg.attempt)
-        self._session(ctx).forget_decode(msg.request_id)
+        self.engines.of(ctx).forget_decode(msg.request_id)
         await req.finish(msg.output_token_ids)
         self.counters["decodes_finished"] += 1
         return EngineOk(msg.request_id)
@@ -498,7 +408,7 @@ class EngineApiServer:
 
     # ------------------------------------------------------------------ both
     async def _fail(self, msg: FailRequest, ctx: CallContext) -> EngineOk:
-        sess = self._session(ctx)
+        sess = self.engines.of(ctx)
         err = PeerFailed(f"engine {sess.engine_id} gave {msg.request_id!r} up: "
                          f"{msg.reason[:300] or 'no reason given'}")
         if sess.role == "prefill":
@@ -518,7 +428,7 @@ class EngineApiServer:
         answer the engine never got), so the scheduler re-plans it at once instead of at its
         deadline. A plan not here yet is waited for, rechecked like a claim, up to the
         unknown-id grace."""
-        sess = self._session(ctx)
+        sess = self.engines.of(ctx)
         rid = msg.request_id
         err = PeerFailed(f"engine {sess.engine_id} gave {rid!r} up before claiming it: "
                          f"{msg.reason[:300] or 'no reason given'}")

@@ -157,7 +157,7 @@ class NodeBase(Service):
             ports=self.ports, arena=self.pool.arena, arena_name=shm.name if shm else None,
             owner_of=self._engine_of, failure_of=self._failure_of, abandon=self._abandon,
             allowed_uids=self.settings.engine_socket_uids,
-            silence_s=self.settings.engine_silence_s)
+            silence_s=self.settings.engine_silence_s, stuck_s=self.settings.engine_stuck_s)
         await self.engine_api.start(path)
 
     def _forget(self, key: tuple[str, int], attempt: object) -> None:

@@ -39,6 +39,8 @@ class NodeServiceConfig(Section):
                                                     # (): this service's own uid only
     engine_silence_s: FiniteNonNegFloat = 15.0      # detach an attached engine not heard from
                                                     # this long (stopped/frozen); 0: never
+    engine_stuck_s: FiniteNonNegFloat = 120.0       # an engine whose step (as its beats report
+                                                    # it) runs longer leaves service; 0: never
     finished_keep_s: PositiveFloat = 120.0          # results kept for a restarted scheduler
 
     @property

@@ -307,6 +307,7 @@ async def test_a_stuck_engine_leaves_service_and_returns_once_its_step_ends(
         await until(lambda: api.counters["engines_stuck"] == 1 and "p0.e0" not in api.sessions,
                     timeout=20.0, what="the stuck engine out of service")
         assert api.counters["requests_failed_on_detach"] == 1
+        await until(lambda: api.stats()["engine_steps"] == 1, what="its beats count its step")
         await until(lambda: "p0.e0" not in {r.engine_id for r in
                                             c.scheduler.core.engine_reports()},
                     what="the scheduler took the stuck engine out of placement")
@@ -461,6 +462,8 @@ async def test_bad_calls_get_typed_errors_and_leave_the_node_serving(tmp_path, r
         for busy in (float("nan"), float("inf"), -1.0):           # a beat's bad step age
             with pytest.raises(InvalidArgument, match="busy_s"):
                 await eng.call(EngineAlive(busy))
+        with pytest.raises(InvalidArgument, match="steps"):
+            await eng.call(EngineAlive(0.0, -3))
         assert "p0.e0" in pe.engine_api.sessions                   # still attached
         claim = asyncio.ensure_future(eng.claim_prefill("b1", 10.0))   # before the plan
         await until(lambda: "b1" in pe.engine_api.claims_waiting, what="b1's claim waiting")

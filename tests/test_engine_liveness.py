@@ -81,4 +81,4 @@ def test_the_step_clock_says_how_long_the_current_step_has_run():
     assert poll(lambda: clock.busy_s() >= 0.01, 5.0)
     assert 0.01 <= clock.busy_s() <= time.monotonic() - t + 0.01
     clock.ended()
-    assert clock.busy_s() == 0.0
+    assert clock.busy_s() == 0.0 and clock.count == 1

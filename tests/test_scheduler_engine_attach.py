@@ -187,3 +187,29 @@ async def test_the_end_of_an_attachment_reported_after_a_later_one_takes_nothing
                                     engine_attaches=1, **DIED)).current
         assert env.svc.counters["engines_detached"] == 0 and env.svc.counters["replans"] == 1
         assert "p0.e0" in {r.engine_id for r in env.core.engine_reports()}
+
+
+async def test_the_nodes_account_of_a_failure_replaces_the_schedulers_when_it_comes_second():
+    """The node's telemetry ("not attached") reached the scheduler before its failure report:
+    the scheduler closed the attempt on the node's behalf (hop ``scheduler``); the report,
+    stale for placement, still gives the record its hop, code and message — why the engine
+    went (it died, went silent, got stuck), though a stale report without
+    ``detached_engine`` came before it."""
+    async with running() as env:
+        p0, p1, d0, stream, plan = await _placed_on_p0(env)
+        gone = await p0.fetch(attached("p0.e0", 1, False))
+        assert [(r.request_id, r.attempt) for r in gone.revoked] == [("r", plan.attempt)]
+        assert not (await p0.report("r", plan.attempt, "failed", **DIED)).current
+        late = await p0.report("r", plan.attempt, "failed", detached_engine="p0.e0",
+                               engine_attaches=1, code="PEER_FAILED", retryable=True,
+                               message="engine p0.e0 on p0: silent for 15.2 s", hop="engine")
+        assert not late.current
+        await d0.fetch()
+        plan2 = (await p1.fetch()).plans[0]
+        await run_stages(p1, plan2)
+        while not isinstance(ev := await nxt(stream), RequestFinished):
+            pass
+        first = ev.attempts[0]
+        assert (first.outcome, first.hop, first.code) == ("failed", "engine", "PEER_FAILED")
+        assert first.message == "engine p0.e0 on p0: silent for 15.2 s"
+        assert env.svc.counters["replans"] == 1

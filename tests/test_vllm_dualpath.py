@@ -196,6 +196,13 @@ async def test_a_request_waiting_for_its_claim_never_stalls_running_ones(rig):
     for rid, prompt, n in (("A", a, GEN_A), ("B", b, GEN_B), ("C", cc, GEN_C)):
         assert done[rid]["tokens"] == await rig.reference(prompt, n), \
             f"{rid}: output != plain vLLM"
+    # each worker marked its steps (the connector's hooks), and its beats told its node: what
+    # a hung instance is judged by (docs/engine-api.md, "A stuck engine")
+    for node in ("p0", "d0"):
+        api = (c.pe if node == "p0" else c.de)[node].engine_api
+        await until(lambda api=api: api.stats()["engine_steps"] >= GEN_A, timeout=30,
+                    what=f"{node}'s vLLM steps counted by its beats")
+        assert api.counters["engines_stuck"] == 0
 
 
 def bytes_read(c) -> float:

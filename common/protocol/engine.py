@@ -250,9 +250,11 @@ class EngineAlive(Message, tag="engine.alive", frozen=True):
     ``busy_s``: how long the engine's current step has run (0: not in a step, or the engine
     does not report its steps). Past the node's ``engine_stuck_s`` the engine is stuck: its
     requests fail, it leaves placement, and it returns once a beat reports it out of that
-    step ("A stuck engine")."""
+    step ("A stuck engine"). ``steps``: how many steps the engine has begun (its node's stats
+    show the sum as ``engine_steps``; 0 from an engine that does not report them)."""
 
     busy_s: float = 0.0
+    steps: int = 0
 
 
 # --------------------------------------------------------------------------- collectives

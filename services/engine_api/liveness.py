@@ -44,9 +44,11 @@ class StepClock:
 
     def __init__(self) -> None:
         self._began: float | None = None
+        self.count = 0                  # steps begun (only the engine's thread writes it)
 
     def began(self) -> None:
         self._began = time.monotonic()
+        self.count += 1
 
     def ended(self) -> None:
         self._began = None

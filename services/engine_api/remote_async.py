@@ -127,7 +127,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(every_s)
             try:
-                await self.call(EngineAlive(self.steps.busy_s()), wait_s=0.0)
+                await self.call(EngineAlive(self.steps.busy_s(), self.steps.count), wait_s=0.0)
             except PeerFailed:
                 return                          # detached: a new attach brings a new client
             except DualpathError as e:

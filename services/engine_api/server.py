@@ -139,6 +139,7 @@ class EngineApiServer:
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counters.items()}
         out.update({k: float(v) for k, v in self.engines.watch.counters.items()})
+        out["engine_steps"] = float(sum(self.engines.steps.values()))    # as beats report
         out["engines_attached"] = float(len(self.sessions))
         out["requests_held"] = float(sum(s.held for s in self.sessions.values()))
         return out
@@ -215,7 +216,7 @@ class EngineApiServer:
                                 f"{self.node_id}; attach with replace=True to take it over")
 
     async def _alive(self, msg: EngineAlive, ctx: CallContext) -> EngineOk:
-        await self.engines.beat(self.engines.of(ctx), msg.busy_s)
+        await self.engines.beat(self.engines.of(ctx), msg.busy_s, msg.steps)
         return EngineOk()
 
     def _open_port(self, sess: EngineSession) -> Any:

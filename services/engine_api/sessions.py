@@ -80,6 +80,7 @@ class EngineSessions:
         self.watch: SilenceWatch[EngineSession] = SilenceWatch(silence_s, self._silent,
                                                                name=node_id)
         self.stuck_s = stuck_s            # an engine step running longer is stuck; 0: never
+        self.steps: dict[str, int] = {}   # engine id → steps its latest beat counted
 
     def bound(self, conn_id: int) -> EngineSession | None:
         """The session this connection attached as, if any (stuck ones included)."""
@@ -147,12 +148,15 @@ class EngineSessions:
         self.watch.heard(sess)
         return sess
 
-    async def beat(self, sess: EngineSession, busy_s: float) -> None:
+    async def beat(self, sess: EngineSession, busy_s: float, steps: int) -> None:
         """A beat of ``sess``; its ``busy_s`` past ``stuck_s`` takes the engine out of
         service (its requests fail and re-plan, it is reported not attached) until a beat
         shows that step ended: then it is attached again, under a new attachment number."""
         if not (math.isfinite(busy_s) and busy_s >= 0):
             raise InvalidArgument(f"busy_s={busy_s} must be finite and >= 0")
+        if steps < 0:
+            raise InvalidArgument(f"steps={steps} must be >= 0")
+        self.steps[sess.engine_id] = steps
         if not self.stuck_s or (busy_s > self.stuck_s) == sess.stuck:
             return
         if not sess.stuck:

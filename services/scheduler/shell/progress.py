@@ -60,6 +60,9 @@ class ProgressReports:
         if rs is not None and msg.stage in ("failed", "dropped"):
             # what the attempt read counts whether or not the attempt is still current
             rs.count_read(msg.attempt, msg.read_bytes, msg.pe_read_bytes, msg.de_read_bytes)
+        if rs is not None and msg.stage == "failed" and msg.detached_engine \
+                and rs.attempt != msg.attempt:
+            rs.node_account(msg.attempt, msg.hop or "engine", _code(msg.code), msg.message)
         if msg.stage == "dropped":          # a read count only: nothing moves
             self.counters["dropped_reports"] += 1
             return ReportProgressReply(False, self._status(msg.request_id))
@@ -86,8 +89,8 @@ class ProgressReports:
         a = rs.assignment
         if msg.detached_engine not in ((a.pe_engine if a else None), rs.de_engine):
             return False
-        code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value
-        self.lifecycle.close_attempt(rs, "failed", msg.hop or "engine", code, msg.message)
+        self.lifecycle.close_attempt(rs, "failed", msg.hop or "engine", _code(msg.code),
+                                     msg.message)
         self.engine_detached(msg.node_id, msg.detached_engine, msg.engine_attaches,
                              msg.message)
         self.work.kick()
@@ -154,7 +157,7 @@ class ProgressReports:
                            rs.finished_event(msg.tokens, now, msg.output_token_ids))
 
     def _failed(self, rs: RequestState, msg: ReportProgress, now: float) -> None:
-        code = msg.code if msg.code in ErrorCode.__members__ else ErrorCode.INTERNAL.value
+        code = _code(msg.code)
         where = (msg.hop[:80] or "node") + (f" on {msg.node_id[:80]}" if msg.node_id else "")
         reason = f"{where} failed attempt {rs.attempt}: {code}: {msg.message[:500]}"
         self.lifecycle.close_attempt(rs, "failed", msg.hop or "node", code, msg.message)
@@ -163,3 +166,8 @@ class ProgressReports:
             return
         res = self.core.fail(rs.request_id)
         self.lifecycle.after_replan(list(res.requeued), list(res.failed), reason, code)
+
+
+def _code(code: str) -> str:
+    """A node's error code as a record keeps it (one it made up: INTERNAL)."""
+    return code if code in ErrorCode.__members__ else ErrorCode.INTERNAL.value

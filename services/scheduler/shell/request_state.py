@@ -262,6 +262,18 @@ class RequestState:
             self.attempts[i] = msgspec.structs.replace(self.attempts[i],
                                                        read_bytes=self.read_bytes(attempt))
 
+    def node_account(self, attempt: int, hop: str, code: str, message: str) -> None:
+        """The node's own account of how ``attempt`` failed, come after the scheduler closed
+        the attempt on its behalf (hop ``scheduler``: the node's telemetry said the attempt's
+        engine was not attached before its failure report came): the record takes the node's
+        hop, code and message, which say why (the engine died, went silent, got stuck)."""
+        i = next((i for i, r in enumerate(self.attempts) if r.attempt == attempt), None)
+        if i is None or (self.attempts[i].outcome, self.attempts[i].hop) != ("failed",
+                                                                            "scheduler"):
+            return
+        self.attempts[i] = msgspec.structs.replace(self.attempts[i], hop=hop[:80], code=code,
+                                                   message=message[:500])
+
     def read_bytes(self, attempt: int) -> int:
         """Storage bytes ``attempt`` read, as its nodes reported them (0: none reported)."""
         total, pe, de = self.reads.get(attempt, (0, 0, 0))

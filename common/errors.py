@@ -95,12 +95,14 @@ class EngineDetached(PeerFailed):
     """A node's engine process detached (died, or was replaced) while it held the request:
     ``engine_id``'s attachment number ``attach_no`` to that node ended. Never on the wire as
     such (it is a PEER_FAILED); the node's failure report names the engine, so the scheduler
-    takes it out of placement before the request re-plans."""
+    takes it out of placement before the request re-plans. ``alive``: its process may still
+    run (it went silent or stuck, it did not die) and write into the pages it was handed, so
+    they stay out of use until it lets go or ``engine_release_timeout_s`` passes."""
 
     def __init__(self, message: str, *, engine_id: str = "", attach_no: int = 0,
-                 retry_after_s: float | None = None) -> None:
+                 alive: bool = False, retry_after_s: float | None = None) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
-        self.engine_id, self.attach_no = engine_id, attach_no
+        self.engine_id, self.attach_no, self.alive = engine_id, attach_no, alive
 
 
 class ProtocolError(DualpathError):

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, ErrorCode, InternalError,
-                           InvalidArgument, PeerFailed)
+from common.errors import (AlreadyExists, Cancelled, DeadlineExceeded, EngineDetached, ErrorCode,
+                           InternalError, InvalidArgument, PeerFailed)
 from common.kv import PRESETS, block_keys_from_tokens
 from common.protocol import LayerSlots
 from services.de_loader.transfer import (AwaitEngine, DecodeTransfer, FreeBlock, FreeRegion,
@@ -476,6 +476,22 @@ def test_engine_failure_frees_its_open_blocks_and_is_reported():
     c.drop("revoked")
     assert c.engine_failed(None) == []            # acknowledging the cancellation
     assert c.engine_let_go and c.error.code is ErrorCode.CANCELLED
+
+
+def test_an_engine_that_may_still_run_keeps_its_blocks_until_the_release_wait():
+    """Detached while its process may still run: the attempt fails (reported), but neither
+    the prompt pages it may still read nor the blocks it may still write are freed before
+    the release has waited for it."""
+    t = de_ready()
+    t.assembled()
+    t.block_opened("b", "k")
+    acts = t.engine_failed(EngineDetached("d0.e0 stuck", engine_id="d0.e0", attach_no=1,
+                                          alive=True))
+    assert FreeBlock("b") not in acts and t.open_blocks == {"b": "k"}
+    assert not t.engine_let_go and t.error.hop == "engine" and Release() in acts
+    t.begin_release()
+    assert t.unwound(False) == [AwaitEngine()]
+    assert t.free_all()[0] == FreeBlock("b")
 
 
 def test_engine_calls_after_a_failure_raise_it_but_let_go_and_free():

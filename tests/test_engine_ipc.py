@@ -237,7 +237,7 @@ async def test_a_stopped_engine_is_detached_and_its_request_finishes_on_a_new_on
     once, naming the silence) and closes its connection; a new engine under the same id
     finishes the request."""
     ov = sockets(tmp_path)
-    ov["pe_receiver"]["engine_silence_s"] = 3.0
+    ov["pe_receiver"].update(engine_silence_s=3.0, engine_release_timeout_s=3.0)
     async with local_datapath(tmp_path, engines=False, overrides=ov) as c, \
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched, \
             contextlib.AsyncExitStack() as stack:
@@ -260,8 +260,12 @@ async def test_a_stopped_engine_is_detached_and_its_request_finishes_on_a_new_on
                     what="the stopped engine detached")
         stats = pe.engine_api.stats()
         assert stats["engines_silent"] == 1 and stats["requests_failed_on_detach"] == 1
+        # the stopped process may run again and write into the pages it was handed: they
+        # stay held (not reused) until engine_release_timeout_s, then are freed
+        assert any(a.info.attempt == first for a in pe.attempts.values())
+        assert pe.pool.used_pages > 0
         await until(lambda: not any(a.info.attempt == first for a in pe.attempts.values()),
-                    what="the first attempt released")
+                    what="the first attempt released after engine_release_timeout_s")
         restarted = await engine_proc("prefill", tmp_path / "p0.sock", "p0.e0", spec,
                                       tmp_path / "pe.npz")
         ev = await asyncio.wait_for(run, 60)
@@ -286,7 +290,7 @@ async def test_a_stuck_engine_leaves_service_and_returns_once_its_step_ends(
     refused; once a beat shows the step ended it is attached again under a new attachment
     number, gets the re-planned request and finishes it."""
     ov = sockets(tmp_path)
-    ov["pe_receiver"]["engine_stuck_s"] = 1.0
+    ov["pe_receiver"].update(engine_stuck_s=1.0, engine_release_timeout_s=2.0)
     async with local_datapath(tmp_path, engines=False, overrides=ov) as c, \
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched, \
             contextlib.AsyncExitStack() as stack:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from common.errors import (Cancelled, DeadlineExceeded, InternalError, InvalidArgument,
+from common.errors import (Cancelled, DeadlineExceeded, EngineDetached, InternalError, InvalidArgument,
                            PeerFailed, ProtocolError, Unavailable)
 from common.protocol import Endpoint, LayerSlots
 from services.engine_api.prompt import PromptInfo
@@ -378,6 +378,23 @@ def test_engine_failure_is_an_internal_error_of_the_engine_hop():
     assert t.error.hop == "engine" and "p0.e0" in t.error.message
     assert not t.engine_holds and t.engine_failed(None) == []
     assert t.release() == [AbortDE(t.error.message[:300]), FreePages()]
+
+
+def test_an_engine_that_may_still_run_keeps_its_pages_until_the_release_wait():
+    """Detached while its process may still run (silent, stuck, replaced): the attempt fails
+    at once (reported, retryable), but the release waits for the engine like for one that
+    holds the request: its pages are not freed under a process that could still write."""
+    t = core("pe")
+    setup(t)
+    acts = t.engine_failed(EngineDetached("p0.e0 silent for 15.0 s", engine_id="p0.e0",
+                                          attach_no=1, alive=True))
+    assert acts == [Abort(t.error)] and t.error.hop == "engine" and t.engine_holds
+    assert t.release() == [AwaitEngineRelease(), AbortDE(t.error.message[:300]), FreePages()]
+    dead = core("pe")
+    setup(dead)
+    dead.engine_failed(EngineDetached("p0.e0 disconnected", engine_id="p0.e0", attach_no=1))
+    assert not dead.engine_holds
+    assert dead.release() == [AbortDE(dead.error.message[:300]), FreePages()]
 
 
 def test_engine_failure_with_a_typed_error_keeps_it():

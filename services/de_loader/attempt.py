@@ -381,4 +381,5 @@ class DecodeAttempt:
                                                   or_failure=False),
                                    self.settings.engine_release_timeout_s)
         except TimeoutError:
-            log.error("engine_did_not_release", request_id=self.request_id)
+            log.warning("engine_did_not_release", request_id=self.request_id,
+                        waited_s=self.settings.engine_release_timeout_s)

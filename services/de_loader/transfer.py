@@ -417,10 +417,15 @@ class DecodeTransfer:
                                     "output_token_ids": list(output_token_ids)})]
 
     def engine_failed(self, error: BaseException | None) -> list[Action]:
-        """The engine gave the request up (or acknowledged a cancellation)."""
-        self.engine_holds_kv, self.engine_let_go = False, True
-        out: list[Action] = [FreeBlock(b) for b in self.open_blocks]
-        self.open_blocks.clear()
+        """The engine gave the request up (or acknowledged a cancellation). One whose process
+        may still run (silent, stuck, replaced: ``EngineDetached.alive``) may still read the
+        prompt pages and write its open blocks: both stay held until the release's bounded
+        wait for it ends."""
+        out: list[Action] = []
+        if getattr(error, "alive", False) is not True:
+            self.engine_holds_kv, self.engine_let_go = False, True
+            out = [FreeBlock(b) for b in self.open_blocks]
+            self.open_blocks.clear()
         if self.error is None:
             err = error if isinstance(error, DualpathError) else InternalError(
                 f"decode engine {self.engine_id} gave up: {error!r}")

@@ -177,7 +177,8 @@ class EngineApiServer:
             raise
         old = self.sessions.get(msg.engine_id)
         if old is not None:
-            await self.engines.detach(old, f"replaced by a new attach of {msg.engine_id}")
+            await self.engines.detach(old, f"replaced by a new attach of {msg.engine_id}",
+                                      alive=True)     # the old process may still run
             old.conn.sender.abort(f"engine {msg.engine_id} was attached again (replace)")
             if msg.engine_id in self.sessions or ctx.conn.closed:    # raced while detaching
                 raise AlreadyExists(f"engine {msg.engine_id} was attached meanwhile")

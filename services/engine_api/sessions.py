@@ -106,15 +106,20 @@ class EngineSessions:
             await self.detach(sess, "engine disconnected")
 
     @staticmethod
-    def _detached(sess: EngineSession, message: str) -> EngineDetached:
+    def _detached(sess: EngineSession, message: str, alive: bool) -> EngineDetached:
         """What each request ``sess`` held fails with: a PEER_FAILED that names the ended
         attachment, so the node's report takes the engine out of placement first."""
-        return EngineDetached(message, engine_id=sess.engine_id, attach_no=sess.attach_no)
+        return EngineDetached(message, engine_id=sess.engine_id, attach_no=sess.attach_no,
+                              alive=alive)
 
-    async def detach(self, sess: EngineSession, reason: str, *, stuck: bool = False) -> None:
+    async def detach(self, sess: EngineSession, reason: str, *, stuck: bool = False,
+                     alive: bool = False) -> None:
         """Fail every request ``sess`` holds (retryable: the scheduler re-plans them) and
         report it not attached. ``stuck``: its connection stays open and its beats go on;
-        one that shows the step ended attaches it again (:meth:`beat`)."""
+        one that shows the step ended attaches it again (:meth:`beat`). ``alive`` (so is
+        ``stuck``): its process may still write into what it was handed, so those pages stay
+        out of use until ``engine_release_timeout_s`` (``EngineDetached.alive``)."""
+        alive = alive or stuck
         if sess.closed or (stuck and sess.stuck):
             return
         if stuck:
@@ -128,9 +133,9 @@ class EngineSessions:
         err = f"engine {sess.engine_id} on {self.node_id}: {reason}"
         held = sess.held
         for h in list(sess.prefill.values()):
-            await h.fail(self._detached(sess, err))
+            await h.fail(self._detached(sess, err, alive))
         for req in list(sess.decode.values()):
-            await req.fail(self._detached(sess, err))
+            await req.fail(self._detached(sess, err, alive))
         sess.prefill.clear()
         sess.decode.clear()
         sess.blocks.clear()
@@ -172,7 +177,7 @@ class EngineSessions:
             log.info("engine_unstuck", node=self.node_id, engine=sess.engine_id,
                      attach_no=sess.attach_no)
         else:                               # another process attached as it meanwhile
-            await self.detach(sess, "replaced while it was stuck")
+            await self.detach(sess, "replaced while it was stuck", alive=True)
             sess.conn.sender.abort(f"engine {sess.engine_id} was replaced while stuck")
 
     async def _silent(self, sess: EngineSession, silent_s: float) -> None:
@@ -183,6 +188,6 @@ class EngineSessions:
                     silent_s=round(silent_s, 3), silence_s=self.watch.silence_s,
                     requests_held=sess.held)
         await self.detach(sess, f"silent for {silent_s:.1f} s (its process stopped or froze; "
-                                 f"silence_s={self.watch.silence_s:g})")
+                                 f"silence_s={self.watch.silence_s:g})", alive=True)
         sess.conn.sender.abort(f"engine {sess.engine_id} was silent for {silent_s:.1f} s")
 

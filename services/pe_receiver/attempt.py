@@ -358,8 +358,11 @@ class PrefillAttempt:
                                                   or_failure=False),
                                    self.settings.engine_release_timeout_s)
         except TimeoutError:
-            log.error("engine_did_not_release", request_id=self.info.request_id,
-                      engine=self.engine_id)
+            # an engine that never let go (its process silent, stuck or replaced: it may
+            # still write) had engine_release_timeout_s; the pages are freed now
+            log.warning("engine_did_not_release", request_id=self.info.request_id,
+                        engine=self.engine_id,
+                        waited_s=self.settings.engine_release_timeout_s)
 
     async def _abort_de(self, act: AbortDE) -> None:
         """Tell the DE loader to drop its side now (it would at its deadline / revocation)."""

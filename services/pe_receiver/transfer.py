@@ -387,7 +387,9 @@ class PrefillTransfer:
         return acts
 
     def engine_failed(self, error: BaseException | None) -> list[Action]:
-        self.engine_holds = False
+        # an engine whose process may still run (silent, stuck, replaced) may still write
+        # into the pages: they stay held until the release's bounded wait for it ends
+        self.engine_holds = self.engine_holds and getattr(error, "alive", False) is True
         if self.error is not None:
             return []
         err = error if isinstance(error, DualpathError) else InternalError(

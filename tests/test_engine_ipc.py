@@ -289,8 +289,9 @@ async def test_a_stuck_engine_leaves_service_and_returns_once_its_step_ends(
     and reports it not attached, so nothing is placed on it and its own calls for work are
     refused; once a beat shows the step ended it is attached again under a new attachment
     number, gets the re-planned request and finishes it."""
-    ov = sockets(tmp_path)
-    ov["pe_receiver"].update(engine_stuck_s=1.0, engine_release_timeout_s=2.0)
+    ov = sockets(tmp_path)      # no silence watch: the stuck check alone sets the beat
+    ov["pe_receiver"].update(engine_stuck_s=1.0, engine_release_timeout_s=2.0,
+                             engine_silence_s=0.0)
     async with local_datapath(tmp_path, engines=False, overrides=ov) as c, \
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched, \
             contextlib.AsyncExitStack() as stack:

@@ -188,7 +188,7 @@ class EngineApiServer:
                  replaced=old is not None)
         return EngineAttached(self.node_id, msg.engine_id, self.spec, self.arena_name or "",
                               int(self.arena.nbytes), MAX_WAIT_S,
-                              self.engines.watch.heartbeat_s, self.engines.watch.silence_s)
+                              self.engines.heartbeat_s, self.engines.watch.silence_s)
 
     def _check_attach(self, msg: AttachEngine, ctx: CallContext) -> None:
         if (bound := self.engines.bound(ctx.conn_id)) is not None:

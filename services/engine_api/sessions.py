@@ -22,7 +22,7 @@ from common.rpc import CallContext, ServerConnection
 
 from .decode import DecodeRequest
 from .handles import GeneratedBlock
-from .liveness import SilenceWatch
+from .liveness import SilenceWatch, heartbeat_interval
 from .prefill import PrefillRequest
 
 log = structlog.get_logger(__name__)
@@ -81,6 +81,12 @@ class EngineSessions:
                                                                name=node_id)
         self.stuck_s = stuck_s            # an engine step running longer is stuck; 0: never
         self.steps: dict[str, int] = {}   # engine id → steps its latest beat counted
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often engines must beat: for the silence watch, else for the stuck check
+        (0: neither is on)."""
+        return self.watch.heartbeat_s or heartbeat_interval(self.stuck_s)
 
     def bound(self, conn_id: int) -> EngineSession | None:
         """The session this connection attached as, if any (stuck ones included)."""

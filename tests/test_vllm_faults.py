@@ -15,6 +15,9 @@ real SIGKILL at a chosen step of a request (a failpoint armed in the victim over
 3. a storage gateway dies while reading a hit; restarted;
 4. the scheduler is killed with a request in flight and restarted on its port (no etcd
    standby here: tests/test_failover_burst.py covers the standby);
+4b. a decode vLLM instance is frozen (SIGSTOP): its DE loader hears no beat for
+   ``engine_silence_s`` and detaches it, the turns meanwhile are answered, and once resumed it
+   attaches again by itself;
 5. a decode vLLM instance is killed and stays dead: the scheduler takes its engine out of
    placement (its node reports it not attached) and every later turn is served by the other.
 
@@ -178,6 +181,26 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         await asyncio.to_thread(launcher.restart, "scheduler")
         check_answered(await turn)
 
+        # 4b. a decode vLLM instance frozen (SIGSTOP, every process of it): its socket stays
+        # open but its worker's beats stop; after engine_silence_s its DE loader detaches it,
+        # the scheduler takes it out (what it held re-plans onto d0) and the turns meanwhile
+        # are answered; resumed (SIGCONT), it attaches again by itself (docs/engine-api.md,
+        # "A silent engine")
+        victim = state.proc("vllm:d1.e0")
+        frozen = group_pids(victim.pid)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            turns = asyncio.gather(*(agents.turn(a) for a in range(3)))
+            await engine_placement(state.proc("scheduler").rpc_port, "d1.e0", attached=False)
+            for out in await turns:
+                check_answered(out)
+        finally:
+            for pid in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        await engine_placement(state.proc("scheduler").rpc_port, "d1.e0", attached=True)
+
         # 5. a decode vLLM instance is SIGKILLed and stays dead: its DE loader reports its
         # engine not attached, the scheduler places nothing more on it, and every turn is
         # served by the other decode instance (before, each placement there waited for its
@@ -188,7 +211,7 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         await asyncio.to_thread(wait_dead, victim)
         await until(lambda: not group_pids(victim.pid), 60, what="d1's vLLM group gone")
         remove_files(left_files)
-        await engine_out_of_placement(state.proc("scheduler").rpc_port, "d1.e0")
+        await engine_placement(state.proc("scheduler").rpc_port, "d1.e0", attached=False)
         outs = await asyncio.gather(*(agents.turn(a) for a in range(3)))
         for out in outs:
             assert out["status"] == 200 and out["equal"] and out["de"] == "d0.e0", out
@@ -226,17 +249,18 @@ def wait_dead(proc, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-async def engine_out_of_placement(port: int | None, engine: str,
-                                  timeout_s: float = 60.0) -> None:
-    """Until the scheduler's status lists ``engine`` as not attached."""
+async def engine_placement(port: int | None, engine: str, *, attached: bool,
+                           timeout_s: float = 60.0) -> None:
+    """Until the scheduler's status lists ``engine`` as (not) attached."""
     assert port is not None
     deadline = time.monotonic() + timeout_s
     async with SchedulerClient("127.0.0.1", port) as sched:
         while True:
             status = await sched.cluster_status(timeout=10.0)
-            if any(e.engine_id == engine and not e.attached for e in status.engines):
+            if any(e.engine_id == engine and e.attached == attached for e in status.engines):
                 return
-            assert time.monotonic() < deadline, f"{engine} still placed on: {status.engines}"
+            assert time.monotonic() < deadline, \
+                f"{engine} not {'attached' if attached else 'detached'}: {status.engines}"
             await asyncio.sleep(0.1)
 
 

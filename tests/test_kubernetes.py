@@ -350,12 +350,10 @@ def test_the_scheduler_pod_as_rendered_runs_here_and_its_probe_passes(cluster, t
         proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *args], env=env,
                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            probe = ctr["readinessProbe"]["exec"]["command"]
-            wait_until(lambda: subprocess.run(probe, env=env, timeout=30,
-                                              capture_output=True).returncode == 0,
-                       timeout=60, what="the rendered readiness probe to pass")
-            live = ctr["livenessProbe"]["exec"]["command"]
-            assert subprocess.run(live, env=env, timeout=30).returncode == 0
+            ready, live = ctr["readinessProbe"], ctr["livenessProbe"]
+            wait_until(lambda: probe_passes(ready, env), timeout=60,
+                       what="the rendered readiness probe to pass")
+            assert kubelet_keeps(live, env), "the liveness probe failed its whole threshold"
             assert proc.poll() is None
         finally:
             proc.terminate()
@@ -364,7 +362,25 @@ def test_the_scheduler_pod_as_rendered_runs_here_and_its_probe_passes(cluster, t
             reap(proc)
         assert proc.returncode == 0, proc.stderr
         # the same probe fails once the scheduler is gone (it cannot pass by itself)
-        assert subprocess.run(probe, env=env, timeout=30, capture_output=True).returncode != 0
+        assert not probe_passes(ready, env)
+
+
+def probe_passes(probe: dict, env: dict[str, str]) -> bool:
+    """One try of an exec probe. Its limit here is 30 s, not the rendered timeoutSeconds: the
+    loaded CI host is slower than a kubelet's node; a try past it is a failed try."""
+    try:
+        return subprocess.run(probe["exec"]["command"], env=env, timeout=30,
+                              capture_output=True).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def kubelet_keeps(probe: dict, env: dict[str, str]) -> bool:
+    """Whether the kubelet would keep the container: a liveness probe restarts it only after
+    ``failureThreshold`` failed tries in a row. (ci119: one try outlasted its 30 s while the
+    whole host stood still ~32 s, its sampler's CPU counters frozen; a single try was
+    stricter than the kubelet.)"""
+    return any(probe_passes(probe, env) for _ in range(probe["failureThreshold"]))
 
 
 def expand(value: str, env: dict[str, str]) -> str:

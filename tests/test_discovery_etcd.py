@@ -266,21 +266,34 @@ async def test_an_etcd_client_answers_at_once_when_etcd_returns(etcd):
     answers."""
     ep = EtcdEndpoints(etcd.endpoints, 1.0)
     try:
-        await ep.call(lambda c: c.status())
+        # etcdctl saw the new member healthy; our client's first 1-s try may still miss on the
+        # loaded host (ci120: ConnectionFailedError while etcd applied in 250 ms): what this
+        # test measures is the return after the outage, so the start is waited for
+        await until(lambda: answers(ep), timeout=30.0, what="etcd answering our client")
         etcd.kill(0)
         refused = 0
-        outage_end = time.monotonic() + 6.0         # a renewal's worth of refused connects
-        while time.monotonic() < outage_end:
+        outage_end = time.monotonic() + 6.0         # a renewal's worth of refused connects:
+        give_up = outage_end + 30.0                 # 6 s and 10 of them, however slow the host
+        while time.monotonic() < outage_end or refused < 10:
+            assert time.monotonic() < give_up, f"only {refused} refused connects"
             try:
                 await ep.call(lambda c: c.status(), 0.25)
             except Unavailable:
                 refused += 1
             await asyncio.sleep(0.3)
-        assert refused >= 10
         await asyncio.to_thread(etcd.restart, 0)    # etcdctl sees it healthy again
         await ep.call(lambda c: c.status(), 1.0)    # and so does our client, at once
     finally:
         await ep.close()
+
+
+async def answers(ep: EtcdEndpoints) -> bool:
+    """One try of ``ep``'s client against its member (1-s budget)."""
+    try:
+        await ep.call(lambda c: c.status(), 1.0)
+        return True
+    except Unavailable:
+        return False
 
 
 async def _present(members: EtcdMembers, key: bytes) -> bool:

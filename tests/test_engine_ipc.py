@@ -37,7 +37,6 @@ from common.protocol import (AbandonRequest, ArenaSlot, Assigned, AttachEngine, 
 from common.rpc import check_handler_coverage
 import services.engine_api.server
 from services.engine_api.prompt import next_block_key
-from services.engine_api.liveness import StepClock
 from services.engine_api.remote import EngineClient
 from services.scheduler.client.client import SchedulerClient
 from tests.helpers import until
@@ -77,6 +76,30 @@ async def line_starting(proc: asyncio.subprocess.Process, prefix: bytes) -> byte
         if line.startswith(prefix):
             return line
     raise AssertionError(f"process ended before printing {prefix!r}")
+
+
+async def holding(stack: contextlib.AsyncExitStack, sched: SchedulerClient, sock, spec: KVSpec,
+                  rid: str) -> tuple[asyncio.subprocess.Process, asyncio.Future]:
+    """A ``hold`` engine process attached as p0.e0 at ``sock`` holding request ``rid``
+    (submitted through ``sched``, running as the returned future) after its first layer.
+    On ``stack``'s exit the process is resumed if stopped, killed and reaped, the run
+    cancelled."""
+    holder = await engine_proc("hold", sock, "p0.e0", spec)
+
+    async def end() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            holder.send_signal(signal.SIGCONT)
+            holder.kill()
+        await holder.wait()
+
+    stack.push_async_callback(end)
+    toks = tokens(2 * BT + 30, 3)
+    run = asyncio.ensure_future(sched.run(rid, f"s-{rid}", len(toks), 3, token_ids=toks,
+                                          deadline_s=60))
+    stack.callback(run.cancel)
+    line = await asyncio.wait_for(line_starting(holder, b"holding"), 30)
+    assert line.startswith(b"holding " + rid.encode()), line
+    return holder, run
 
 
 async def client(tmp_path, engine_id: str = "p0.e0", role: str = "prefill", spec=None,
@@ -188,17 +211,7 @@ async def test_killed_engine_frees_its_pages_and_a_restarted_one_finishes_the_re
         # engine with nothing attached as not attached, and the scheduler places nothing there
         await attach_remote_engines(stack, c.de["d0"], c.cfg)
         counts = c.scheduler.counters
-        holder = await engine_proc("hold", tmp_path / "p0.sock", "p0.e0", spec)
-        toks = tokens(2 * BT + 30, 3)
-        run = asyncio.ensure_future(sched.run("k1", "sk", len(toks), 3, token_ids=toks,
-                                              deadline_s=60))
-        try:
-            assert (await asyncio.wait_for(line_starting(holder, b"holding"), 30)).startswith(
-                b"holding k1")
-        except BaseException:
-            holder.kill()
-            run.cancel()
-            raise
+        holder, run = await holding(stack, sched, tmp_path / "p0.sock", spec, "k1")
         assert pe.pool.used_pages > 0
         detached = counts["engines_detached"]
         holder.send_signal(signal.SIGKILL)
@@ -227,119 +240,6 @@ async def test_killed_engine_frees_its_pages_and_a_restarted_one_finishes_the_re
         reliability.record("fault", "kill -9 an engine process holding a prefill request",
                            "pages freed, re-planned, finished by the restarted engine "
                            "(same id, node not restarted)", lost=0, leaked_pages=0)
-
-
-@pytest.mark.reliability
-async def test_a_stopped_engine_is_detached_and_its_request_finishes_on_a_new_one(
-        tmp_path, reliability):
-    """SIGSTOP mid-request: the process lives and its socket stays open, but it says nothing.
-    After ``engine_silence_s`` the node detaches it (its request fails retryable, re-plans
-    once, naming the silence) and closes its connection; a new engine under the same id
-    finishes the request."""
-    ov = sockets(tmp_path)
-    ov["pe_receiver"].update(engine_silence_s=3.0, engine_release_timeout_s=3.0)
-    async with local_datapath(tmp_path, engines=False, overrides=ov) as c, \
-            SchedulerClient("127.0.0.1", c.scheduler.port) as sched, \
-            contextlib.AsyncExitStack() as stack:
-        pe, spec = c.pe["p0"], c.spec
-        await attach_remote_engines(stack, c.de["d0"], c.cfg)
-        holder = await engine_proc("hold", tmp_path / "p0.sock", "p0.e0", spec)
-        stack.push_async_callback(holder.wait)
-        stack.callback(holder.kill)
-        stack.callback(holder.send_signal, signal.SIGCONT)   # runs first (LIFO)
-        toks = tokens(2 * BT + 30, 3)
-        run = asyncio.ensure_future(sched.run("s1", "ss", len(toks), 3, token_ids=toks,
-                                              deadline_s=60))
-        stack.callback(run.cancel)
-        assert (await asyncio.wait_for(line_starting(holder, b"holding"), 30)).startswith(
-            b"holding s1")
-        first = c.scheduler.core.attempt_base
-        holder.send_signal(signal.SIGSTOP)
-        await until(lambda: pe.engine_api.counters["detaches"] == 1
-                    and not pe.engine_api.sessions, timeout=20.0,
-                    what="the stopped engine detached")
-        stats = pe.engine_api.stats()
-        assert stats["engines_silent"] == 1 and stats["requests_failed_on_detach"] == 1
-        # the stopped process may run again and write into the pages it was handed: they
-        # stay held (not reused) until engine_release_timeout_s, then are freed
-        assert any(a.info.attempt == first for a in pe.attempts.values())
-        assert pe.pool.used_pages > 0
-        await until(lambda: not any(a.info.attempt == first for a in pe.attempts.values()),
-                    what="the first attempt released after engine_release_timeout_s")
-        restarted = await engine_proc("prefill", tmp_path / "p0.sock", "p0.e0", spec,
-                                      tmp_path / "pe.npz")
-        ev = await asyncio.wait_for(run, 60)
-        await finished(restarted)
-        assert isinstance(ev, RequestFinished) and ev.attempt == first + 1, ev
-        gone = ev.attempts[0]
-        assert (gone.hop, gone.code) == ("engine", "PEER_FAILED") and "silent for" in \
-            gone.message, gone
-        assert pe.engine_api.stats()["engines_silent"] == 1    # the new engine kept talking
-        await no_leaks(c)
-    reliability.record("fault", "SIGSTOP an engine process holding a prefill request",
-                       "detached after engine_silence_s (3 s), re-planned once, finished by "
-                       "a new engine under the same id", lost=0, leaked_pages=0)
-
-
-@pytest.mark.reliability
-async def test_a_stuck_engine_leaves_service_and_returns_once_its_step_ends(
-        tmp_path, reliability):
-    """The engine's process runs and beats, but its step does not end (a hung kernel): past
-    ``engine_stuck_s`` the node fails what it held (re-planned once, naming the stuck step)
-    and reports it not attached, so nothing is placed on it and its own calls for work are
-    refused; once a beat shows the step ended it is attached again under a new attachment
-    number, gets the re-planned request and finishes it."""
-    ov = sockets(tmp_path)      # no silence watch: the stuck check alone sets the beat
-    ov["pe_receiver"].update(engine_stuck_s=1.0, engine_release_timeout_s=2.0,
-                             engine_silence_s=0.0)
-    async with local_datapath(tmp_path, engines=False, overrides=ov) as c, \
-            SchedulerClient("127.0.0.1", c.scheduler.port) as sched, \
-            contextlib.AsyncExitStack() as stack:
-        spec, api = c.spec, c.pe["p0"].engine_api
-        await attach_remote_engines(stack, c.de["d0"], c.cfg)
-        steps = StepClock()
-        eng = await EngineClient.connect(str(tmp_path / "p0.sock"), engine_id="p0.e0",
-                                         role="prefill", kv_spec=spec, steps=steps)
-        stack.push_async_callback(eng.close)
-        toks = tokens(2 * BT + 30, 3)
-        run = asyncio.ensure_future(sched.run("st1", "sst", len(toks), 3, token_ids=toks,
-                                              deadline_s=60))
-        stack.callback(run.cancel)
-        held = await eng.next_prefill(30.0)
-        assert held is not None and held.request_id == "st1"
-        first = held.info.attempt
-        steps.began()                                   # the step that does not end
-        await until(lambda: api.counters["engines_stuck"] == 1 and "p0.e0" not in api.sessions,
-                    timeout=20.0, what="the stuck engine out of service")
-        assert api.counters["requests_failed_on_detach"] == 1
-        await until(lambda: api.stats()["engine_steps"] == 1, what="its beats count its step")
-        await until(lambda: "p0.e0" not in {r.engine_id for r in
-                                            c.scheduler.core.engine_reports()},
-                    what="the scheduler took the stuck engine out of placement")
-        with pytest.raises(Unavailable, match="out of service"):
-            await eng.next_prefill(0.0)
-        steps.ended()                                   # the step ended: back in service
-        await until(lambda: "p0.e0" in api.sessions, timeout=20.0, what="attached again")
-        assert api.attach_counts["p0.e0"] == 2 and api.counters["engines_unstuck"] == 1
-        h = await eng.next_prefill(30.0)
-        assert h is not None and (h.request_id, h.info.attempt) == ("st1", first + 1)
-        info = h.info
-        for layer in range(spec.num_layers):
-            await h.layer(layer, 10.0)
-            fill_tokens(h.output(layer), spec, info.block_keys, info.tail_key, layer,
-                        h.hit_tokens, info.prompt_tokens)
-            await h.put_layer(layer)
-        await h.finish(11)
-        ev = await asyncio.wait_for(run, 60)
-        assert isinstance(ev, RequestFinished) and ev.attempt == first + 1, ev
-        gone = ev.attempts[0]
-        assert (gone.hop, gone.code) == ("engine", "PEER_FAILED") and "stuck" in \
-            gone.message, gone
-        await no_leaks(c)
-    reliability.record("fault", "an engine whose step never ends (process alive, beating)",
-                       "out of service after engine_stuck_s (1 s): request re-planned once, "
-                       "engine back under a new attachment once its step ended, finished",
-                       lost=0, leaked_pages=0)
 
 
 async def test_the_vllm_workers_engine_source_attaches_again_once_its_node_dropped_it(tmp_path):

@@ -38,6 +38,39 @@ def net():
 _SEEDS = iter(range(100, 200))
 
 
+def test_a_probe_past_its_limit_is_a_failed_try_and_tried_again(monkeypatch):
+    """The project's CI on 150eaeb: one probe process outlasted its limit while the whole VM
+    stood still, and the harness took that for an error. Judged as a kubelet judges: a failed
+    try, tried again until the deadline (no namespaces needed)."""
+    stalled = subprocess.TimeoutExpired(["health"], hc.PROBE_LIMIT_S)
+
+    class Net:
+        def __init__(self, answers: list[object]) -> None:
+            self.answers, self.tries = answers, 0
+
+        def run(self, host, argv, **kw):
+            self.tries += 1
+            got = self.answers.pop(0) if self.answers else 1
+            if isinstance(got, BaseException):
+                raise got
+            return subprocess.CompletedProcess(argv, got)
+
+    monkeypatch.setattr(hc, "unit_env", lambda net, host: {})
+    late = Net([stalled, 0])
+    assert hc.answers(late, "cli", "10.0.0.1:7500", deadline_s=30) and late.tries == 2
+    down = Net([stalled])
+    assert not hc.answers(down, "cli", "10.0.0.1:7500", deadline_s=0.5)
+    assert down.tries >= 2                          # tried until the deadline, then False
+    tries = iter([stalled, True])
+
+    def ready() -> bool:                            # any readiness check, not only the probe
+        got = next(tries)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+    hc.wait_for(Net([]), "cli", ready, "probe", deadline_s=30)
+
+
 def _replay_ok(net: HostNet, *args: str) -> dict:
     """A replay with --check on ``cli``; a fresh seed each time (the store keeps the blocks of
     earlier runs, and a repeated workload would hit more than the replay predicts)."""
@@ -273,7 +306,7 @@ def test_the_hosts_reproduce_the_compose_files_shape(net):
         assert mine[key] == compose[key], key
     for host, services in want.items():
         for _, _, port in services:
-            assert hc.health(net, "cli", f"{net.hosts[host].address}:{port}"), (host, port)
+            assert hc.answers(net, "cli", f"{net.hosts[host].address}:{port}"), (host, port)
     for nid in hc.NODES:
         shm = net.run(nid, ["sh", "-c", "ls /dev/shm"]).stdout.split()
         assert any(f.startswith("dualpath") for f in shm), (nid, shm)
@@ -471,6 +504,14 @@ def _replay_during(net: HostNet, fault, *, agents: int = 6, turns: int = 4,
     raise AssertionError(f"the fault's target held no work in {tries} replays")
 
 
+def _mismatched(res: dict) -> str:
+    """The records whose hit differs from the prediction (their attempts included): what a
+    failure needs to be explained, since the replay's output directory goes with the hosts."""
+    ids = set(res["summary"]["checks"]["hit_mismatch_examples"])
+    return "\n" + json.dumps([r for r in res.get("records", []) if r["request_id"] in ids],
+                              indent=1)
+
+
 def test_a_partitioned_decode_host_is_replanned_and_no_request_is_lost(net):
     def partition(replay) -> bool:
         epoch = _until_holding(net, "d1", replay)    # transfers under way on d1
@@ -501,7 +542,7 @@ def test_a_decode_host_killed_its_requests_finish_on_the_others(net):
     rc, text, res = _replay_during(net, kill)
     s = res["summary"]
     assert s["checks"]["all_finished"], text[-3000:]        # no request lost
-    assert s["checks"]["hit_mismatches"] == 0, text[-3000:]
+    assert s["checks"]["hit_mismatches"] == 0, text[-3000:] + _mismatched(res)
     assert s["checks"]["engine_byte_mismatches"] == 0, text[-3000:]
     sched = net.log_text("ctl", "dualpath-scheduler")
     assert "node_removed" in sched or "lease" in sched, sched[-3000:]

@@ -114,3 +114,55 @@ def test_a_hit_short_by_exactly_the_reported_lost_write_is_explained_not_a_misma
     assert checks["hit_short_by_lost_writes"] == 1
     assert checks["hit_mismatches"] == 2
     assert checks["hit_mismatch_examples"] == ["wrong", "unreported"]
+
+
+def test_a_hit_of_0_from_a_failed_lookup_is_explained_not_a_mismatch():
+    """The scheduler takes the hit as 0 when its storage lookup fails or outlasts
+    hit_lookup_timeout_s, and says so (hit_lookup_failed); only that hit of 0 is explained."""
+    from tools.replay.driver import RequestRecord
+    from tools.replay.results import _checks
+
+    def rec(rid: str, hit: int, failed: bool) -> RequestRecord:
+        return RequestRecord(request_id=rid, session_id=rid, turn=1, prompt_tokens=512,
+                             gen_tokens=1, expected_hit=256, hit_tokens=hit,
+                             hit_lookup_failed=failed, outcome="finished")
+    records = [rec("ok", 256, False), rec("unlooked", 0, True), rec("half", 128, True),
+               rec("silent", 0, False)]
+    checks = _checks(records, records)
+    assert checks["hit_zero_by_failed_lookup"] == 1
+    assert checks["hit_mismatch_examples"] == ["half", "silent"]
+
+
+async def test_a_replay_whose_lookups_fail_records_it_and_its_checks_hold(tmp_path):
+    # The CI on 150eaeb: a namespace-host replay counted 1 hit mismatch in 30 turns while its
+    # whole host stood still for seconds: the scheduler's 1-s lookup gave up (hit 0, every
+    # token computed: correct) and said so, but the replay did not record it. Here every
+    # session's third lookup (turn 2) fails outright.
+    from common.errors import Unavailable
+    from tools.replay.workloads import AgenticSpec
+    spec = AgenticSpec("32k", agents=2, seed=3, scale=0.0625, max_turns=2)
+    async with start_cluster(cluster(), storage_root=tmp_path) as c:
+        hits = c.scheduler.hits
+        asked: dict[str, int] = {}
+        lookup = hits.lookup
+
+        async def third_fails(session_id: str, keys: list[str]) -> int:
+            asked[session_id] = asked.get(session_id, 0) + 1
+            if asked[session_id] == 3:
+                raise Unavailable("the storage index did not answer")
+            return await lookup(session_id, keys)
+        hits.lookup = third_fails
+        res = await replay(ClusterTarget.from_inprocess(c), spec, progress=False,
+                           sample_s=0.1)
+        assert c.leaks() == {n: 0 for n in c.nodes}
+        assert c.scheduler.counters["hit_lookup_failures"] == 2
+    recs = {r["request_id"]: r for r in res["records"]}
+    unlooked = [r for r in recs.values() if r["hit_lookup_failed"]]
+    assert sorted(r["turn"] for r in unlooked) == [2, 2]
+    assert all(r["hit_tokens"] == 0 and r["expected_hit"] > 0 for r in unlooked)
+    s = res["summary"]
+    checks = s["checks"]
+    assert checks["all_finished"] and checks["hit_predicted"] == 6
+    assert checks["hit_zero_by_failed_lookup"] == 2 and checks["hit_mismatches"] == 0
+    assert checks["storage_read_matches_hits"] and checks["every_prompt_verified"]
+    assert "explained: 2 hit 0 by a failed lookup" in "\n".join(summary_rows("t", s))

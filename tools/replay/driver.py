@@ -49,6 +49,9 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     # what the cluster says an earlier turn stored but the lookup did not find (its write-back
     # was lost with a node): the hit is shorter than the client's prediction by this much
     hit_shortfall_tokens: int = 0
+    # the scheduler's storage lookup failed or outlasted hit_lookup_timeout_s, so it took the
+    # hit as 0 (correct, only slower: everything is computed); never a mismatch of the data
+    hit_lookup_failed: bool = False
     read_side: str | None = None
     split_tokens: int = 0             # read side "split": the DE's leading part of the hit
     pe_node: str | None = None
@@ -191,6 +194,7 @@ def _apply(rec: RequestRecord, ev: Any) -> None:
         case RequestQueued():
             rec.hit_tokens = ev.hit_tokens
             rec.hit_shortfall_tokens = ev.hit_shortfall_tokens
+            rec.hit_lookup_failed = ev.hit_lookup_failed
         case RequestPlaced():
             rec.attempts += 1                # one placement per attempt
             rec.read_side, rec.pe_node, rec.de_node = ev.read_side, ev.pe_node, ev.de_node
@@ -202,6 +206,7 @@ def _apply(rec: RequestRecord, ev: Any) -> None:
             rec.outcome, rec.code, rec.message = "finished", None, None
             rec.tokens, rec.hit_tokens = ev.tokens, ev.hit_tokens
             rec.hit_shortfall_tokens = ev.hit_shortfall_tokens
+            rec.hit_lookup_failed = ev.hit_lookup_failed
             rec.ttft_s, rec.ttst_s, rec.tpot_s, rec.e2e_s = ev.ttft_s, ev.ttst_s, ev.tpot_s, \
                 ev.e2e_s
             out = ev.output_token_ids

@@ -106,12 +106,17 @@ def _checks(records: list[RequestRecord], fin: list[RequestRecord]) -> dict[str,
     # turn's write-back died with its node: recomputed, correct) is explained, not a mismatch
     lost = [r for r in predicted if r.hit_shortfall_tokens > 0 and r.expected_hit is not None
             and r.hit_tokens == r.expected_hit - r.hit_shortfall_tokens]
+    # a hit of 0 because the scheduler's lookup failed (it says so: hit_lookup_failed) is
+    # explained too: the cluster computed the whole prompt, as designed for a slow index
+    unlooked = [r for r in predicted if r.hit_lookup_failed and r.hit_tokens == 0
+                and r.expected_hit]
     wrong = [r.request_id for r in predicted
-             if r.hit_tokens != r.expected_hit and r not in lost]
+             if r.hit_tokens != r.expected_hit and r not in lost and r not in unlooked]
     return {"all_finished": len(fin) == len(records) and bool(records),
             "hit_predicted": len(predicted), "hit_mismatches": len(wrong),
             "hit_mismatch_examples": wrong[:5],
             "hit_short_by_lost_writes": len(lost),
+            "hit_zero_by_failed_lookup": len(unlooked),
             "turns_hitting_previous_write": sum(1 for r in predicted
                                                 if r.turn > 0 and (r.hit_tokens or 0) > 0),
             "output_length_wrong": sum(1 for r in fin if r.output_ok is False)}
@@ -279,7 +284,8 @@ def summary_rows(name: str, s: dict[str, Any]) -> list[str]:
                                 for n, u in links.get("mean_utilisation", {}).items()))
     c = s["checks"]
     rows.append(f"  checks: all finished {c['all_finished']}, hit mismatches "
-                f"{c['hit_mismatches']}/{c['hit_predicted']}, storage bytes = hits "
+                f"{c['hit_mismatches']}/{c['hit_predicted']}"
+                + _explained(c) + ", storage bytes = hits "
                 f"{c.get('storage_read_matches_hits', '-')}"
                 + (f" (within {c['storage_read_bytes_unreported_bound'] / 1e6:.1f} MB of reads "
                    "by cut-off nodes)" if c.get("storage_read_bytes_unreported_bound") else "")
@@ -292,3 +298,11 @@ def summary_rows(name: str, s: dict[str, Any]) -> list[str]:
                     f"{fmt(reread, 1e-6, ' MB')}): "
                     + ", ".join(f"{k} {n}" for k, n in retried.items()))
     return rows
+
+
+def _explained(c: dict[str, Any]) -> str:
+    """The hits that differ from the prediction for a reason the cluster reported."""
+    reasons = (("hit_short_by_lost_writes", "short by a lost write-back"),
+               ("hit_zero_by_failed_lookup", "hit 0 by a failed lookup"))
+    parts = [f"{c[k]} {what}" for k, what in reasons if c.get(k)]
+    return f" (explained: {', '.join(parts)})" if parts else ""

@@ -13,7 +13,7 @@ from tests.helpers import until
 
 
 def fetch(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         return r.read().decode()
 
 

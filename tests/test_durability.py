@@ -51,7 +51,7 @@ from storage_gateway.block_format import (HEADER_SIZE, QUARANTINE_DIR, TEMP_PREF
 from storage_gateway.client import GatewayClient, block_slots
 from storage_gateway.config import GatewayConfig
 from storage_gateway.service import GatewayNodeConfig, GatewayService, GatewayServiceConfig
-from tests.helpers import wait_until
+from tests.helpers import HIT_LOOKUP_S, wait_until
 from tests.test_gateway_service import run_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.usefixtures("keep_logging")]
@@ -76,7 +76,8 @@ def cluster_data(tmp: Path, *, kv: dict | None = None, buffers: int = 16 * MiB,
          "transport": {"staging_bytes": 16 * MiB}, "gateway": {"io_threads": 2},
          "gateway_service": {"staging_bytes": 16 * MiB, "max_batch_bytes": 4 * MiB},
          "pe_receiver": {"buffer_bytes": buffers}, "de_loader": {"buffer_bytes": buffers},
-         "scheduler_service": {"fetch_interval_s": 0.01, "heartbeat_s": 0.5},
+         "scheduler_service": {"fetch_interval_s": 0.01, "heartbeat_s": 0.5,
+                                "hit_lookup_timeout_s": HIT_LOOKUP_S},
          "rpc": {"default_deadline_s": 60.0}, "logging": {"level": "warning"}}
     for k, v in sections.items():
         d.setdefault(k, {}).update(v)

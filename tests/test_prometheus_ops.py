@@ -70,7 +70,7 @@ def ops_cluster(tmp: Path) -> dict[str, Any]:
 
 def api(port: int, path: str, **params: str) -> Any:
     url = f"http://127.0.0.1:{port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-    with urllib.request.urlopen(url, timeout=5) as r:
+    with urllib.request.urlopen(url, timeout=30) as r:     # a deadline, not a speed check
         body = json.load(r)
     assert body["status"] == "success", body
     return body["data"]

@@ -41,7 +41,7 @@ from tools.proc_group import group_files, group_pids, private_ipc_env, remove_fi
 
 from . import real_engines
 from .config import (ROLE_SERVICE, Cluster, check_local_resources, check_ports_free,
-                     pd_warning)
+                     free_port, pd_warning)
 from .toml_write import dumps
 
 STATE_FILE = "state.json"
@@ -333,13 +333,31 @@ class Launcher:
         argv = [self.python, "-m", "tools.cluster.serve", service, "-c", self.state.config]
         if node is not None:
             argv += ["--node", node]
+        extra = extra or []
+        if "--port" not in extra:
+            argv += self._rpc_port(service, node)
         if c.metrics and c.metrics_port(service, node) is None:
             # 0: the service binds any free port and reports it in its ready file; a port
             # picked here and bound there can be taken in between (seen: a de_loader exited
             # "Address already in use" while another test started services)
             argv += ["--metrics-port", "0"]
-        return real_engines.Command(name, service, node or "scheduler", argv + (extra or []),
-                                    {}, None)
+        return real_engines.Command(name, service, node or "scheduler", argv + extra, {}, None)
+
+    def _rpc_port(self, service: str, node: str | None) -> list[str]:
+        """``--port`` for a service whose port the cluster file leaves open: picked below the
+        kernel's ephemeral range (``free_port``). ``restart`` binds a killed service's old port
+        again; one the kernel had handed out (bound at 0) could meanwhile be any outgoing
+        connection's local port, and the restart failed "address already in use" (ci123)."""
+        c = self.cluster.spec
+        if service == "scheduler":
+            fixed, host = c.scheduler_port, c.scheduler_host or c.host
+        elif service in ("gateway", "pe_receiver", "de_loader") and node is not None:
+            n = c.node(node)
+            fixed = n.gateway_port if service == "gateway" else n.rpc_port
+            host = c.node_host(n)
+        else:
+            return []                   # no RPC port of its own (engine_sim)
+        return [] if fixed else ["--port", str(free_port(host))]
 
     def _wave(self, items: list[real_engines.Command], timeout_s: float | None = None) -> None:
         started = [self._spawn(cmd) for cmd in items]

@@ -386,8 +386,9 @@ def test_prometheus_on_a_host_scrapes_every_service_and_the_dashboard_has_data(n
 # ---------------------------------------------------------------------------- chaos across hosts
 
 # Run on ``cli`` until a condition on the cluster holds (exit 0), or 1 when ``deadline`` s pass:
-#   holding NODE       NODE's service is registered and holds an attempt (GetStats over its RPC
-#                      port, every 20 ms); prints the registration epoch
+#   holding NODE [E N] NODE's service is registered and holds an attempt (GetStats over its RPC
+#                      port, every 20 ms) once N more requests finished than when the probe
+#                      started (E: the epoch if known, else 0); prints the registration epoch
 #   registered NODE    the scheduler lists NODE's service (prints its registration epoch)
 #   not-epoch NODE E   the scheduler no longer lists NODE under registration epoch E
 _PROBE = """
@@ -398,15 +399,24 @@ from common.protocol import ErrorReply, GetStats, GetStatsReply
 from common.rpc_client import RpcClient
 from services.scheduler.client.client import SchedulerClient
 
-async def main(what, node, host, port, sched_host, sched_port, deadline, epoch="0"):
+async def main(what, node, host, port, sched_host, sched_port, deadline, epoch="0",
+               after="0"):
     node_rpc = RpcClient(RpcConfig(), host, int(port), role="monitor", node_id="test",
                          reply_type=Union[GetStatsReply, ErrorReply])
     sched = SchedulerClient(sched_host, int(sched_port))
     end = time.monotonic() + float(deadline)
+    finished = None                         # the scheduler's count when the probe started
     try:
         while time.monotonic() < end:
             try:
                 if what == "holding":
+                    if int(after) > 0:
+                        done = (await sched.cluster_status(timeout=2.0)).counters["finished"]
+                        finished = done if finished is None else finished
+                        if done < finished + int(after):
+                            await asyncio.sleep(0.05)
+                            continue
+                        after = "0"
                     if epoch == "0":
                         st = await sched.cluster_status(timeout=2.0)
                         epoch = next((str(n.epoch) for n in st.nodes if n.node_id == node
@@ -454,11 +464,12 @@ def _probe(net: HostNet, what: str, node: str, *extra: str, deadline: float = 12
 _PROBES = itertools.count()
 
 
-def _until_holding(net: HostNet, node: str, replay) -> int | None:
-    """Until ``node`` is registered and holds attempts of the running replay: the fault lands on
-    work in flight, not on a moment that happens to be idle (no fixed head start). Returns the
-    registration epoch the fault will end, or None when the replay ended first (the scheduler
-    placed none of its work there: the caller runs another).
+def _until_holding(net: HostNet, node: str, replay, after: int = 0) -> int | None:
+    """Until ``node`` is registered and holds attempts of the running replay, once ``after`` of
+    its requests finished: the fault lands on work in flight, not on a moment that happens to
+    be idle (no fixed head start). Returns the registration epoch the fault will end, or None
+    when the replay ended first (the scheduler placed none of its work there: the caller runs
+    another).
 
     One probe process watches for the replay's whole run (a probe restarted in slices missed
     short replays under load: its own start-up took most of each slice); it is stopped when
@@ -466,7 +477,8 @@ def _until_holding(net: HostNet, node: str, replay) -> int | None:
     name = f"probe-holding-{next(_PROBES)}"
     probe = net.spawn("cli", [sys.executable, "-c", _PROBE, "holding", node,
                               net.hosts[node].address, str(hc.RPC_PORT),
-                              net.hosts["ctl"].address, str(hc.SCHEDULER_PORT), "400"],
+                              net.hosts["ctl"].address, str(hc.SCHEDULER_PORT), "400", "0",
+                              str(after)],
                       env=hc.unit_env(net, "cli"), log_name=name)
     try:
         while probe.poll() is None and replay.poll() is None:
@@ -532,9 +544,11 @@ def test_a_partitioned_decode_host_is_replanned_and_no_request_is_lost(net):
 
 
 def test_a_decode_host_killed_its_requests_finish_on_the_others(net):
-    """Last in the module: d1's services stay dead."""
+    """Last in the module: d1's services stay dead. The kill waits until every agent's first
+    turn could have finished (6 requests), so it mostly strikes turns with hits: reads from d1's
+    gateway, write-backs the next turn counts on (ci122's mismatch came from such a kill)."""
     def kill(replay) -> bool:
-        if _until_holding(net, "d1", replay) is None:
+        if _until_holding(net, "d1", replay, after=6) is None:
             return False
         net.kill_host("d1")                  # the machine's services die (SIGKILL)
         return True

@@ -349,15 +349,10 @@ class Launcher:
         again; one the kernel had handed out (bound at 0) could meanwhile be any outgoing
         connection's local port, and the restart failed "address already in use" (ci123)."""
         c = self.cluster.spec
-        if service == "scheduler":
-            fixed, host = c.scheduler_port, c.scheduler_host or c.host
-        elif service in ("gateway", "pe_receiver", "de_loader") and node is not None:
-            n = c.node(node)
-            fixed = n.gateway_port if service == "gateway" else n.rpc_port
-            host = c.node_host(n)
-        else:
-            return []                   # no RPC port of its own (engine_sim)
-        return [] if fixed else ["--port", str(free_port(host))]
+        if service not in ("scheduler", "gateway", "pe_receiver", "de_loader") \
+                or c.rpc_port(service, node):
+            return []                   # no control port of its own (engine_sim), or fixed
+        return ["--port", str(free_port(c.service_host(service, node)))]
 
     def _wave(self, items: list[real_engines.Command], timeout_s: float | None = None) -> None:
         started = [self._spawn(cmd) for cmd in items]

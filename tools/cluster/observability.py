@@ -60,7 +60,7 @@ def metrics_targets(cluster: Cluster, host_of: Callable[[str, str | None], str] 
     def host(service: str, node: str | None) -> str:
         if host_of is not None:
             return host_of(service, node)
-        return c.scheduler_host or c.host if node is None else c.node_host(c.node(node))
+        return c.service_host(service, node)
     wanted: list[tuple[str, str | None]] = [("scheduler", None)]
     for n in c.nodes:
         wanted += [("gateway", n.id), (ROLE_SERVICE[n.role], n.id)]

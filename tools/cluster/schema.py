@@ -138,6 +138,19 @@ class ClusterSection(Section):
         n = self.node(node_id or "")
         return n.gateway_metrics_port if service == "gateway" else n.metrics_port
 
+    def rpc_port(self, service: str, node_id: str | None) -> int | None:
+        """The fixed control port of ``service`` (on ``node_id``); None: none configured."""
+        if service == "scheduler":
+            return self.scheduler_port or None
+        n = self.node(node_id or "")
+        return (n.gateway_port if service == "gateway" else n.rpc_port) or None
+
+    def service_host(self, service: str, node_id: str | None) -> str:
+        """The address ``service`` (on ``node_id``) binds and is reached at."""
+        if service == "scheduler":
+            return self.scheduler_host or self.host
+        return self.node_host(self.node(node_id or ""))
+
     @property
     def slo(self) -> float:
         return self.slo_scale if self.slo_scale is not None else self.time_scale

@@ -175,12 +175,12 @@ def health(net: HostNet, on_host: str, addr: str) -> bool:
 def answers(net: HostNet, on_host: str, addr: str, deadline_s: float = 60.0) -> bool:
     """Whether ``addr`` passes the probe from ``on_host`` within ``deadline_s``: the service is
     up, and a try lost to a stalled host is tried again (failureThreshold, as ``wait_for``)."""
-    end = time.monotonic() + deadline_s
-    while not health(net, on_host, addr):
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.3)
-    return True
+    try:
+        wait_for(net, on_host, lambda: health(net, on_host, addr), f"probe of {addr}",
+                 deadline_s=deadline_s)
+        return True
+    except DualpathError:
+        return False
 
 
 def wait_for(net: HostNet, host: str, ready: Any, what: str,

@@ -110,8 +110,9 @@ def _checks(records: list[RequestRecord], fin: list[RequestRecord]) -> dict[str,
     # explained too: the cluster computed the whole prompt, as designed for a slow index
     unlooked = [r for r in predicted if r.hit_lookup_failed and r.hit_tokens == 0
                 and r.expected_hit]
+    explained = {r.request_id for r in lost + unlooked}
     wrong = [r.request_id for r in predicted
-             if r.hit_tokens != r.expected_hit and r not in lost and r not in unlooked]
+             if r.hit_tokens != r.expected_hit and r.request_id not in explained]
     return {"all_finished": len(fin) == len(records) and bool(records),
             "hit_predicted": len(predicted), "hit_mismatches": len(wrong),
             "hit_mismatch_examples": wrong[:5],

@@ -21,6 +21,7 @@ import pytest
 
 from common.errors import ConfigError
 from tests.helpers import wait_until
+from tests.vllm_env import skip_or_fail
 from tools.cluster import cli
 from tools.cluster.config import free_port, load_data, read_toml
 from tools.cluster.real_engines import (front_command, front_url, instance_commands,
@@ -245,18 +246,49 @@ def test_status_of_services_started_by_hand_asks_the_configured_scheduler(tmp_pa
         sched.wait(timeout=30)
 
 
-_LEAVES_A_SOCKET = ("import os, socket; s = socket.socket(socket.AF_UNIX); "
-                    "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'queue'))")
+# What a vLLM instance leaves after it exits: a ZeroMQ socket file in VLLM_RPC_BASE_PATH and
+# its process group's file store, named as vllm.utils.network_utils.get_file_store_init_method
+# names it (in the temporary directory)
+_LEAVES_A_SOCKET_AND_A_STORE = (
+    "import os, socket, tempfile; s = socket.socket(socket.AF_UNIX); "
+    "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'queue')); "
+    "path = os.path.join(tempfile.gettempdir(), 'vllm_dist_0123'); open(path, 'w').write('x'); "
+    "print(path)")
 
 
 async def test_a_server_that_died_before_its_stop_still_loses_its_ipc_directory(tmp_path):
     """``tools.vllm_serve.start`` keeps the IPC directory it was given: ``stop`` removes it
-    though the process died first (its environment, where ``group_files`` looks, is gone)."""
+    though the process died first (its environment, where ``group_files`` looks, is gone),
+    and with it the files the instance left in its temporary directory."""
     from tools.vllm_serve import start, stop
     env = dict(os.environ, **private_ipc_env())
     ipc_dir = Path(env["VLLM_RPC_BASE_PATH"])
-    proc = await start([sys.executable, "-c", _LEAVES_A_SOCKET], env, tmp_path / "log")
+    assert env["TMPDIR"] == str(ipc_dir)
+    proc = await start([sys.executable, "-c", _LEAVES_A_SOCKET_AND_A_STORE], env,
+                       tmp_path / "log", pipe_stdout=True)
+    assert proc.stdout is not None
+    store = Path((await proc.stdout.readline()).decode().strip())
     assert await proc.wait() == 0
     assert (ipc_dir / "queue").is_socket()            # left behind, as vLLM's are
+    assert store.parent == ipc_dir and store.exists()
     await stop(proc)
-    assert not ipc_dir.exists()
+    assert not ipc_dir.exists() and not store.exists()
+
+
+def test_a_private_temporary_directory_keeps_the_shared_compile_cache():
+    """An instance's private ``TMPDIR`` does not move TorchInductor's cache: the directory
+    torch picks by default, so an instance does not recompile at every start."""
+    if not VLLM_PYTHON.exists():
+        skip_or_fail(f"{VLLM_PYTHON} missing: torch is only there")
+    env = private_ipc_env()
+    try:
+        torch_default = subprocess.run(
+            [str(VLLM_PYTHON), "-c", "from torch._inductor.runtime.cache_dir_utils import "
+             "default_cache_dir; print(default_cache_dir())"],
+            env={k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"},
+            capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            assert env["TORCHINDUCTOR_CACHE_DIR"] == torch_default
+        assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(env["TMPDIR"])
+    finally:
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)

@@ -7,8 +7,10 @@ engine core finished shutting down leaves them (94 such files, 1.2 GB of RAM, we
 a day of test runs). Its ZeroMQ IPC sockets (``$TMPDIR/<uuid4>``, one per queue between the
 server and the engine core) are left even by a clean stop: ~7 per instance, 3,300 in ``/tmp``
 after a day and a half of test runs, and a socket closed after start-up (the engine core's
-handshake) leaves its file before anyone could note it. So each instance we start gets a
-directory of its own for them (:func:`private_ipc_env`). :func:`end_group` stops a group so
+handshake) leaves its file before anyone could note it, and the torch ``FileStore`` of its
+process group (``$TMPDIR/vllm_dist_<uuid4>``) stays after every stop: ~8-10 per CI run. So
+each instance we start gets a directory of its own for them, its IPC and temporary directory
+(:func:`private_ipc_env`). :func:`end_group` stops a group so
 that nothing is left: it notes what the group maps, which socket files it is bound to and its
 IPC directory, waits (deadline) for the group to exit on its own after the leader was told to
 stop, kills what is left, then unlinks those noted files still present that we own and no live
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -32,10 +36,31 @@ IPC_DIR_PREFIX = "dualpath-vllm-ipc-"     # private_ipc_env's directories
 
 
 def private_ipc_env() -> dict[str, str]:
-    """The environment that puts one vLLM instance's ZeroMQ IPC socket files in a new
-    directory of its own (``VLLM_RPC_BASE_PATH``, default ``$TMPDIR``): :func:`group_files`
-    finds it in the instance's environment, :func:`remove_files` removes it with the group."""
-    return {"VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)}
+    """The environment that puts one vLLM instance's ZeroMQ IPC socket files
+    (``VLLM_RPC_BASE_PATH``) and its temporary files (``TMPDIR``: the process group's
+    ``vllm_dist_*`` file store) in a new directory of its own: :func:`group_files` finds it in
+    the instance's environment, :func:`remove_files` removes it with the group.
+
+    TorchInductor's compile cache stays where it was (``TORCHINDUCTOR_CACHE_DIR``, default
+    ``$TMPDIR/torchinductor_<user>``): it is meant to outlive an instance, and a private one
+    would recompile at every start. vLLM's download locks also follow ``TMPDIR``; the models
+    we serve are local directories, so no instance of ours takes one."""
+    own_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+    return {"VLLM_RPC_BASE_PATH": own_dir, "TMPDIR": own_dir,
+            "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
+
+
+def inductor_cache_dir() -> str:
+    """TorchInductor's cache directory as torch picks it by default (its own setting if one is
+    set): ``<temp dir>/torchinductor_<user>``, with torch's escaping of the user name."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(),
+                        "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def ipc_dir(pid: int) -> str | None:

@@ -56,6 +56,8 @@ FAILPOINTS: dict[str, str] = {
     "gw.write": "storage gateway: a write's blocks received, about to be stored",
     "node.sched.call": "PE receiver / DE loader: any call to the scheduler (register, "
                        "heartbeat, fetch, report)",
+    "vllm.step": "vLLM connector, worker side: a step bound its metadata, its forward about "
+                 "to run (delay: a step that does not end while the client's thread beats)",
 }
 ACTIONS = ("kill", "stop", "delay", "error", "partition", "latency")
 TIMED = ("delay", "partition", "latency")      # actions that take seconds: ACTION:S

@@ -18,6 +18,10 @@ real SIGKILL at a chosen step of a request (a failpoint armed in the victim over
 4b. a decode vLLM instance is frozen (SIGSTOP): its DE loader hears no beat for
    ``engine_silence_s`` and detaches it, the turns meanwhile are answered, and once resumed it
    attaches again by itself;
+4c. a decode vLLM instance's step does not end (``vllm.step=delay``, armed in its engine
+   process) while its worker's client thread still beats: past ``engine_stuck_s`` its DE
+   loader takes it out of service, what it held is re-planned, the turns meanwhile are
+   answered, and once the step ends it is back in service by itself;
 5. a decode vLLM instance is killed and stays dead: the scheduler takes its engine out of
    placement (its node reports it not attached) and every later turn is served by the other.
 
@@ -40,7 +44,10 @@ from pathlib import Path
 
 import pytest
 
+from common.config import RpcConfig
 from common.faults import FILE_ENV
+from common.protocol import GetStats, GetStatsReply
+from common.rpc import RpcClient
 from services.scheduler.client.client import SchedulerClient
 from tests.helpers import until
 from tests.vllm_env import require_vllm
@@ -56,6 +63,8 @@ GEN = 12
 FIRST = 600
 APPEND = 40
 ANSWER_S = 240.0        # a request's answer (output or typed error) within this, faults included
+STUCK_S = 15.0          # the DE loaders' engine_stuck_s here (120 s by default)
+HUNG_STEP_S = 45.0      # how long 4c's hung step lasts: well past STUCK_S
 
 
 class Agents:
@@ -126,7 +135,8 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
     fp_file = tmp_path / "failpoints"
     fp_file.write_text("")
     monkeypatch.setenv(FILE_ENV, str(fp_file))     # every service re-arms from it on SIGUSR1
-    launcher = Launcher(on_loopback(CONFIG, tmp_path / "cluster"))
+    launcher = Launcher(on_loopback(CONFIG, tmp_path / "cluster",
+                                    sections={"de_loader": {"engine_stuck_s": STUCK_S}}))
     state: State = await asyncio.to_thread(launcher.up)
     try:
         front = str(state.proc("front").url)
@@ -201,6 +211,39 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
                     os.kill(pid, signal.SIGCONT)
         await engine_placement(state.proc("scheduler").rpc_port, "d1.e0", attached=True)
 
+        # 4c. a decode vLLM instance whose step does not end (a hung kernel, a deadlocked
+        # collective) while its worker's client thread still beats: the beats say how long the
+        # step has run; past engine_stuck_s its DE loader takes it out of service (what the
+        # node still held for it fails retryable and re-plans; a turn already decoding inside
+        # vLLM resumes with the step) and the turns meanwhile are answered; once the step
+        # ends it is back in service: by its next beat (engines_unstuck) or, when a claim
+        # of its first step after the hang came first and was refused as out of service, by
+        # the attachment that claim made anew (docs/engine-api.md "A stuck engine")
+        victim = state.proc("vllm:d1.e0")
+        de_d1 = state.proc("de_loader:d1")
+        before = await node_stats(de_d1)
+        fp_file.write_text(f"vllm.step=delay:{HUNG_STEP_S:g}")
+        os.kill(worker_pid(victim.pid), signal.SIGUSR1)
+        for _ in range(4):                     # the scheduler places: d1 may not get one
+            for out in await asyncio.gather(*(agents.turn(a) for a in range(3))):
+                check_answered(out)
+            if "FAILPOINT vllm.step" in Path(victim.log).read_text(errors="replace"):
+                break
+        else:
+            raise AssertionError("no turn reached d1's vLLM in 4 rounds")
+        fp_file.write_text("")
+
+        def grew(key: str):
+            return lambda st: st.get(key, 0) > before.get(key, 0)
+        # (the step may hang after the turn it served was answered: the judgement comes now)
+        await until_async(lambda: node_stats(de_d1), grew("engine_api_engines_stuck"),
+                          HUNG_STEP_S + 60, "d1's engine out of service while its step hung")
+        await until_async(lambda: node_stats(de_d1),
+                          lambda st: grew("engine_api_engines_unstuck")(st)
+                          or grew("engine_api_attaches")(st),
+                          HUNG_STEP_S + 60, "d1's engine back in service after its step ended")
+        await engine_placement(state.proc("scheduler").rpc_port, "d1.e0", attached=True)
+
         # 5. a decode vLLM instance is SIGKILLed and stays dead: its DE loader reports its
         # engine not attached, the scheduler places nothing more on it, and every turn is
         # served by the other decode instance (before, each placement there waited for its
@@ -240,6 +283,34 @@ def kill_instance(pgid: int) -> None:
         if b"resource_tracker" not in cmdline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def worker_pid(pgid: int) -> int:
+    """The worker process of a vLLM instance (group ``pgid``, ``VLLM::Worker``, a child of
+    its engine core): where the forward, and so the connector's ``vllm.step``, runs."""
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError):
+            if pid != pgid and b"::Worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError(f"no VLLM::Worker process in vLLM group {pgid}: {group_pids(pgid)}")
+
+
+async def node_stats(proc) -> dict[str, float]:
+    """A node service's counters (``GetStats``)."""
+    async with RpcClient(RpcConfig(), proc.host, int(proc.rpc_port), role="test",
+                         node_id="t", reply_type=GetStatsReply) as rpc:
+        return dict((await rpc.call(GetStats(), 30)).counters)
+
+
+async def until_async(probe, done, timeout_s: float, what: str) -> None:
+    """Until ``done(await probe())``, or fail after ``timeout_s`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = await probe()
+        if done(last):
+            return
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s ({last})"
+        await asyncio.sleep(0.2)
 
 
 def wait_dead(proc, timeout_s: float = 120.0) -> None:

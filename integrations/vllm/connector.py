@@ -29,6 +29,8 @@ them; not supported yet (docs/vllm.md, "Collectives").
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from common import faults
 from common.kv import PRESETS
 from integrations.vllm.kv_spec import (check_failure_policy, check_same_layout, check_supported,
                                        spec_from_vllm)
@@ -86,6 +89,16 @@ def _make_source(extra: dict[str, Any], vllm_config: VllmConfig) -> KVSource:
     raise ValueError(f"DualPathConnector: unknown source {kind!r} (known: local, engine)")
 
 
+def _rearm_failpoints_on_sigusr1() -> None:
+    """Fault tests arm failpoints (``common.faults``) in a running instance's worker process
+    over SIGUSR1 when ``DUALPATH_FAILPOINTS_FILE`` is set, as in every service: in the worker
+    process (where ``vllm.step`` sits) and in the engine core (the scheduler side, so a
+    signal sent there is no kill). Only a process's main thread, where vLLM makes its
+    connectors, may install the handler."""
+    if os.environ.get(faults.FILE_ENV) and threading.current_thread() is threading.main_thread():
+        faults.check_env()
+
+
 class DualPathConnector(KVConnectorBase_V1):
     """vLLM KV connector whose hits and new KV go through dualpath (module docstring)."""
 
@@ -112,6 +125,7 @@ class DualPathConnector(KVConnectorBase_V1):
             claim_timeout_s=float(extra.get("claim_timeout_s", 300.0)),
             open_threads=int(extra.get("open_threads", 64)))
         self._worker_meta: KVConnectorWorkerMetadata | None = None
+        _rearm_failpoints_on_sigusr1()
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request,
@@ -147,6 +161,7 @@ class DualPathConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._worker.step_began()       # a step's first connector call, forward or not
+        faults.failpoint("vllm.step")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start(forward_context)

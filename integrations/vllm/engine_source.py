@@ -96,7 +96,7 @@ class EngineSource:
             if client is not None and client.connected:
                 continue
             if client is not None:
-                self._drop(client)
+                self._drop(client, "its connection to the node is down")
             try:
                 with self._lock:     # close() sets the event first, then takes the lock
                     if self._stop_keeping.is_set():
@@ -168,8 +168,8 @@ class EngineSource:
             try:
                 return self._claim(getattr(client, method), request_id, timeout_s, stop,
                                    attempt)
-            except (PeerFailed, Unavailable, OSError):
-                self._drop(client)
+            except (PeerFailed, Unavailable, OSError) as e:
+                self._drop(client, f"{method} of {request_id!r} failed: {e}")
                 if retry or not stale:
                     raise
         raise AssertionError("unreachable")
@@ -210,13 +210,14 @@ class EngineSource:
             raise InvalidArgument(f"request {info.request_id}: the plan's block keys are not "
                                   "the keys of vLLM's prompt token ids")
 
-    def _drop(self, client: SyncEngineClient) -> None:
+    def _drop(self, client: SyncEngineClient, reason: str) -> None:
         """Drop ``client`` if it is still the attachment (another thread may have replaced
-        it already)."""
+        it already); the next call attaches anew."""
         with self._lock:
             if self._client is not client:
                 return
             self._client = None
+        log.warning("dualpath_attachment_dropped", engine=self._engine_id, reason=reason)
         self._close(client)
 
     def close(self) -> None:

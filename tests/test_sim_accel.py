@@ -117,7 +117,8 @@ _SCENARIOS = """
     from sim.recorded import load_workload
     from sim.run import simulate_trace
     from tests.trace_files import write_agentic
-    trace = load_workload(write_agentic(pathlib.Path(tempfile.mkdtemp()) / "c", n_files=2))
+    with tempfile.TemporaryDirectory() as tmp:     # read whole: nothing left behind
+        trace = load_workload(write_agentic(pathlib.Path(tmp) / "c", n_files=2))
     runs["trace"] = simulate_trace("configs/sim-2p4d-ds660b.toml", "dualpath", trace, online=True,
                                    aps=0.5, repeat=3)
     for r in runs.values():

@@ -46,10 +46,9 @@ import pytest
 
 from common.config import RpcConfig
 from common.faults import FILE_ENV
-from common.protocol import GetStats, GetStatsReply
-from common.rpc import RpcClient
 from services.scheduler.client.client import SchedulerClient
 from tests.helpers import until
+from tests.test_durability import service_stats
 from tests.vllm_env import require_vllm
 from tools.cluster.launcher import Launcher, State, alive
 from tools.cluster.real_engines import on_loopback
@@ -220,8 +219,9 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         # of its first step after the hang came first and was refused as out of service, by
         # the attachment that claim made anew (docs/engine-api.md "A stuck engine")
         victim = state.proc("vllm:d1.e0")
-        de_d1 = state.proc("de_loader:d1")
-        before = await node_stats(de_d1)
+        loader = state.proc("de_loader:d1")
+        de_d1 = {"d1": (loader.host, int(loader.rpc_port))}
+        before = (await service_stats(RpcConfig(), de_d1))["d1"]
         fp_file.write_text(f"vllm.step=delay:{HUNG_STEP_S:g}")
         os.kill(worker_pid(victim.pid), signal.SIGUSR1)
         for _ in range(4):                     # the scheduler places: d1 may not get one
@@ -233,15 +233,15 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
             raise AssertionError("no turn reached d1's vLLM in 4 rounds")
         fp_file.write_text("")
 
-        def grew(key: str):
-            return lambda st: st.get(key, 0) > before.get(key, 0)
+        async def grew(*keys: str) -> bool:
+            now = (await service_stats(RpcConfig(), de_d1))["d1"]
+            return any(now.get(k, 0) > before.get(k, 0) for k in keys)
         # (the step may hang after the turn it served was answered: the judgement comes now)
-        await until_async(lambda: node_stats(de_d1), grew("engine_api_engines_stuck"),
-                          HUNG_STEP_S + 60, "d1's engine out of service while its step hung")
-        await until_async(lambda: node_stats(de_d1),
-                          lambda st: grew("engine_api_engines_unstuck")(st)
-                          or grew("engine_api_attaches")(st),
-                          HUNG_STEP_S + 60, "d1's engine back in service after its step ended")
+        await until(lambda: grew("engine_api_engines_stuck"), HUNG_STEP_S + 60,
+                    "d1's engine out of service while its step hung", interval=0.2)
+        await until(lambda: grew("engine_api_engines_unstuck", "engine_api_attaches"),
+                    HUNG_STEP_S + 60, "d1's engine back in service after its step ended",
+                    interval=0.2)
         await engine_placement(state.proc("scheduler").rpc_port, "d1.e0", attached=True)
 
         # 5. a decode vLLM instance is SIGKILLed and stays dead: its DE loader reports its
@@ -293,24 +293,6 @@ def worker_pid(pgid: int) -> int:
             if pid != pgid and b"::Worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
     raise AssertionError(f"no VLLM::Worker process in vLLM group {pgid}: {group_pids(pgid)}")
-
-
-async def node_stats(proc) -> dict[str, float]:
-    """A node service's counters (``GetStats``)."""
-    async with RpcClient(RpcConfig(), proc.host, int(proc.rpc_port), role="test",
-                         node_id="t", reply_type=GetStatsReply) as rpc:
-        return dict((await rpc.call(GetStats(), 30)).counters)
-
-
-async def until_async(probe, done, timeout_s: float, what: str) -> None:
-    """Until ``done(await probe())``, or fail after ``timeout_s`` naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        last = await probe()
-        if done(last):
-            return
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s ({last})"
-        await asyncio.sleep(0.2)
 
 
 def wait_dead(proc, timeout_s: float = 120.0) -> None:

@@ -36,6 +36,10 @@ class GatewayConfig(Section, frozen=True):
     max_queued_requests: NonNegInt = 1024        # waiting read requests; above → OVERLOADED
     max_concurrent_writes: PositiveInt = 4       # leaves I/O threads for reads while writes fsync
     read_batch_bytes: PositiveInt = 4 * MiB      # blocks per thread job / link charge (≥ 1 block)
+    # who the link and the I/O jobs serve next (docs/storage.md, "Read order"): "shared" =
+    # every running request a turn in round robin, so requests admitted together end together;
+    # "arrival" = the earliest request first, so they end one after another
+    read_order: Literal["arrival", "shared"] = "shared"
     overloaded_retry_after_s: NonNegFloat = 0.05
     link_rate_bytes_per_s: NonNegFloat = 0.0     # emulated SNIC; 0 = unlimited (real hardware)
     link_burst_bytes: NonNegInt = 4 * MiB

@@ -155,6 +155,7 @@ def staging_dests(alloc: Allocation, spec: KVSpec, n: int, layer_major: bool) ->
 class _ReadOutcome:
     found: list[bool]
     owner: str
+    order: int              # the store's order key: every batch keeps the request's place
     corrupt: int = 0
     queued_s: float = 0.0
     read_s: float = 0.0
@@ -325,7 +326,8 @@ class GatewayService(Service):
     async def _read(self, msg: ReadBlocks, ctx: CallContext) -> ReadBlocksReply | ShmUnavailable:
         with bound_contextvars(request_id=msg.request_id):
             t0 = time.monotonic()
-            out = _ReadOutcome([False] * len(msg.keys), owner=self._owner("read", msg.request_id))
+            out = _ReadOutcome([False] * len(msg.keys), owner=self._owner("read", msg.request_id),
+                               order=self.store.next_order())
             try:
                 plans = self._check_read(msg)
                 dests = self._shm_dests(msg, plans) if msg.shm_segment else None
@@ -383,7 +385,8 @@ class GatewayService(Service):
             self._pending_tokens -= out.pending_tokens      # the store's queue counts them now
             out.pending_tokens = 0
             res = await self.store.read_blocks(msg.keys, dests, request_id=msg.request_id,
-                                               timeout_s=_left(deadline_at), spread=True)
+                                               timeout_s=_left(deadline_at), spread=True,
+                                               order=out.order)
             out.queued_s, out.read_s, out.corrupt = res.queued_s, res.read_s, len(res.corrupt)
             for i, found in enumerate(res.found):
                 out.found[i] = found
@@ -464,7 +467,7 @@ class GatewayService(Service):
         out.pending_tokens -= tokens          # from here the store's read queue counts them
         self._pending_tokens -= tokens
         res = await self.store.read_blocks(plan.keys, dests, request_id=rid,
-                                           timeout_s=_left(deadline_at))
+                                           timeout_s=_left(deadline_at), order=out.order)
         out.queued_s += res.queued_s
         out.read_s += res.read_s
         out.corrupt += len(res.corrupt)

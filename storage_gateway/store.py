@@ -33,6 +33,7 @@ from storage_gateway.block_index import BlockIndex
 from storage_gateway.config import GatewayConfig
 from storage_gateway.destinations import Destination, normalize_destinations, normalize_payload
 from storage_gateway.link_shaper import LinkShaper
+from storage_gateway.priority_gate import PriorityGate
 from storage_gateway.read_queue import ReadQueue
 
 log = structlog.get_logger(__name__)
@@ -95,6 +96,10 @@ class GatewayStore:
             max_keys=cfg.max_keys_per_request, max_bytes=cfg.max_bytes_per_request,
             retry_after_s=cfg.overloaded_retry_after_s)
         self.shaper = LinkShaper(cfg.link_rate_bytes_per_s, cfg.link_burst_bytes, cfg.link_chunk_bytes)
+        # read jobs in flight over all requests: enough to keep every I/O thread busy with one
+        # queued behind it; handed out by order key, like the link (docs/storage.md, "Read order")
+        self._io_jobs = PriorityGate(2 * cfg.io_threads)
+        self._arrivals = itertools.count(1)
         self._state = "init"
         self._start_lock = asyncio.Lock()
         self._write_sem = asyncio.Semaphore(cfg.max_concurrent_writes)
@@ -171,6 +176,16 @@ class GatewayStore:
         """Tokens queued + being read on this node (paper §5.1)."""
         return self.read_queue.read_q
 
+    def next_order(self) -> int:
+        """An order key for a request arriving now: with ``read_order = "arrival"`` its reads
+        are served before those of every request that arrives later."""
+        return next(self._arrivals)
+
+    def _order_key(self, order: int | None) -> int:
+        if self.cfg.read_order == "shared":
+            return 0
+        return self.next_order() if order is None else order
+
     def contains(self, key: str) -> bool:
         return validate_key(key) in self.index
 
@@ -224,7 +239,7 @@ class GatewayStore:
     # ------------------------------------------------------------------ reads
     async def read_blocks(self, keys: Sequence[str], destinations: Sequence, *,
                           request_id: str | None = None, timeout_s: float | None = None,
-                          spread: bool = False) -> ReadResult:
+                          spread: bool = False, order: int | None = None) -> ReadResult:
         """ReadBlocks: read stored blocks of ``keys`` into ``destinations`` (one per key).
 
         A destination is a buffer of at least one Full Block, or a list of contiguous views
@@ -234,25 +249,28 @@ class GatewayStore:
         ``spread``: cut the request into about one job per I/O thread (at least
         ``read_batch_bytes`` each) instead of ``read_batch_bytes`` jobs — fewer thread
         hand-offs for a large request nothing downstream waits on piecewise (shm reads).
+        ``order``: the request's ``next_order()`` when it is read in several calls (batches),
+        so all of them keep its place; None = it arrives now.
         """
         keys = validate_keys(keys)
         self.read_queue.check_limits(len(keys))
         dests = normalize_destinations(destinations, len(keys), self.block_bytes)
         rid = request_id or f"read-{next(self._req_ids)}"
+        order = self._order_key(order)
         with self._op():
             self._stats["read_requests"] += 1
             if timeout_s is None:
-                return await self._read(rid, keys, dests, spread)
+                return await self._read(rid, keys, dests, spread, order)
             try:
                 async with asyncio.timeout(timeout_s):
-                    return await self._read(rid, keys, dests, spread)
+                    return await self._read(rid, keys, dests, spread, order)
             except TimeoutError:
                 self._stats["read_deadlines_exceeded"] += 1
                 raise DeadlineExceeded(f"read {rid}: {len(keys)} blocks not read within {timeout_s:.3g} s "
                                        f"(node read_q {self.read_q} tokens)") from None
 
     async def _read(self, rid: str, keys: list[str], dests: list[Destination],
-                    spread: bool = False) -> ReadResult:
+                    spread: bool, order: int) -> ReadResult:
         t0 = time.monotonic()
         ticket = await self._admit(len(keys))
         t1 = time.monotonic()
@@ -260,7 +278,7 @@ class GatewayStore:
         try:
             if self.cfg.probe_on_miss:
                 await self._probe_missing(keys)
-            statuses = await self._read_pinned(keys, dests, spread)
+            statuses = await self._read_pinned(keys, dests, spread, order)
             ok = True
         finally:
             done = self.read_queue.finish if ok else self.read_queue.cancel
@@ -294,15 +312,16 @@ class GatewayStore:
                 if ok:
                     self._discovered(key)
 
-    async def _read_pinned(self, keys: list[str], dests, spread: bool) -> dict[int, ReadStatus]:
+    async def _read_pinned(self, keys: list[str], dests, spread: bool,
+                           order: int) -> dict[int, ReadStatus]:
         present = self.index.pin_present(keys)
         try:
-            return await self._read_present(keys, dests, present, spread)
+            return await self._read_present(keys, dests, present, spread, order)
         finally:
             self.index.unpin_many(keys[i] for i in present)
 
-    async def _read_present(self, keys, dests, present: list[int],
-                            spread: bool = False) -> dict[int, ReadStatus]:
+    async def _read_present(self, keys, dests, present: list[int], spread: bool,
+                            order: int) -> dict[int, ReadStatus]:
         per = max(1, self.cfg.read_batch_bytes // self.block_bytes)
         if spread:
             per = max(per, -(-len(present) // self.cfg.io_threads))
@@ -310,10 +329,12 @@ class GatewayStore:
         statuses: dict[int, ReadStatus] = {}
 
         async def worker() -> None:
-            for batch in batches:
-                await self.shaper.acquire(len(batch) * self.block_bytes)
-                got = await self.backend.read([keys[i] for i in batch], [dests[i] for i in batch])
-                statuses.update(zip(batch, got))
+            async with self._io_jobs.slot(order) as turn:
+                for batch in batches:
+                    await self.shaper.acquire(len(batch) * self.block_bytes, order)
+                    got = await self.backend.read([keys[i] for i in batch], [dests[i] for i in batch])
+                    statuses.update(zip(batch, got))
+                    await turn.yield_to_earlier()
 
         n_workers = min(2 * self.cfg.io_threads, -(-len(present) // per))
         if n_workers <= 1:
@@ -362,7 +383,7 @@ class GatewayStore:
         views = normalize_payload(payload, self.block_bytes)
         with self._op():
             self._stats["write_requests"] += 1
-            return await self._write_one(key, views)
+            return await self._write_one(key, views, self._order_key(None))
 
     async def write_blocks(self, keys: Sequence[str], payloads: Sequence, *,
                            request_id: str | None = None) -> list[bool]:
@@ -373,10 +394,11 @@ class GatewayStore:
             raise InvalidArgument(f"need one payload per key: {len(keys)} keys, {len(payloads)} payloads")
         views = [normalize_payload(p, self.block_bytes) for p in payloads]
         rid = request_id or f"write-{next(self._req_ids)}"
+        order = self._order_key(None)
         with self._op():
             self._stats["write_requests"] += 1
             t0 = time.monotonic()
-            results = await asyncio.gather(*(self._write_one(k, v) for k, v in zip(keys, views)),
+            results = await asyncio.gather(*(self._write_one(k, v, order) for k, v in zip(keys, views)),
                                            return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             log.info("blocks_written", request_id=rid, blocks=len(keys),
@@ -386,7 +408,7 @@ class GatewayStore:
                 raise errors[0]
             return [r for r in results if not isinstance(r, BaseException)]   # all of them
 
-    async def _write_one(self, key: str, views: list[memoryview]) -> bool:
+    async def _write_one(self, key: str, views: list[memoryview], order: int) -> bool:
         while True:
             if self.index.touch(key):
                 self._stats["duplicate_writes"] += 1
@@ -397,19 +419,19 @@ class GatewayStore:
             await busy.wait()
         done = self._writing[key] = asyncio.Event()
         try:
-            await finish_uncancelled(self._write_new(key, views))
+            await finish_uncancelled(self._write_new(key, views, order))
         finally:
             del self._writing[key]
             done.set()
         return True
 
-    async def _write_new(self, key: str, views: list[memoryview]) -> None:
+    async def _write_new(self, key: str, views: list[memoryview], order: int) -> None:
         async with self._write_sem:
             victims = self.index.reserve()
             try:
                 if victims:
                     await self._delete_files(victims)
-                await self.shaper.acquire(self.block_bytes)
+                await self.shaper.acquire(self.block_bytes, order)
                 await self.backend.write(key, views)
             except BaseException:
                 self.index.unreserve()

@@ -1,10 +1,12 @@
 """The gateway's read queue (FIFO, bounded, OVERLOADED when full; cancelled and timed-out reads
-release their slot and pins) and link shaping (token bucket, fair interleaving, reads and
-writes charged to the link), on virtual time. Helpers: ``test_gateway_storage.py``."""
+release their slot and pins), link shaping (token bucket, reads and writes charged to the link)
+and the read order on it (earliest request first, or interleaved), on virtual time.
+Helpers: ``test_gateway_storage.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from common.errors import DeadlineExceeded, InvalidArgument, Overloaded
 from common.rate import TokenBucket
 from storage_gateway.link_shaper import LinkShaper
+from storage_gateway.priority_gate import PriorityGate
 from storage_gateway.read_queue import ReadQueue
 from storage_gateway import link_shaper as link_shaper_mod
 from storage_gateway import store as store_mod
@@ -116,9 +119,57 @@ async def test_link_shaper_rate_and_fair_interleaving(monkeypatch):
     await vt.run(asyncio.gather(reader(), reader()))
     assert max(done) == pytest.approx((10_000_000 - burst) / rate, rel=1e-12)   # rate exact
     chunk_s = burst / rate
-    # the burst is free; then each reader waits for its chunk and the other's: interleaved
-    assert vt.sleeps[:4] == pytest.approx([chunk_s, 2 * chunk_s, 2 * chunk_s, 2 * chunk_s])
+    # the burst is free; then one chunk crosses at a time, the two readers taking turns
+    assert vt.sleeps[:4] == pytest.approx([chunk_s] * 4)
     assert min(done) > 0.75 * max(done)                            # interleaved, not one then the other
+
+
+async def test_link_shaper_serves_the_lower_key_first_whoever_asked_first(monkeypatch):
+    rate, burst, chunk = 20e6, 256 * 1024, 256 * 1024
+    vt = virtual_link(monkeypatch)
+    shaper = LinkShaper(rate, burst_bytes=burst, chunk_bytes=chunk, clock=vt.clock)
+    done: dict[str, float] = {}
+
+    async def reader(name: str, key: int, nbytes: int) -> None:
+        await shaper.acquire(nbytes, key)
+        done[name] = vt.now
+
+    async def scenario() -> None:
+        late = asyncio.create_task(reader("late", 2, 5_000_000))     # asks first, arrived later
+        await asyncio.sleep(0)
+        early = asyncio.create_task(reader("early", 1, 5_000_000))
+        await asyncio.gather(late, early)
+
+    await vt.run(scenario())
+    # the late request had two chunks on the link before the early one asked (the free burst
+    # and the one it waits for); from then on the early one's chunks cross, then the late rest
+    assert done["early"] == pytest.approx((2 * chunk + 5_000_000 - burst) / rate, rel=1e-12)
+    assert done["late"] == pytest.approx((10_000_000 - burst) / rate, rel=1e-12)   # rate exact
+    assert shaper.bytes_charged == 10_000_000
+
+
+async def test_link_shaper_cancelled_waiter_takes_no_bytes_and_blocks_nobody(monkeypatch):
+    rate, chunk = 1e6, 100_000
+    vt = virtual_link(monkeypatch)
+    shaper = LinkShaper(rate, burst_bytes=chunk, chunk_bytes=chunk, clock=vt.clock)
+    done: list[float] = []
+
+    async def scenario() -> None:
+        first = asyncio.create_task(shaper.acquire(3 * chunk, 1))
+        await asyncio.sleep(0)
+        doomed = asyncio.create_task(shaper.acquire(5 * chunk, 0))    # waits for the link
+        await asyncio.sleep(0)
+        doomed.cancel()
+        await first
+        done.append(vt.now)
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        await shaper.acquire(chunk, 2)                                # the link is free again
+        done.append(vt.now)
+
+    await vt.run(scenario())
+    assert shaper.bytes_charged == 4 * chunk                          # the cancelled 5 never counted
+    assert done == pytest.approx([2 * chunk / rate, 3 * chunk / rate], rel=1e-12)
 
 
 def test_token_bucket_long_run_rate_is_exact_even_when_woken_late():
@@ -156,3 +207,88 @@ async def test_store_charges_reads_and_writes_to_the_link(tmp_path, monkeypatch)
         await vt.run(store.read_blocks(keys, empty_dests(4)))
         assert store.stats()["link_bytes_charged"] == 8 * BB
         assert vt.now == pytest.approx((7 * BB) / 8e6, rel=1e-12)   # one burst free, then the rate
+
+
+_READER: contextvars.ContextVar[str] = contextvars.ContextVar("reader")
+
+
+@pytest.mark.parametrize("read_order", ["arrival", "shared"])
+async def test_store_read_order_on_a_shaped_link(tmp_path, monkeypatch, read_order):
+    """Two reads of 8 blocks admitted together, each as two 4-chunk jobs: ``arrival`` puts the
+    first one's chunks on the link before any of the second's; ``shared`` interleaves them."""
+    rate = 8e6
+    cfg = make_cfg(tmp_path, "memory", link_rate_bytes_per_s=rate, link_burst_bytes=BB,
+                   link_chunk_bytes=BB, read_batch_bytes=4 * BB, read_order=read_order)
+    keys = rand_keys(16)
+    vt = virtual_link(monkeypatch)
+    async with GatewayStore(cfg, SPEC) as store:
+        await vt.run(store.write_blocks(keys, rand_blocks(16)))
+        vt.now = 1000.0                       # the writes' debt is long paid: a full burst again
+        crossed: list[str] = []               # whose chunk took the link, in order
+        bucket = store.shaper._bucket
+        reserve = bucket.reserve
+        monkeypatch.setattr(bucket, "reserve", lambda n: (crossed.append(_READER.get()), reserve(n))[1])
+
+        async def read(name: str, ks: list[str]) -> None:
+            _READER.set(name)                 # the store's read jobs run in copies of this context
+            res = await store.read_blocks(ks, empty_dests(len(ks)), request_id=name)
+            assert all(res.found)
+
+        async def both() -> None:
+            first = asyncio.create_task(read("first", keys[:8]))
+            second = asyncio.create_task(read("second", keys[8:]))
+            await asyncio.gather(first, second)
+
+        await vt.run(both())
+    assert sorted(crossed) == ["first"] * 8 + ["second"] * 8
+    assert vt.now - 1000.0 == pytest.approx(15 * BB / rate, rel=1e-9)   # one burst free, then the rate
+    if read_order == "arrival":
+        assert crossed == ["first"] * 8 + ["second"] * 8
+    else:
+        assert "second" in crossed[:8] and "first" in crossed[8:]
+
+
+async def test_priority_gate_order_cancellation_and_turns():
+    gate = PriorityGate(1)
+    order: list[str] = []
+
+    async def take(name: str, key: int) -> None:
+        async with gate.slot(key):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    await gate.acquire(0)                                  # held: everyone below waits
+    tasks = [asyncio.create_task(take(n, k)) for n, k in (("c", 3), ("a1", 1), ("b", 2), ("a2", 1))]
+    doomed = asyncio.create_task(take("doomed", 0))
+    await until(lambda: gate.n_waiting == 5)
+    doomed.cancel()                                        # cancelled while waiting: no slot kept
+    await until(lambda: gate.n_waiting == 4)
+    gate.release()
+    await asyncio.gather(*tasks)
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert order == ["a1", "a2", "b", "c"]                 # lowest key first, ties as they asked
+    assert gate.held == 0
+
+    # granted, then cancelled before it ran: the slot is given back, not lost
+    await gate.acquire(5)
+    granted = asyncio.create_task(gate.acquire(5))
+    await until(lambda: gate.n_waiting == 1)
+    gate.release()                                         # hands the slot to `granted` ...
+    granted.cancel()                                       # ... which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await granted
+    assert gate.held == 0 and gate.n_waiting == 0
+
+    # a holder yields between pieces of work to an earlier or equal key, not to a later one
+    async with gate.slot(1) as turn:
+        later = asyncio.create_task(take("later", 2))
+        same = asyncio.create_task(take("same", 1))
+        await until(lambda: gate.n_waiting == 2)
+        order.clear()
+        await turn.yield_to_earlier()                      # "same" (key 1) goes first
+        assert order == ["same"] and turn.held
+        await turn.yield_to_earlier()                      # "later" (key 2) does not
+        assert order == ["same"]
+    await asyncio.gather(later, same)
+    assert order == ["same", "later"] and gate.held == 0

@@ -32,6 +32,7 @@ class ErrorCode(enum.StrEnum):
     STORAGE_ERROR = "STORAGE_ERROR"
     CONFIG_ERROR = "CONFIG_ERROR"
     INTERNAL = "INTERNAL"
+    OUT_OF_SERVICE = "OUT_OF_SERVICE"
 
 
 class DualpathError(Exception):
@@ -82,6 +83,15 @@ class Unavailable(DualpathError):
 
     code = ErrorCode.UNAVAILABLE
     retryable = True
+
+
+class OutOfService(Unavailable):
+    """The engine is attached, but its node took it out of service: its step ran past
+    ``engine_stuck_s``. Not a lost attachment: the beat that shows the step ended puts it
+    back, so ask again after ``retry_after_s`` instead of attaching anew. (A peer older than
+    this code sees INTERNAL.)"""
+
+    code = ErrorCode.OUT_OF_SERVICE
 
 
 class PeerFailed(DualpathError):
@@ -158,7 +168,7 @@ _BY_CODE: dict[ErrorCode, type[DualpathError]] = {
         InvalidArgument, NotFound, AlreadyExists, Overloaded, DeadlineExceeded, Cancelled,
         Unavailable, PeerFailed, ProtocolError, FrameTooLarge, UnknownMessage, VersionMismatch,
         KVSpecMismatch, Unauthenticated, ResourceExhausted, ChecksumMismatch, StorageError,
-        ConfigError, InternalError,
+        ConfigError, InternalError, OutOfService,
     )
 }
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from common.errors import Unavailable
+from common.errors import OutOfService
 from common.protocol import RequestFinished
 from services.engine_api.liveness import HEARTBEAT_MAX_S, SilenceWatch, StepClock, heartbeat_interval
 from services.engine_api.remote import EngineClient
@@ -176,7 +176,7 @@ async def test_a_stuck_engine_leaves_service_and_returns_once_its_step_ends(
         await until(lambda: "p0.e0" not in {r.engine_id for r in
                                             c.scheduler.core.engine_reports()},
                     what="the scheduler took the stuck engine out of placement")
-        with pytest.raises(Unavailable, match="out of service"):
+        with pytest.raises(OutOfService, match="out of service"):
             await eng.next_prefill(0.0)
         steps.ended()                                   # the step ended: back in service
         await until(lambda: "p0.e0" in api.sessions, timeout=20.0, what="attached again")

@@ -21,7 +21,8 @@ real SIGKILL at a chosen step of a request (a failpoint armed in the victim over
 4c. a decode vLLM instance's step does not end (``vllm.step=delay``, armed in its engine
    process) while its worker's client thread still beats: past ``engine_stuck_s`` its DE
    loader takes it out of service, what it held is re-planned, the turns meanwhile are
-   answered, and once the step ends it is back in service by itself;
+   answered, and once the step ends its next beat puts it back in service, on the same
+   attachment (a claim refused OUT_OF_SERVICE meanwhile asks again);
 5. a decode vLLM instance is killed and stays dead: the scheduler takes its engine out of
    placement (its node reports it not attached) and every later turn is served by the other.
 
@@ -215,9 +216,10 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         # step has run; past engine_stuck_s its DE loader takes it out of service (what the
         # node still held for it fails retryable and re-plans; a turn already decoding inside
         # vLLM resumes with the step) and the turns meanwhile are answered; once the step
-        # ends it is back in service: by its next beat (engines_unstuck) or, when a claim
-        # of its first step after the hang came first and was refused as out of service, by
-        # the attachment that claim made anew (docs/engine-api.md "A stuck engine")
+        # ends its next beat puts it back in service (engines_unstuck), on the same
+        # attachment: a claim of its first step after the hang that comes before that beat
+        # is refused OUT_OF_SERVICE and asks again, it does not attach anew (before, it did:
+        # docs/engine-api.md "A stuck engine")
         victim = state.proc("vllm:d1.e0")
         loader = state.proc("de_loader:d1")
         de_d1 = {"d1": (loader.host, int(loader.rpc_port))}
@@ -239,9 +241,10 @@ async def test_services_killed_under_real_engines(tmp_path, monkeypatch):
         # (the step may hang after the turn it served was answered: the judgement comes now)
         await until(lambda: grew("engine_api_engines_stuck"), HUNG_STEP_S + 60,
                     "d1's engine out of service while its step hung", interval=0.2)
-        await until(lambda: grew("engine_api_engines_unstuck", "engine_api_attaches"),
+        await until(lambda: grew("engine_api_engines_unstuck"),
                     HUNG_STEP_S + 60, "d1's engine back in service after its step ended",
                     interval=0.2)
+        assert not await grew("engine_api_attaches"), "d1's worker attached anew"
         await engine_placement(state.proc("scheduler").rpc_port, "d1.e0", attached=True)
 
         # 5. a decode vLLM instance is SIGKILLed and stays dead: its DE loader reports its

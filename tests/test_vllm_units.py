@@ -249,3 +249,35 @@ def test_a_claim_without_an_answer_keeps_the_attachment_a_broken_one_drops_it():
     with pytest.raises((PeerFailed, Unavailable)):     # (re-attaching to no node: Unavailable)
         src.open_decode("r2", list(range(10)), 1.0)
     assert broken.closed and src._client is not broken
+
+
+class _StuckThenBack(_Attachment):
+    """Refuses claims OUT_OF_SERVICE ``times`` times (its beat has not put it back yet)."""
+
+    def __init__(self, times: int, claimed: object):
+        super().__init__(None)
+        self.times, self.calls, self.claimed = times, 0, claimed
+
+    def claim_decode(self, request_id, timeout_s, attempt):
+        from common.errors import OutOfService
+        self.calls += 1
+        if self.calls <= self.times:
+            raise OutOfService("engine d0.e0 is out of service on d0", retry_after_s=0.01)
+        return self.claimed
+
+
+def test_a_claim_refused_out_of_service_asks_again_on_the_same_attachment():
+    """OUT_OF_SERVICE (the node judged the step stuck, the beat showing its end not heard
+    yet) is no lost attachment: the claim asks again after retry_after_s and succeeds once
+    the engine is back; past the claim's deadline it fails that request only."""
+    from common.errors import OutOfService
+
+    src = EngineSource("/nonexistent", "d0.e0", "decode", SPEC, 1.0)
+    claimed = object()
+    back = src._client = _StuckThenBack(2, claimed)
+    assert src._claim_or_detach("claim_decode", "r1", 5.0, lambda: False) is claimed
+    assert back.calls == 3 and src._client is back and not back.closed
+    stuck = src._client = _StuckThenBack(10**9, claimed)
+    with pytest.raises(OutOfService):
+        src._claim_or_detach("claim_decode", "r2", 0.05, lambda: False)
+    assert src._client is stuck and not stuck.closed and stuck.calls >= 2

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from common.errors import (DualpathError, InvalidArgument, NotFound,
+from common.errors import (DualpathError, InvalidArgument, NotFound, OutOfService,
                            PeerFailed, Unavailable)
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
@@ -161,13 +161,19 @@ class EngineSource:
         closed client: the node would never hear of them). Seen in CI: one node stalled for
         40 s, a claim timed out, the dropped attachment took a running request's session with
         it, and that request hung until the front's deadline. A node that is really gone
-        closes the connection, which the next call sees as PeerFailed."""
+        closes the connection, which the next call sees as PeerFailed.
+
+        OutOfService (the node judged this engine's step stuck and has not yet heard the
+        beat showing it ended) is no lost attachment either: ``_claim`` asks again after the
+        node's ``retry_after_s`` until the claim's deadline, on the same attachment."""
         for retry in (False, True):
             stale = self._client is not None
             client = self.client()
             try:
                 return self._claim(getattr(client, method), request_id, timeout_s, stop,
                                    attempt)
+            except OutOfService:
+                raise
             except (PeerFailed, Unavailable, OSError) as e:
                 self._drop(client, f"{method} of {request_id!r} failed: {e}")
                 if retry or not stale:
@@ -178,7 +184,8 @@ class EngineSource:
     def _claim(claim: Any, request_id: str, timeout_s: float, stop: Stop,
                attempt: int | None = None) -> Any:
         """Claim, asking again in rounds until ``timeout_s`` (a decode claim legitimately
-        waits for a whole prefill); ClaimStopped once ``stop()`` says vLLM gave it up."""
+        waits for a whole prefill; an engine out of service waits for its beat to put it
+        back); ClaimStopped once ``stop()`` says vLLM gave it up."""
         deadline = time.monotonic() + timeout_s
         while True:
             if stop():
@@ -190,6 +197,12 @@ class EngineSource:
             except NotFound:
                 if time.monotonic() >= deadline:
                     raise
+            except OutOfService as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.info("dualpath_claim_out_of_service", request_id=request_id, error=str(e))
+                time.sleep(min(left, e.retry_after_s or 1.0, CLAIM_ROUND_S))
 
     def _checked(self, claimed: Any, token_ids: Sequence[int]) -> Any:
         """The claimed request, or fail it (InvalidArgument) when it is for other tokens."""

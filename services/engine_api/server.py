@@ -28,8 +28,8 @@ import structlog
 
 from common.config import RpcConfig
 from common.errors import (AlreadyExists, Cancelled, DualpathError, InternalError,
-                           InvalidArgument, KVSpecMismatch, NotFound, PeerFailed, Unavailable,
-                           VersionMismatch)
+                           InvalidArgument, KVSpecMismatch, NotFound, OutOfService, PeerFailed,
+                           Unavailable, VersionMismatch)
 from common.kv import KVSpec
 from common.protocol import (ENGINE_API_VERSION, AbandonRequest, ArenaSlot, Assigned, AttachEngine,
                              BlockOpened, ClaimRequest, CollectiveBegin, CollectiveEnd,
@@ -222,8 +222,8 @@ class EngineApiServer:
 
     def _open_port(self, sess: EngineSession) -> Any:
         if sess.stuck:
-            raise Unavailable(f"engine {sess.engine_id} is out of service on {self.node_id}: "
-                              f"its step has not ended (engine_stuck_s)", retry_after_s=1.0)
+            raise OutOfService(f"engine {sess.engine_id} is out of service on {self.node_id}: "
+                               f"its step has not ended (engine_stuck_s)", retry_after_s=1.0)
         port = self.ports[sess.engine_id]
         if port.closed:
             raise Unavailable(f"node {self.node_id} is stopping; attach again once it is back",

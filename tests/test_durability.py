@@ -49,8 +49,8 @@ from services.scheduler.client.client import SchedulerClient
 from storage_gateway.block_format import (HEADER_SIZE, QUARANTINE_DIR, TEMP_PREFIX,
                                           decode_header)
 from storage_gateway.client import GatewayClient, block_slots
-from storage_gateway.config import GatewayConfig
-from storage_gateway.service import GatewayNodeConfig, GatewayService, GatewayServiceConfig
+from storage_gateway.config import GatewayConfig, GatewayServiceConfig
+from storage_gateway.service import GatewayNodeConfig, GatewayService
 from tests.helpers import HIT_LOOKUP_S, wait_until
 from tests.test_gateway_service import run_gateway
 

@@ -34,9 +34,9 @@ from common.transport import PageTransport
 from tools.cluster.launcher import proc_cpu_seconds
 from storage_gateway.block_format import HEADER_SIZE, QUARANTINE_DIR
 from storage_gateway.client import GatewayClient, block_slots, layout_slots, plan_batches
-from storage_gateway.config import GatewayConfig
-from storage_gateway.service import (GatewayNodeConfig, GatewayService, GatewayServiceConfig,
-                                     check_read)
+from storage_gateway.config import GatewayConfig, GatewayServiceConfig
+from storage_gateway.request_checks import check_read
+from storage_gateway.service import GatewayNodeConfig, GatewayService
 from tests.helpers import reap, until
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -41,11 +41,11 @@ restart on the step's config while the storage is emptied, copied or restored:
   a hit may be read on the PE's and the DE's link at once (docs/datapath.md "Split reads"),
   links shaped to the same ``R``; reported as ``split_vs_oracle`` and
   ``split_speedup_vs_dualpath`` beside the headline;
-* ``oracle-repeat`` (not with ``--quick``, which stays a few-minute check) — the oracle once
-  more, last: on a small shared host the oracle's JCT drifts by ±10 % between runs of one
-  config (docs/vllm.md), as much as the gap it bounds, so the bound is measured at both ends
-  of the run and its mean is what ``dualpath_vs_oracle`` divides by (both JCTs and their
-  spread in the JSON).
+* ``oracle-repeat`` — the oracle once more, last: on a small shared host the oracle's JCT
+  drifts between runs of one config (±10 %, and 15.7–21.6 s in four ``--quick`` runs of
+  2026-12-06: docs/vllm.md), as much as the gap it bounds, so the bound is measured at both
+  ends of the run and its mean is what ``dualpath_vs_oracle`` divides by (both JCTs and
+  their spread in the JSON). ``--quick`` too since 2026-12-06 (about 30 s more).
 
 ``R`` (per node, every link the same): half the rate at which the oracle run consumed hit
 bytes (its later turns' hit bytes ÷ its JCT), unless ``--link-mb-s`` sets it — so one storage
@@ -59,13 +59,12 @@ config (e.g. ``beta_s=20``), checked before the cluster starts; ``--set SECTION.
 ``pe_receiver.buffer_bytes=536870912``).
 
 Headline ``engine_agents_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.5; also
-``dualpath_vs_oracle`` = JCT(dualpath) ÷ the mean JCT of ``oracle`` and ``oracle-repeat``
-(``oracle`` alone with ``--quick``), goal ≤ 1.15. Per mode, over the timed
+``dualpath_vs_oracle`` = JCT(dualpath) ÷ the mean JCT of ``oracle`` and ``oracle-repeat``,
+goal ≤ 1.15. Per mode, over the timed
 turns: JCT, TTFT p50/p99 from the request's arrival at the front (the front's own clock) and
 from the client's send, decode step-gap p99 (client side), hit share, read sides; over all
 turns: requests failed, and whether every output equals ``recompute``'s; the first turns'
-time. ``--quick``: 8 sessions x 3 turns, one oracle run (~6 min here); the default 8 x 5
-(~7–10 min).
+time. ``--quick``: 8 sessions x 3 turns (~5 min here); the default 8 x 5 (~7–10 min).
 """
 
 from __future__ import annotations
@@ -216,8 +215,7 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
 async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
                 echo: Any, reads: int | None = None, split: bool = False,
                 scheduler: dict[str, Any] | None = None,
-                settings: dict[str, dict[str, Any]] | None = None, *,
-                repeat_oracle: bool = True) -> dict[str, Any]:
+                settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     from common.kv import spec_from_config
     from tools.cluster.launcher import Launcher
     from tools.cluster.real_engines import on_loopback
@@ -292,7 +290,7 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
         # oracle-repeat last, after the shaped modes: the bound measured at both ends of the
         # run, so the host's drift over these minutes shows in the bound itself
         for mode in ("basic", "dualpath", *(("dualpath-split",) if split else ()),
-                     *(("oracle-repeat",) if repeat_oracle else ())):
+                     "oracle-repeat"):
             sched_mode, shaped, _ = MODES[mode]
             await asyncio.to_thread(launcher.reconfigure,
                                     config(sched_mode, rate if shaped else 0.0,
@@ -417,8 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-bench-engine-agents-") as tmp:
         res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
                                 lambda m: print(m, flush=True), args.gateway_reads,
-                                args.split_reads, scheduler, settings,
-                                repeat_oracle=not args.quick))
+                                args.split_reads, scheduler, settings))
     res["scheduler_settings"] = scheduler
     res["cluster_settings"] = settings
     res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],

@@ -1,7 +1,8 @@
 """Control-plane RPC of dualpath: the one import services and frontends use.
 
 msgspec msgpack over asyncio TCP with length-prefixed frames (``common.framing``); the server
-lives in ``common.rpc_server``, the client in ``common.rpc_client``. Both run on uvloop and on
+lives in ``common.rpc_server`` (what it accepts in a hello: ``common.rpc_hello``), the client
+in ``common.rpc_client``. Both run on uvloop and on
 the plain asyncio loop (``common.service.run`` picks one).
 
 Server::

@@ -22,16 +22,16 @@ from typing import Any
 import msgspec
 import structlog
 
-from common.auth import verify_response
 from common.config import RpcConfig
 from common.errors import (
     DeadlineExceeded, DualpathError, ErrorCode, FrameTooLarge, InternalError, PeerFailed,
 )
 from common.framing import FrameCodec, FrameSender, close_writer, read_frame
 from common.protocol import (
-    PROTOCOL_VERSION, Call, CallError, CancelCall, ErrorReply, Hello, HelloReply, Reply,
+    PROTOCOL_VERSION, Call, CallError, CancelCall, ErrorReply, Hello, Reply,
     ServerHello, StreamCredit, StreamEnd, StreamItem, union_members,
 )
+from common.rpc_hello import HelloPolicy, hello_fields
 from common.tls import HandshakeFailures, server_context
 from common.unix_socket import bind_private
 
@@ -144,8 +144,7 @@ class RpcServer:
         self._cfg = cfg
         self._service = service
         self._node_id = node_id
-        self._kv_fingerprint = kv_fingerprint
-        self._secret = auth_secret
+        self._hello = HelloPolicy(service, node_id, kv_fingerprint, auth_secret)
         self._tls = server_context(cfg)     # None: plaintext; bad files fail here, at start
         self._tls_failures = None if self._tls is None else HandshakeFailures(
             self._tls, cfg.handshake_timeout_s)
@@ -153,7 +152,6 @@ class RpcServer:
         self._on_disconnect = on_disconnect
         self._entries = _build_entries(handlers, request_type, notices)
         self._codec = FrameCodec(request_type, cfg.max_frame_bytes)
-        self._hello_checks = (self._check_version, self._check_auth, self._check_kv_spec)
         envelope_handlers: dict[type, Callable[[ServerConnection, Any], Awaitable[None]]] = {
             Call: self._on_call, CancelCall: self._on_cancel, StreamCredit: self._on_credit}
         self._envelope_handlers = envelope_handlers
@@ -341,7 +339,7 @@ class RpcServer:
                                                            self._service)))
                 await writer.drain()
                 hello = self._decode_hello(await read_frame(reader, self._codec.max_frame_bytes))
-                answer = self._answer_hello(hello, nonce)
+                answer = self._hello.answer(hello, nonce)
                 writer.write(self._codec.frame(answer))
                 await writer.drain()
         except TimeoutError:
@@ -352,9 +350,9 @@ class RpcServer:
             return None
         if isinstance(answer, ErrorReply):
             self._counters["handshakes_rejected"] += 1
-            log.warning("handshake_rejected", code=answer.code, **ev, **_hello_fields(hello))
+            log.warning("handshake_rejected", code=answer.code, **ev, **hello_fields(hello))
             return None
-        assert isinstance(hello, Hello)     # _answer_hello turns anything else into an error
+        assert isinstance(hello, Hello)     # answer() turns anything else into an error
         log.info("connection_accepted", role=hello.role, node_id=hello.node_id, **ev)
         return hello
 
@@ -369,39 +367,6 @@ class RpcServer:
             return ErrorReply(ErrorCode.PROTOCOL_ERROR,
                               f"expected a Hello, got {type(msg).__name__}")
         return msg
-
-    def _answer_hello(self, hello: Hello | ErrorReply, nonce: bytes) -> HelloReply | ErrorReply:
-        if isinstance(hello, ErrorReply):
-            return hello
-        for check in self._hello_checks:
-            if (error := check(hello, nonce)) is not None:
-                return error
-        return HelloReply(PROTOCOL_VERSION, self._service, self._node_id, self._kv_fingerprint)
-
-    # Version first: ServerHello already tells it, and a peer of another version may answer
-    # the challenge differently. Auth before the KV spec so strangers learn nothing of it.
-    def _check_version(self, hello: Hello, nonce: bytes) -> ErrorReply | None:
-        if hello.version == PROTOCOL_VERSION:
-            return None
-        return ErrorReply(ErrorCode.VERSION_MISMATCH,
-                          f"peer speaks protocol v{hello.version}, {self._service} speaks "
-                          f"v{PROTOCOL_VERSION}; deploy matching dualpath versions")
-
-    def _check_auth(self, hello: Hello, nonce: bytes) -> ErrorReply | None:
-        if self._secret is None or verify_response(self._secret, nonce, hello.auth):
-            return None
-        what = "no auth response" if hello.auth is None else "a wrong auth response"
-        return ErrorReply(ErrorCode.UNAUTHENTICATED,
-                          f"{self._service} requires the shared secret and got {what}; "
-                          f"check rpc.auth_secret_file / rpc.auth_secret_env on both sides")
-
-    def _check_kv_spec(self, hello: Hello, nonce: bytes) -> ErrorReply | None:
-        if not (self._kv_fingerprint and hello.kv_fingerprint) or \
-                hello.kv_fingerprint == self._kv_fingerprint:
-            return None
-        return ErrorReply(ErrorCode.KV_SPEC_MISMATCH,
-                          f"peer KV spec {hello.kv_fingerprint!r} differs from {self._service}'s "
-                          f"{self._kv_fingerprint!r}; check the [kv] config of both")
 
     # ----------------------------------------------------------------- calls
 
@@ -590,10 +555,3 @@ async def _call_hook(hook: ConnHook | None, conn: ServerConnection, name: str) -
             await result
     except Exception:
         log.exception("connection_hook_failed", hook=name, conn_id=conn.conn_id)
-
-
-def _hello_fields(hello: Hello | ErrorReply) -> dict[str, Any]:
-    if isinstance(hello, Hello):
-        return {"role": hello.role, "node_id": hello.node_id, "version": hello.version}
-    return {}
-

@@ -31,7 +31,6 @@ class PriorityGate:
         self._held = 0
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
-        self.waits = 0            # acquisitions that had to wait (a metric, not a control)
 
     @property
     def held(self) -> int:
@@ -64,7 +63,6 @@ class PriorityGate:
         if self._held < self.capacity and not self._waiting:
             self._held += 1
             return
-        self.waits += 1
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (key, next(self._seq), fut))
         try:

@@ -243,6 +243,41 @@ async def test_the_handshake_on_an_endpoint_that_already_failed_fails_at_once():
         await asyncio.wait_for(handshake.exchange_peer_info(ep, 123, False, 30.0), 20.0)
 
 
+async def test_an_endpoint_closed_right_after_the_handshake_is_unavailable_and_kept_nowhere(
+        monkeypatch):
+    """ci134: the peer died between the handshake and the link's registration; ucxx refused
+    the close callback with a bare RuntimeError, which escaped the PE's typed handling and left
+    its request to the deadline. Forced here: the endpoint refuses as a closing one does."""
+    cfg = TransportConfig(**CFG)
+    async with PageTransport(cfg, "a") as a, PageTransport(cfg, "b") as b:
+        new_link = a.links._new_link
+
+        def closing(*args, **kwargs):
+            link = new_link(*args, **kwargs)
+            real = link.ep
+
+            class Closing:
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+                def set_close_callback(self, *_args, **_kwargs):
+                    raise RuntimeError("Endpoint is closing or has already closed.")
+            link.ep = Closing()
+            return link
+        monkeypatch.setattr(a.links, "_new_link", closing)
+        slots = [(0, 64 * KIB)]
+        with pytest.raises(Unavailable, match="closed its endpoint during the handshake"):
+            await a.expect(b.address, a.new_transfer_id(), arena_for(slots), slots, 10.0)
+        assert not a.links.paths()                      # no link kept to the peer
+        monkeypatch.setattr(a.links, "_new_link", new_link)
+        data = pattern(3, 64 * KIB)
+        arena, tid = arena_for(slots), a.new_transfer_id()
+        handle = await a.expect(b.address, tid, arena, slots, 10.0)   # connects afresh
+        await b.send(a.address, tid, [data], slots, 10.0)
+        await handle.wait()
+        assert np.array_equal(gather(arena, slots), data)
+
+
 # ---------------------------------------------------------------- real UCX, two processes
 
 @pytest.mark.slow

@@ -370,11 +370,23 @@ class Links:
             self._loop.call_later(_GONE_RECHECK_S, self._forget_if_gone, link, checks_left - 1)
 
     def _register(self, link: Link) -> Link:
+        """Make a handshaken link the one to its peer. Its endpoint may have closed since the
+        handshake (the peer died just then: ci134, a DE loader killed as the PE connected to
+        it): ucxx then refuses the close callback with a bare RuntimeError, which used to
+        escape the caller's typed handling and leave its request to its deadline; it is
+        ``Unavailable`` now, like any connect to a peer that is gone, and no link is kept."""
         if self.state != "running":
             link.ep.abort()
             raise Unavailable(f"page transport of {self.node_id} is stopping")
+        try:
+            link.ep.set_close_callback(_link_closed,
+                                       cb_args=(weakref.ref(self), weakref.ref(link)))
+        except RuntimeError as e:         # "Endpoint is closing or has already closed."
+            self.abort(link, f"endpoint closed during the handshake: {e}")
+            raise Unavailable(f"page transport {link.addr[0]}:{link.addr[1]} closed its "
+                              f"endpoint during the handshake ({e}) — the peer failed or "
+                              f"left") from e
         self._all_links.add(link)
-        link.ep.set_close_callback(_link_closed, cb_args=(weakref.ref(self), weakref.ref(link)))
         current = self._links.get(link.addr)
         if current is None or not current.usable:
             self._links[link.addr] = link

@@ -53,6 +53,29 @@ link (basic's) carries half of what the engines can consume, the three links of 
 one and a half times: storage binds the basic mode and not the dual path, the situation the
 paper measures.
 
+**The PE's β is profiled** on this engine, as the paper sets it (§6.4: the tokens one GPU
+processes in 5 s): the recompute mode's first turns are cold prompts prefilled on the prefill
+instance alone, so their load in the scheduler's unit over the time they took is the PE's
+rate, given to every KV mode as ``[scheduler] pe_tokens_per_s`` (:func:`profile_pe`; JSON
+``pe_profile``). Derived from the KV preset's cost model instead, β is ~1.5 s of this CPU
+engine's work (3,332 units against 8,000–9,700 profiled), so the PE admitted two or three
+turns at a time and each read began only as the turn before it was nearly done.
+``--derived-beta`` keeps the derived β; a ``pe_tokens_per_s`` or ``beta_tokens`` given with
+``--scheduler-set`` wins over the profile. The PE receiver's buffer is 512 MiB for the run
+(``--set pe_receiver.buffer_bytes=…`` overrides it): the hits of the turns β admits, where
+the config's 192 MiB holds about three (the paper's PE buffer is host DRAM).
+
+**16 sessions by default** (the issue asks K ≥ 8). The sessions run in lock step, so each
+timed wave starts with every hit to read and nothing to compute: a turn's prefill starts only
+once its whole hit has crossed one link at ``R``, while the oracle starts at once. Under the
+rule for ``R`` (below) with K equal sessions that head costs at least 2/K of the oracle's
+JCT (a hit of h bytes at R = K·h / (2·wave time) takes 2/K of a wave), so dualpath ÷ oracle
+≥ 1 + 2/K: 1.25 at K = 8, above the goal of 1.15 for any whole-hit read, 1.125 at K = 16. The
+paper's offline runs have 1,024–4,096 agents, where the head vanishes (docs/vllm.md "The
+head of each wave").
+
+``--keep-logs DIR`` copies every service's log there when the run ends.
+
 ``--scheduler-set KEY=VALUE`` (repeatable) adds a ``[scheduler]`` setting to every mode's
 config (e.g. ``beta_s=20``), checked before the cluster starts; ``--set SECTION.KEY=VALUE``
 (repeatable) any other setting of the cluster file for the whole run (e.g.
@@ -64,7 +87,7 @@ goal ≤ 1.15. Per mode, over the timed
 turns: JCT, TTFT p50/p99 from the request's arrival at the front (the front's own clock) and
 from the client's send, decode step-gap p99 (client side), hit share, read sides; over all
 turns: requests failed, and whether every output equals ``recompute``'s; the first turns'
-time. ``--quick``: 8 sessions x 3 turns (~5 min here); the default 8 x 5 (~7–10 min).
+time. ``--quick``: 16 sessions x 3 turns (~5.5 min here); the default 16 x 5 (~7 min).
 """
 
 from __future__ import annotations
@@ -88,6 +111,9 @@ CONFIG = "configs/vllm-1p2d.toml"
 GEN = 16
 MAX_CONTEXT = 2048                  # the instances' --max-model-len
 MIN_FIRST = 256                     # a first prompt of at least 4 of our 64-token blocks
+SESSIONS = 16                       # sessions at once by default (module docstring: why 16)
+PE_BUFFER = 512 * 2**20             # the bench's PE buffer: a wave's hits (module docstring)
+BETA_S = 5.0                        # β = what the PE prefills in 5 s (paper §6.4), profiled
 TOKEN_LO, TOKEN_HI = 1000, 49000    # ordinary tokens of SmolLM2's 49,152 (no special ids)
 # mode -> (scheduler mode of the cluster config, storage links shaped?, kv_loading)
 MODES: dict[str, tuple[str, bool, bool]] = {
@@ -212,10 +238,32 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
             "outputs_equal": bool(ok) and len(ok) == len(run["turns"]) and equal}
 
 
+def profile_pe(sessions: list[Session], first_turns_s: float,
+               scheduler: dict[str, Any], model: str) -> dict[str, Any]:
+    """β profiled on this engine, as the paper sets it (§6.4: the tokens one GPU processes in
+    5 s): the recompute mode's first turns are cold prompts prefilled on the prefill instance
+    alone, so their load in the scheduler's unit (``pe_load``: reference-shape tokens by
+    default) over the time they took is the PE's rate, ``[scheduler] pe_tokens_per_s``. The
+    time includes their 16 generated tokens, so the rate errs low (β smaller, not larger)."""
+    import msgspec
+
+    from services.scheduler.core.config import SchedulerConfig
+
+    cfg = msgspec.convert({"model": model} | scheduler, SchedulerConfig)
+    load = cfg.pe_load_counter()
+    units = sum(load(0, len(s.prompts[0])) for s in sessions)
+    rate = units / first_turns_s
+    derived = SchedulerConfig(model=model, beta_s=cfg.beta_s).resolved_beta()
+    return {"load_units": units, "first_turns_s": round(first_turns_s, 2),
+            "pe_tokens_per_s": round(rate, 1), "beta": int(rate * cfg.beta_s),
+            "beta_derived_from_cost_model": derived, "pe_load": cfg.pe_load}
+
+
 async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
                 echo: Any, reads: int | None = None, split: bool = False,
                 scheduler: dict[str, Any] | None = None,
-                settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                settings: dict[str, dict[str, Any]] | None = None,
+                profile_beta: bool = True, keep_logs: Path | None = None) -> dict[str, Any]:
     from common.kv import spec_from_config
     from tools.cluster.launcher import Launcher
     from tools.cluster.real_engines import on_loopback
@@ -224,8 +272,12 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
     if reads:
         fixed.setdefault("gateway", {})["max_concurrent_reads"] = reads
 
+    profiled: dict[str, Any] = {}       # [scheduler] pe_tokens_per_s once profiled
+    pe_profile: dict[str, Any] | None = None
+
     def config(sched_mode: str, rate: float, split_reads: bool = False):
-        sched = dict(scheduler or {}) | ({"split_reads": True} if split_reads else {})
+        sched = (profiled | dict(scheduler or {})
+                 | ({"split_reads": True} if split_reads else {}))
         sections = fixed | ({"scheduler": sched} if sched else {})
         return on_loopback(CONFIG, root, mode=sched_mode, sections=sections or None,
                            storage_link_bytes_per_s=rate, vllm_prefix_caching=False)
@@ -274,6 +326,14 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
         echo(f"mode recompute: first turns of {len(sessions)} sessions")
         await timed("recompute", await run_turns(front_url, sessions, "recompute", False,
                                                  first=True))
+        # β of every KV mode: profiled from those cold first turns, unless given outright
+        if profile_beta and not {"pe_tokens_per_s", "beta_tokens"} & set(scheduler or {}):
+            pe_profile = profile_pe(sessions, rows["recompute"]["first_turns_s"],
+                                    scheduler or {}, kv.name)
+            profiled["pe_tokens_per_s"] = pe_profile["pe_tokens_per_s"]
+            echo(f"PE profiled: {pe_profile['pe_tokens_per_s']:.0f} load units/s -> beta "
+                 f"{pe_profile['beta']} (derived from the cost model: "
+                 f"{pe_profile['beta_derived_from_cost_model']})")
         # every session's first turn through dualpath, unshaped: the stored contexts every
         # KV mode starts from (a snapshot of the storage, restored before each)
         await asyncio.to_thread(launcher.reconfigure, config("dualpath", 0.0), restart,
@@ -299,8 +359,11 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
             await timed(mode, first)
     finally:
         await asyncio.to_thread(launcher.down)
+        if keep_logs is not None:       # every service's log, each mode's run after a header
+            shutil.copytree(launcher.log_dir, keep_logs, dirs_exist_ok=True)
     return {"modes": rows, "link_rate_mb_s": round(rate / 1e6, 1), "cluster_up_s": round(up_s, 1),
-            "link_rate_rule": "--link-mb-s" if link_mb_s else "oracle hit bytes / JCT / 2"}
+            "link_rate_rule": "--link-mb-s" if link_mb_s else "oracle hit bytes / JCT / 2",
+            "pe_profile": pe_profile}
 
 
 def scheduler_settings(items: list[str]) -> dict[str, Any]:
@@ -361,10 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     from sim.recorded import shared_agentic_dir
     from tools.vllm_engines import model_dir
 
-    p = bench_parser("engine_agents", __doc__.splitlines()[0])
+    p = bench_parser("engine_agents", __doc__.splitlines()[0], quick_takes="about 5 min")
     p.add_argument("--trace", type=Path, default=None,
                    help="agentic trace directory (default ../shared/traces/agentic)")
-    p.add_argument("--sessions", type=int, default=8, help="sessions at once (>= 1)")
+    p.add_argument("--sessions", type=int, default=SESSIONS,
+                   help=f"sessions at once (>= 1; default {SESSIONS})")
     p.add_argument("--turns", type=int, default=None, help="turns per session (quick 3, else 5)")
     p.add_argument("--link-mb-s", type=float, default=None,
                    help="storage link rate per node, MB/s (default: half the oracle's demand)")
@@ -379,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-reads", type=int, default=None,
                    help="read requests each gateway serves at once ([gateway] "
                         "max_concurrent_reads; default: the config's)")
+    p.add_argument("--derived-beta", action="store_true",
+                   help="keep beta derived from the KV preset's cost model instead of "
+                        "profiling this engine (the A/B of the profile)")
+    p.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                   help="copy every service's log here when the run ends")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         scheduler = scheduler_settings(args.scheduler_set)
@@ -388,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = cluster_settings(args.settings)
     except ValueError as e:
         p.error(f"--set: {e}")
+    settings.setdefault("pe_receiver", {}).setdefault("buffer_bytes", PE_BUFFER)
     turns = args.turns or (3 if args.quick else 5)
     trace = args.trace or shared_agentic_dir()
     if model_dir() is None:
@@ -415,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-bench-engine-agents-") as tmp:
         res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
                                 lambda m: print(m, flush=True), args.gateway_reads,
-                                args.split_reads, scheduler, settings))
+                                args.split_reads, scheduler, settings,
+                                not args.derived_beta, args.keep_logs))
     res["scheduler_settings"] = scheduler
     res["cluster_settings"] = settings
     res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],

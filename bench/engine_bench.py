@@ -222,7 +222,7 @@ def load_rate(tokens: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = bench_parser("engine", __doc__.splitlines()[0])
+    p = bench_parser("engine", __doc__.splitlines()[0], quick_takes="about 6 min")
     p.add_argument("--repeats", type=int, default=None,
                    help="sessions per context (quick 2, else 3)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

@@ -24,10 +24,15 @@ from tools.tables import print_table
 __all__ = ["bench_parser", "headline", "print_table", "write_results", "send_json", "read_json"]
 
 
-def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
-    """An argument parser with the flags every benchmark takes (``--quick``, ``--out``)."""
+def bench_parser(name: str, description: str,
+                 quick_takes: str = "under 60 s") -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark takes (``--quick``, ``--out``).
+
+    ``quick_takes`` is what ``--quick`` costs on the 2-core reference host, for the help text:
+    under a minute for every benchmark except those that start real vLLM instances."""
     p = argparse.ArgumentParser(prog=f"dualpath bench {name}", description=description)
-    p.add_argument("--quick", action="store_true", help="reduced run (< 60 s on a 2-core host)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"reduced run ({quick_takes} on a 2-core host)")
     p.add_argument("--out", type=Path, default=None, help="write results JSON here")
     return p
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, TOKEN_HI, TOKEN_LO,
-                                       cluster_settings, main, scheduler_settings,
-                                       sessions_from_trace, token_of, versus_oracle)
+from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, SESSIONS, TOKEN_HI,
+                                       TOKEN_LO, Session, cluster_settings, main, profile_pe,
+                                       scheduler_settings, sessions_from_trace, token_of,
+                                       versus_oracle)
 from tests.helpers import skip_or_fail
 
 
@@ -57,15 +58,15 @@ def test_the_selection_skips_what_does_not_fit_and_names_a_shortfall(tmp_path):
         sessions_from_trace(tmp_path, 2, 2)
 
 
-def test_the_shared_agentic_trace_gives_eight_sessions_of_five_turns():
+def test_the_shared_agentic_trace_gives_the_default_sessions_of_five_turns():
     from sim.recorded import shared_agentic_dir
 
     trace = shared_agentic_dir()
     if not trace.is_dir():
         skip_or_fail(f"the shared agentic trace is absent ({trace}); the synthetic tests above "
                      "cover the derivation")
-    sessions = sessions_from_trace(trace, 8, 5)
-    assert len(sessions) == 8 and all(len(s.prompts) == 5 for s in sessions)
+    sessions = sessions_from_trace(trace, SESSIONS, 5)
+    assert len(sessions) == SESSIONS and all(len(s.prompts) == 5 for s in sessions)
     later = [(p, q) for s in sessions for p, q in zip(s.prompts, s.prompts[1:])]
     shared = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
                  for p, q in later)
@@ -108,3 +109,24 @@ def test_the_oracle_bound_is_the_mean_of_both_oracle_runs_where_both_ran():
     assert vs["value"] == 36.0 / 32.0 and vs["met"] and vs["oracle_jct_s"] == [32.0]
     assert vs["oracle_spread"] == 0.0
     assert versus_oracle({"oracle": {"jct_s": 40.0}, "d": {"jct_s": 44.0}}, "d")["met"]
+
+
+def test_beta_is_profiled_from_the_cold_first_turns_in_the_schedulers_load_unit():
+    from services.compute_model.cost_model import PrefillLoad, cost_model
+    from services.scheduler.core.config import SchedulerConfig
+
+    sessions = [Session("a", [[1] * 300, [1] * 310]), Session("b", [[2] * 500, [2] * 520])]
+    # raw prompt tokens: 800 tokens in 2 s = 400 tokens/s, β = 5 s of it
+    raw = profile_pe(sessions, 2.0, {"pe_load": "tokens"}, "smollm2-135m-f32")
+    assert (raw["load_units"], raw["pe_tokens_per_s"], raw["beta"]) == (800, 400.0, 2000)
+    # the default unit: each cold prompt at its cost in reference-shape tokens, β over beta_s
+    model = "smollm2-135m-f32"
+    load = PrefillLoad(cost_model(model), 32_721, 429)
+    cost = profile_pe(sessions, 4.0, {"beta_s": 10.0}, model)
+    assert cost["load_units"] == load(0, 300) + load(0, 500) != 800
+    assert cost["beta"] == int(cost["load_units"] / 4.0 * 10.0)
+    assert cost["beta_derived_from_cost_model"] == SchedulerConfig(model=model,
+                                                                   beta_s=10.0).resolved_beta()
+    # what the scheduler does with it: β = the profiled rate x beta_s
+    assert SchedulerConfig(model=model, pe_tokens_per_s=cost["pe_tokens_per_s"],
+                           beta_s=10.0).resolved_beta() == int(cost["pe_tokens_per_s"] * 10.0)

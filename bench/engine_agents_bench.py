@@ -57,13 +57,17 @@ paper measures.
 processes in 5 s): the recompute mode's first turns are cold prompts prefilled on the prefill
 instance alone, so their load in the scheduler's unit over the time they took is the PE's
 rate, given to every KV mode as ``[scheduler] pe_tokens_per_s`` (:func:`profile_pe`; JSON
-``pe_profile``). Derived from the KV preset's cost model instead, β is ~1.5 s of this CPU
-engine's work (3,332 units against 8,000–9,700 profiled), so the PE admitted two or three
+``pe_profile``). Derived from the KV preset's cost model instead, β is ~2 s of this CPU
+engine's work (3,332 units against 8,208–9,090 profiled in five runs), so the PE admitted two or three
 turns at a time and each read began only as the turn before it was nearly done.
 ``--derived-beta`` keeps the derived β; a ``pe_tokens_per_s`` or ``beta_tokens`` given with
-``--scheduler-set`` wins over the profile. The PE receiver's buffer is 512 MiB for the run
-(``--set pe_receiver.buffer_bytes=…`` overrides it): the hits of the turns β admits, where
-the config's 192 MiB holds about three (the paper's PE buffer is host DRAM).
+``--scheduler-set`` wins over the profile. The PE receiver's and the DE loaders' buffers are
+512 MiB for the run (``--set pe_receiver.buffer_bytes=…`` / ``de_loader.buffer_bytes=…``
+override them): the prompts of the turns β admits, where the config's 192 MiB holds about
+three (the paper's buffers are host DRAM). The scheduler admits by both (docs/datapath.md
+"Buffer admission in the scheduler"), so a smaller buffer, not β, would bound the turns in
+flight: with the config's 192 MiB decode buffers a full run's dualpath took 49.9 s, with
+512 MiB 36.5 s (docs/vllm.md "Decode buffers").
 
 **16 sessions by default** (the issue asks K ≥ 8). The sessions run in lock step, so each
 timed wave starts with every hit to read and nothing to compute: a turn's prefill starts only
@@ -112,7 +116,7 @@ GEN = 16
 MAX_CONTEXT = 2048                  # the instances' --max-model-len
 MIN_FIRST = 256                     # a first prompt of at least 4 of our 64-token blocks
 SESSIONS = 16                       # sessions at once by default (module docstring: why 16)
-PE_BUFFER = 512 * 2**20             # the bench's PE buffer: a wave's hits (module docstring)
+NODE_BUFFER = 512 * 2**20           # the bench's PE and DE buffers: a wave (module docstring)
 BETA_S = 5.0                        # β = what the PE prefills in 5 s (paper §6.4), profiled
 TOKEN_LO, TOKEN_HI = 1000, 49000    # ordinary tokens of SmolLM2's 49,152 (no special ids)
 # mode -> (scheduler mode of the cluster config, storage links shaped?, kv_loading)
@@ -457,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = cluster_settings(args.settings)
     except ValueError as e:
         p.error(f"--set: {e}")
-    settings.setdefault("pe_receiver", {}).setdefault("buffer_bytes", PE_BUFFER)
+    for service in ("pe_receiver", "de_loader"):
+        settings.setdefault(service, {}).setdefault("buffer_bytes", NODE_BUFFER)
     turns = args.turns or (3 if args.quick else 5)
     trace = args.trace or shared_agentic_dir()
     if model_dir() is None:

@@ -176,6 +176,72 @@ async def test_pe_telemetry_reports_its_buffer_share_less_what_its_attempts_hold
         assert pe.engine_loads()[0].free_hbm_bytes == share
 
 
+async def test_the_scheduler_binds_a_decode_node_no_more_prompts_than_its_buffer_holds(
+        tmp_path, monkeypatch):
+    """The decode side of buffer admission: a DE buffer of 9 pages (a 256-token test-small
+    prompt's KV fills 4, its HBM need with the generated tokens a little more), a PE buffer and
+    a β that would take every request: six sessions at once all finish, and no binding ever
+    committed the buffer past its 9 pages (pages held plus those of bound attempts not yet
+    allocated) — the rest waited in the scheduler's DE group queue. (Without the check all six
+    are bound at once, 24 pages; those past the buffer wait at its pool while their PE's
+    ``PrepareDecode`` runs out of time: seen in ``bench engine_agents``.) An attempt whose
+    region is already freed may still be live, so live attempts are not the measure."""
+    from services.de_loader.service import DELoaderService
+    committed: list[int] = []
+    real = DELoaderService.bind
+
+    def counting(self, b):
+        att = real(self, b)
+        per_token = self.spec.bytes_per_token
+        pending = sum(self.pool.pages_for(a.binding.prompt_tokens * per_token)
+                      for a in self.attempts.values()
+                      if a.region is None and a.binding is not None and not a.done)
+        committed.append(self.pool.num_pages - self.pool.free_pages + pending)
+        return att
+
+    monkeypatch.setattr(DELoaderService, "bind", counting)
+    cfg = {"de_loader": {"buffer_bytes": 9 * 64 * 1024},
+           "pe_receiver": {"buffer_bytes": 64 * 64 * 1024},
+           "scheduler": {"beta_tokens": 10**6}}
+    async with local_datapath(tmp_path, overrides=cfg) as c, \
+            SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
+        de = c.de["d0"]
+        assert de.pool.num_pages * de.pool.page_bytes == 9 * 64 * 1024
+        toks = [tokens(4 * BT, 60 + i) for i in range(6)]
+        events = await asyncio.gather(*(sched.run(f"d{i}", f"s{i}", len(t), 3, token_ids=t,
+                                                  deadline_s=30) for i, t in enumerate(toks)))
+        assert all(isinstance(ev, RequestFinished) for ev in events), events
+        assert len(committed) == 6 and max(committed) <= 9, committed
+        await no_leaks(c)
+        # registered and reported as the buffer (smaller than the engine's HBM here)
+        assert [load.free_hbm_bytes for load in de.engine_loads()] == [de.engine_hbm()] == \
+            [9 * 64 * 1024]
+        # a prompt whose KV the buffer cannot hold is refused typed at submit, never bound
+        big = tokens(10 * BT, 99)
+        with pytest.raises(InvalidArgument, match="DE buffer"):
+            await sched.run("too-big", "s-big", len(big), 3, token_ids=big, deadline_s=30)
+
+
+async def test_de_telemetry_reports_the_smaller_of_its_hbm_and_its_buffer_less_what_is_bound(
+        tmp_path):
+    from common.protocol import DecodeBinding
+
+    async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
+        de = c.de["d0"]
+        page, free = de.pool.page_bytes, de.pool.num_pages * de.pool.page_bytes
+        hbm = de.settings.hbm_capacity_bytes
+        assert free < hbm and de.engine_hbm() == free
+        assert de.engine_loads()[0].free_hbm_bytes == free
+        need = 137 * de.spec.bytes_per_token           # 137 tokens x 1 KiB: 3 pages of 64 KiB
+        att = de.bind(DecodeBinding("tb", 0, "sess", "d0.e0", 137, 0, 3, need + 3 * 1024,
+                                    deadline_s=30.0))
+        [load] = de.engine_loads()
+        assert (load.engine_id, load.seq, load.free_hbm_bytes) == ("d0.e0", 1, free - 3 * page)
+        att.drop("test: released")
+        await until(lambda: not de.attempts, timeout=10, what="the attempt to end")
+        assert de.engine_loads()[0].free_hbm_bytes == free
+
+
 # ---------------------------------------------------------------- byte-exact, engine API level
 
 class RecordingEngines:

@@ -54,7 +54,11 @@ class DELoaderService(NodeBase):
                 PrefillDone: self._prefill_done, AbortDecode: self._abort}
 
     def engine_hbm(self) -> int:
-        return self.settings.hbm_capacity_bytes
+        """What one engine here can be given: its KV HBM, but no more than the node's DE
+        buffer, where every attempt stages its prompt's KV from its binding until its
+        write-back (:meth:`engine_loads`). A request needing more is refused typed at the
+        scheduler's submit instead of failing at this node's pool."""
+        return min(self.settings.hbm_capacity_bytes, self.pool.num_pages * self.pool.page_bytes)
 
     async def on_stop(self) -> None:
         for port in self.ports.values():
@@ -162,8 +166,29 @@ class DELoaderService(NodeBase):
         return AbortDecodeReply(msg.request_id, True)
 
     # ------------------------------------------------------------------ telemetry
+    def free_buffer_bytes(self) -> int:
+        """The DE buffer's free pages less those of attempts bound and not allocated yet."""
+        per_token = self.spec.bytes_per_token
+        pending = sum(self.pool.pages_for(att.binding.prompt_tokens * per_token)
+                      for att in self.attempts.values()
+                      if att.region is None and att.binding is not None and not att.done)
+        return max(self.pool.free_pages - pending, 0) * self.pool.page_bytes
+
     def engine_loads(self) -> list[EngineLoad]:
-        """seq/tok/free HBM per decode engine: attempts bound here and not finished."""
+        """seq/tok per decode engine (attempts bound here and not finished) and the room the
+        scheduler may place into: the engine's free HBM, but no more than the node's free
+        buffer (:meth:`free_buffer_bytes`).
+
+        Why the buffer: every attempt stages its whole prompt's KV in the node's DE buffer
+        from its binding until its write-back, so a decode node bound more prompts than its
+        buffer holds makes each wait at the pool (``alloc_timeout_s``) while its PE's
+        ``PrepareDecode`` runs out of time and the engines fall back to computing without
+        dualpath — seen in ``bench engine_agents`` once β admitted a wave (docs/datapath.md
+        "Buffer admission in the scheduler"). With the capacity registered the same way
+        (:meth:`engine_hbm`), the scheduler keeps such requests in the group's queue
+        (``pick_de``), bounded by their deadlines. Engines of one node share its buffer, so
+        within one fetch each may be given up to all of it; the next report corrects it, and
+        the pool's bounded wait stays the backstop."""
         seq = dict.fromkeys(self.ports, 0)
         tok = dict.fromkeys(self.ports, 0)
         hbm = dict.fromkeys(self.ports, 0)
@@ -173,7 +198,9 @@ class DELoaderService(NodeBase):
                 tok[att.engine_id] += att.tokens
                 hbm[att.engine_id] += att.hbm_bytes
         cap = self.settings.hbm_capacity_bytes
-        return [EngineLoad(e, seq[e], tok[e], max(cap - hbm[e], 0)) for e in self.ports]
+        buffer = self.free_buffer_bytes()
+        return [EngineLoad(e, seq[e], tok[e], min(max(cap - hbm[e], 0), buffer))
+                for e in self.ports]
 
     def node_counters(self) -> dict[str, float]:
         return {"attempts_live": float(len(self.attempts)),

@@ -177,7 +177,8 @@ class Scheduler:
         cap = self._max_hbm if self._max_hbm_known else self._max_de_capacity()
         if cap is not None and request.hbm_bytes > cap:
             raise InvalidArgument(f"request {rid!r} needs {request.hbm_bytes} B of DE HBM, more than "
-                                  f"any decode engine has ({cap} B): shorten it or add memory")
+                                  f"any decode engine has ({cap} B: its HBM, or its node's DE "
+                                  f"buffer where smaller): shorten it or add memory")
         p = Pending(request, self._next_seq, self.pe_load(request.hit_tokens, request.new_tokens))
         p.attempt = self.attempt_base
         self._next_seq += 1

@@ -130,6 +130,14 @@ async def test_turns_hit_what_the_previous_turns_wrote_on_both_paths(tmp_path, p
         await no_leaks(c)
 
 
+async def six_sessions_finish(sched, prefix: str, seed: int) -> None:
+    """Six 256-token sessions submitted at once through the scheduler; every one finishes."""
+    toks = [tokens(4 * BT, seed + i) for i in range(6)]
+    events = await asyncio.gather(*(sched.run(f"{prefix}{i}", f"s{i}", len(t), 3, token_ids=t,
+                                              deadline_s=30) for i, t in enumerate(toks)))
+    assert all(isinstance(ev, RequestFinished) for ev in events), events
+
+
 async def test_the_scheduler_sends_a_pe_no_more_prompts_than_its_buffer_holds(tmp_path,
                                                                              monkeypatch):
     """``pe_buffer_admission`` (on by default). A PE buffer of 8 pages (64 KiB; a 256-token
@@ -153,10 +161,7 @@ async def test_the_scheduler_sends_a_pe_no_more_prompts_than_its_buffer_holds(tm
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
         pe = c.pe["p0"]
         assert pe.engine_hbm() == 8 * pe.pool.page_bytes == 8 * 64 * 1024
-        toks = [tokens(4 * BT, 40 + i) for i in range(6)]
-        events = await asyncio.gather(*(sched.run(f"b{i}", f"s{i}", len(t), 3, token_ids=t,
-                                                  deadline_s=30) for i, t in enumerate(toks)))
-        assert all(isinstance(ev, RequestFinished) for ev in events), events
+        await six_sessions_finish(sched, "b", 40)
         assert len(held) == 6 and max(held) <= 2, held
         await no_leaks(c)
         assert [load.free_hbm_bytes for load in pe.engine_loads()] == [pe.engine_hbm()]
@@ -207,10 +212,7 @@ async def test_the_scheduler_binds_a_decode_node_no_more_prompts_than_its_buffer
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
         de = c.de["d0"]
         assert de.pool.num_pages * de.pool.page_bytes == 9 * 64 * 1024
-        toks = [tokens(4 * BT, 60 + i) for i in range(6)]
-        events = await asyncio.gather(*(sched.run(f"d{i}", f"s{i}", len(t), 3, token_ids=t,
-                                                  deadline_s=30) for i, t in enumerate(toks)))
-        assert all(isinstance(ev, RequestFinished) for ev in events), events
+        await six_sessions_finish(sched, "d", 60)
         assert len(committed) == 6 and max(committed) <= 9, committed
         await no_leaks(c)
         # registered and reported as the buffer (smaller than the engine's HBM here)

@@ -117,7 +117,6 @@ MAX_CONTEXT = 2048                  # the instances' --max-model-len
 MIN_FIRST = 256                     # a first prompt of at least 4 of our 64-token blocks
 SESSIONS = 16                       # sessions at once by default (module docstring: why 16)
 NODE_BUFFER = 512 * 2**20           # the bench's PE and DE buffers: a wave (module docstring)
-BETA_S = 5.0                        # β = what the PE prefills in 5 s (paper §6.4), profiled
 TOKEN_LO, TOKEN_HI = 1000, 49000    # ordinary tokens of SmolLM2's 49,152 (no special ids)
 # mode -> (scheduler mode of the cluster config, storage links shaped?, kv_loading)
 MODES: dict[str, tuple[str, bool, bool]] = {
@@ -257,7 +256,7 @@ def profile_pe(sessions: list[Session], first_turns_s: float,
     load = cfg.pe_load_counter()
     units = sum(load(0, len(s.prompts[0])) for s in sessions)
     rate = units / first_turns_s
-    derived = SchedulerConfig(model=model, beta_s=cfg.beta_s).resolved_beta()
+    derived = msgspec.structs.replace(cfg, pe_tokens_per_s=None, beta_tokens=None).resolved_beta()
     return {"load_units": units, "first_turns_s": round(first_turns_s, 2),
             "pe_tokens_per_s": round(rate, 1), "beta": int(rate * cfg.beta_s),
             "beta_derived_from_cost_model": derived, "pe_load": cfg.pe_load}

@@ -168,11 +168,9 @@ class DELoaderService(NodeBase):
     # ------------------------------------------------------------------ telemetry
     def free_buffer_bytes(self) -> int:
         """The DE buffer's free pages less those of attempts bound and not allocated yet."""
-        per_token = self.spec.bytes_per_token
-        pending = sum(self.pool.pages_for(att.binding.prompt_tokens * per_token)
-                      for att in self.attempts.values()
-                      if att.region is None and att.binding is not None and not att.done)
-        return max(self.pool.free_pages - pending, 0) * self.pool.page_bytes
+        return self.buffer_room(att.binding.prompt_tokens for att in self.attempts.values()
+                                if att.region is None and att.binding is not None
+                                and not att.done)
 
     def engine_loads(self) -> list[EngineLoad]:
         """seq/tok per decode engine (attempts bound here and not finished) and the room the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+from collections.abc import Iterable
 from typing import Any, TYPE_CHECKING
 
 import msgspec
@@ -239,6 +240,15 @@ class NodeBase(Service):
     @property
     def ucx_address(self) -> tuple[str, int]:
         return self.transport.address
+
+    def buffer_room(self, pending_prompt_tokens: Iterable[int]) -> int:
+        """The node buffer's free bytes less the pages of prompts taken on and not allocated
+        yet (each of ``pending_prompt_tokens`` a prompt's token count): the room a node
+        reports to the scheduler for buffer admission (docs/datapath.md "Buffer admission in
+        the scheduler")."""
+        per_token = self.spec.bytes_per_token
+        pending = sum(self.pool.pages_for(n * per_token) for n in pending_prompt_tokens)
+        return max(self.pool.free_pages - pending, 0) * self.pool.page_bytes
 
     # ------------------------------------------------------------------ to override
     def handlers(self) -> dict[type, Any]:

@@ -152,10 +152,8 @@ class PEReceiverService(NodeBase):
 
     def free_buffer_bytes(self) -> int:
         """The pool's free pages less those of attempts received and not allocated yet."""
-        per_token = self.spec.bytes_per_token
-        pending = sum(self.pool.pages_for((att.plan.hit_tokens + att.plan.new_tokens) * per_token)
-                      for att in self.attempts.values() if att.region is None)
-        return max(self.pool.free_pages - pending, 0) * self.pool.page_bytes
+        return self.buffer_room(att.plan.hit_tokens + att.plan.new_tokens
+                                for att in self.attempts.values() if att.region is None)
 
     def engine_loads(self) -> list[EngineLoad]:
         """seq/tok per engine: attempts received and not yet prefilled (paper §6.1); with

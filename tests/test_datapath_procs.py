@@ -65,6 +65,13 @@ class NodeProc:
         self.ready = json.loads(line)
         return self
 
+    def log_tail(self, n: int = 4000) -> str:
+        """The end of the process's log, for a failure message (CI keeps no tmp dirs)."""
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError as e:
+            return f"(no log: {e})"
+
     def endpoint(self, service: str) -> Endpoint:
         r = self.ready
         return Endpoint(r["node_id"], service, "127.0.0.1", r["rpc_port"], "127.0.0.1",
@@ -199,8 +206,14 @@ async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(t
     # The PE stops itself as it is about to send the second layer (failpoint), so the kill
     # lands mid-forward whatever the load: timed from the test instead, a stalled test loop
     # (a CI run: > 0.45 s) let the PE forward every layer first and nothing was left to fail.
+    # The scheduler's node lease is long (60 s, not base_config's 3 s): the DE loader's
+    # transport names the dead PE (PEER_FAILED), which is what this test checks. With 3 s, a PE
+    # process starved of the CPU beside the real-engine tests lost its lease before its second
+    # layer (ci on 52be796: "lease expired" 3 s after the submit); the request then failed
+    # (max_replans 0), the PE dropped it and never reached the failpoint.
     async with local_datapath(tmp_path, prefill=(), overrides={
-            "scheduler": {"max_replans": 0}, **paths}) as c, \
+            "scheduler": {"max_replans": 0}, "scheduler_service": {"lease_s": 60.0},
+            **paths}) as c, \
             SchedulerClient("127.0.0.1", c.scheduler.port) as sched:
         c.gateways["p0"] = gw = await _gateway(c, tmp_path, "p0", None, paths)
         try:
@@ -216,7 +229,8 @@ async def test_pe_receiver_killed_mid_forward_fails_retryable_and_frees_the_de(t
 
                 def forwarding():
                     return any(a.received >= 1 for a in de.attempts.values())
-                await until(pe.stopped, what="the PE stopped before its second layer")
+                await until(pe.stopped, what=lambda: "the PE stopped before its second "
+                            f"layer; its log ends:\n{pe.log_tail()}")
                 await until(forwarding, what="first layer forwarded to the DE")
                 assert de.pool.used_pages > 0
                 if paths:     # that layer was put into the DE's arena, not sent as messages

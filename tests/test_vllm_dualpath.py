@@ -209,34 +209,63 @@ def bytes_read(c) -> float:
     return sum(g.counters().get("bytes_read", 0.0) for g in c.gateways.values())
 
 
+def datapath_state(c, rid: str) -> str:
+    """What the nodes did with ``rid`` and their counters: appended to a failed turn's
+    assertion, since CI keeps neither the cluster nor its logs (a CI run on 52be796 reported
+    this test only by name)."""
+    lines = []
+    for name, svc in (("PE p0", c.pe["p0"]), ("DE d0", c.de["d0"])):
+        mine = [r for r in svc.reports if r.request_id == rid]
+        lines.append(f"{name} reports for {rid}: {mine!r:.1500}")
+        lines.append(f"{name} counters: {dict(svc.counters)!r:.1500}")
+    for node, g in c.gateways.items():
+        lines.append(f"gateway {node}: {g.counters()!r:.800}")
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("side", ["pe", "de"])
 async def test_multi_turn_greedy_outputs_equal_plain_vllm(rig, side):
     c, text = rig.cluster, rig.text[OFFSET[side]:]
-    block_bytes = c.spec.full_block_bytes
     prompt, cursor = text[:FIRST], FIRST
     for turn in range(TURNS):
-        keys = block_keys_from_tokens(prompt, BT)
-        hit_blocks = min(await c.stored_prefix(keys), (len(prompt) - 1) // BT)
-        if turn == 0:
-            assert hit_blocks == 0, "another test's blocks are this conversation's prefix"
-        rid = f"{side}-t{turn}"
-        before = bytes_read(c)
-        c.pe["p0"].submit_plan(plan(c, rid, prompt, hit_blocks, side if hit_blocks else "none",
-                                    gen=GEN, deadline=900.0))
-        await rig.prefill.add(rid, prompt, 1, {"request_id": rid,
-                                               "hit_tokens": hit_blocks * BT})
-        await rig.decode.add(rid, prompt, GEN, {"request_id": rid})
-        ref = await rig.reference(prompt, GEN)
-        pre, dec = await rig.prefill.finished(rid), await rig.decode.finished(rid)
-        assert dec["tokens"] == ref, f"turn {turn}: decode output != plain vLLM"
-        assert pre["tokens"][0] == ref[0], f"turn {turn}: prefill's first token"
-        await until(lambda rid=rid: report(c.de["d0"], rid, "finished") is not None, timeout=300,
-                    what=f"{rid} finished on the DE")
-        if turn > 0:
-            assert hit_blocks * BT >= 0.9 * len(prompt), f"turn {turn}: hit {hit_blocks * BT}"
-        assert bytes_read(c) - before == hit_blocks * block_bytes
-        last_context = len(prompt) + GEN
-        # next turn: this prompt + its output + new text (an agent's tool result)
-        prompt = prompt + dec["tokens"] + text[cursor:cursor + APPEND]
+        try:
+            prompt = await _one_turn(rig, side, turn, prompt, text[cursor:cursor + APPEND])
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{datapath_state(c, f'{side}-t{turn}')}") from e
         cursor += APPEND
-    assert last_context >= FIRST + (TURNS - 1) * (GEN + APPEND) + GEN
+    assert len(prompt) >= FIRST + TURNS * (GEN + APPEND)
+
+
+async def _one_turn(rig, side: str, turn: int, prompt: list[int], append: list[int]
+                    ) -> list[int]:
+    """One turn through dualpath, checked against plain vLLM; the next turn's prompt."""
+    c = rig.cluster
+    block_bytes = c.spec.full_block_bytes
+    keys = block_keys_from_tokens(prompt, BT)
+    hit_blocks = min(await c.stored_prefix(keys), (len(prompt) - 1) // BT)
+    if turn == 0:
+        assert hit_blocks == 0, "another test's blocks are this conversation's prefix"
+    rid = f"{side}-t{turn}"
+    before = bytes_read(c)
+    c.pe["p0"].submit_plan(plan(c, rid, prompt, hit_blocks, side if hit_blocks else "none",
+                                gen=GEN, deadline=900.0))
+    await rig.prefill.add(rid, prompt, 1, {"request_id": rid,
+                                           "hit_tokens": hit_blocks * BT})
+    await rig.decode.add(rid, prompt, GEN, {"request_id": rid})
+    ref = await rig.reference(prompt, GEN)
+    pre, dec = await rig.prefill.finished(rid), await rig.decode.finished(rid)
+    how = f"(the decode instance's dualpath: {dec.get('dualpath')}; the prefill's: " \
+          f"{pre.get('dualpath')})"
+    assert dec["tokens"] == ref, \
+        f"turn {turn}: decode output {dec['tokens']} != plain vLLM {ref} {how}"
+    assert pre["tokens"][0] == ref[0], f"turn {turn}: prefill's first token {how}"
+    await until(lambda rid=rid: report(c.de["d0"], rid, "finished") is not None, timeout=300,
+                what=f"{rid} finished on the DE")
+    if turn > 0:
+        assert hit_blocks * BT >= 0.9 * len(prompt), \
+            f"turn {turn}: hit {hit_blocks * BT} of {len(prompt)} tokens stored"
+    read = bytes_read(c) - before
+    assert read == hit_blocks * block_bytes, \
+        f"turn {turn}: the gateways read {read} B for a hit of {hit_blocks} blocks {how}"
+    # next turn: this prompt + its output + new text (an agent's tool result)
+    return prompt + dec["tokens"] + append

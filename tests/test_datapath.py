@@ -181,16 +181,19 @@ async def test_pe_telemetry_reports_its_buffer_share_less_what_its_attempts_hold
         assert pe.engine_loads()[0].free_hbm_bytes == share
 
 
+@pytest.mark.parametrize("engines", [1, 2])
 async def test_the_scheduler_binds_a_decode_node_no_more_prompts_than_its_buffer_holds(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, engines):
     """The decode side of buffer admission: a DE buffer of 9 pages (a 256-token test-small
     prompt's KV fills 4, its HBM need with the generated tokens a little more), a PE buffer and
     a β that would take every request: six sessions at once all finish, and no binding ever
     committed the buffer past its 9 pages (pages held plus those of bound attempts not yet
     allocated) — the rest waited in the scheduler's DE group queue. (Without the check all six
     are bound at once, 24 pages; those past the buffer wait at its pool while their PE's
-    ``PrepareDecode`` runs out of time: seen in ``bench engine_agents``.) An attempt whose
-    region is already freed may still be live, so live attempts are not the measure."""
+    ``PrepareDecode`` runs out of time: seen in ``bench engine_agents``.) With two decode
+    engines on the node, each is free to take the whole buffer until the scheduler counts
+    their bindings off the one buffer figure (protocol v7). An attempt whose region is already
+    freed may still be live, so live attempts are not the measure."""
     from services.de_loader.service import DELoaderService
     committed: list[int] = []
     real = DELoaderService.bind
@@ -205,7 +208,7 @@ async def test_the_scheduler_binds_a_decode_node_no_more_prompts_than_its_buffer
         return att
 
     monkeypatch.setattr(DELoaderService, "bind", counting)
-    cfg = {"de_loader": {"buffer_bytes": 9 * 64 * 1024},
+    cfg = {"de_loader": {"buffer_bytes": 9 * 64 * 1024, "engines": engines},
            "pe_receiver": {"buffer_bytes": 64 * 64 * 1024},
            "scheduler": {"beta_tokens": 10**6}}
     async with local_datapath(tmp_path, overrides=cfg) as c, \
@@ -215,33 +218,40 @@ async def test_the_scheduler_binds_a_decode_node_no_more_prompts_than_its_buffer
         await six_sessions_finish(sched, "d", 60)
         assert len(committed) == 6 and max(committed) <= 9, committed
         await no_leaks(c)
-        # registered and reported as the buffer (smaller than the engine's HBM here)
-        assert [load.free_hbm_bytes for load in de.engine_loads()] == [de.engine_hbm()] == \
-            [9 * 64 * 1024]
+        # registered as the buffer (smaller than the engine's HBM here), reported free
+        assert [(load.free_hbm_bytes, load.buffer_free_bytes) for load in de.engine_loads()] \
+            == [(de.engine_hbm(), 9 * 64 * 1024)] * engines and de.engine_hbm() == 9 * 64 * 1024
         # a prompt whose KV the buffer cannot hold is refused typed at submit, never bound
         big = tokens(10 * BT, 99)
         with pytest.raises(InvalidArgument, match="DE buffer"):
             await sched.run("too-big", "s-big", len(big), 3, token_ids=big, deadline_s=30)
 
 
-async def test_de_telemetry_reports_the_smaller_of_its_hbm_and_its_buffer_less_what_is_bound(
+async def test_de_telemetry_reports_its_hbm_and_its_nodes_free_buffer_less_what_is_bound(
         tmp_path):
+    """Each decode engine's own HBM (registered as at most the node's DE buffer) less what is
+    bound to it, and — protocol v7 — the node's free buffer less the pages of bound attempts
+    not allocated yet, which the scheduler holds all of the node's engines to."""
     from common.protocol import DecodeBinding
 
-    async with local_datapath(tmp_path, scheduler=False, engines=False) as c:
+    async with local_datapath(tmp_path, scheduler=False, engines=False,
+                              overrides={"de_loader": {"engines": 2}}) as c:
         de = c.de["d0"]
         page, free = de.pool.page_bytes, de.pool.num_pages * de.pool.page_bytes
         hbm = de.settings.hbm_capacity_bytes
         assert free < hbm and de.engine_hbm() == free
-        assert de.engine_loads()[0].free_hbm_bytes == free
-        need = 137 * de.spec.bytes_per_token           # 137 tokens x 1 KiB: 3 pages of 64 KiB
-        att = de.bind(DecodeBinding("tb", 0, "sess", "d0.e0", 137, 0, 3, need + 3 * 1024,
-                                    deadline_s=30.0))
-        [load] = de.engine_loads()
-        assert (load.engine_id, load.seq, load.free_hbm_bytes) == ("d0.e0", 1, free - 3 * page)
+        assert [(load.free_hbm_bytes, load.buffer_free_bytes) for load in de.engine_loads()] \
+            == [(free, free)] * 2
+        need = 137 * de.spec.bytes_per_token + 3 * 1024  # 137 prompt tokens x 1 KiB: 3 pages
+        att = de.bind(DecodeBinding("tb", 0, "sess", "d0.e0", 137, 0, 3, need, deadline_s=30.0))
+        loads = {load.engine_id: load for load in de.engine_loads()}
+        assert (loads["d0.e0"].seq, loads["d0.e0"].free_hbm_bytes) == (1, free - need)
+        assert (loads["d0.e1"].seq, loads["d0.e1"].free_hbm_bytes) == (0, free)
+        assert {load.buffer_free_bytes for load in loads.values()} == {free - 3 * page}
         att.drop("test: released")
         await until(lambda: not de.attempts, timeout=10, what="the attempt to end")
-        assert de.engine_loads()[0].free_hbm_bytes == free
+        assert [(load.free_hbm_bytes, load.buffer_free_bytes) for load in de.engine_loads()] \
+            == [(free, free)] * 2
 
 
 # ---------------------------------------------------------------- byte-exact, engine API level

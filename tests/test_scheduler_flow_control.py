@@ -101,6 +101,35 @@ async def test_pe_buffer_telemetry_counts_plans_the_leader_has_not_received_yet(
         assert env.svc.request_state("r3") == "queued"
 
 
+async def test_de_buffer_telemetry_counts_bindings_the_leader_has_not_received_yet():
+    # Two DEs on one decode node with room in their HBM for everything but a shared DE buffer
+    # (protocol v7) for three requests; one binding per fetch reply. The buffer figure the
+    # leader reports knows only the bindings it received: those still in the outbox, for
+    # either engine, are taken off it, so a fourth request stays in the group's queue.
+    async with running(max_bindings_per_fetch=1) as env:
+        await env.node("p0", "prefill", engines=1)
+        d0 = await env.node("d0", "decode", engines=2)
+        fe = await env.client()
+        streams = [fe.submit(f"r{i}", "s", 100, 2) for i in range(5)]
+        for s in streams:
+            await nxt(s)
+        need = (100 + 2) * env.svc.kv.bytes_per_token            # each request's HBM bytes
+
+        def loads(free: int) -> list[EngineLoad]:
+            return [EngineLoad(f"d0.e{i}", 0, 0, 100 * need, buffer_free_bytes=free)
+                    for i in range(2)]
+
+        first = await d0.fetch(loads(3 * need))                 # binds r0, r1, r2: full
+        assert [b.request_id for b in first.bindings] == ["r0"] and first.more
+        assert env.svc.request_state("r3") == "queued"
+        second = await d0.fetch(loads(2 * need))                # r0 allocated; r1, r2 unsent
+        assert [b.request_id for b in second.bindings] == ["r1"]
+        assert env.svc.request_state("r3") == "queued"
+        third = await d0.fetch(loads(need))                     # r0, r1 allocated; r2 unsent
+        assert [b.request_id for b in third.bindings] == ["r2"] and not third.more
+        assert env.svc.request_state("r3") == "queued"
+
+
 async def test_pe_receiver_telemetry_matches_the_cores_own_pe_accounting():
     # Default unit: prefill-cost-weighted tokens. The leader reports its engines' tok with the
     # PE receiver's own function over the plans it holds; the outbox adds the undelivered ones.

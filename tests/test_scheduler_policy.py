@@ -318,6 +318,38 @@ def test_hbm_stop_at_head_no_skipping_and_r_set():
     assert s.engine_report("d0").free_hbm_bytes == 20
 
 
+@pytest.mark.parametrize("mode", ["dualpath", "basic"])
+def test_the_decode_engines_of_one_node_share_its_reported_de_buffer(mode):
+    """Two DEs on one node, each with HBM for three requests, and the node's DE buffer (v7
+    telemetry) for two: one placement pass binds two, not four — a binding to either engine
+    takes its bytes off the one buffer figure; a completion gives them back, and a report
+    replaces the figure (a full buffer blocks both engines, room reopens them)."""
+    s = Scheduler(cfg(policy=mode), [pe("p0", "P"), de("d0", "D", hbm=300), de("d1", "D", hbm=300)])
+    load(s, ("d0", 0, 0, 300, 200), ("d1", 0, 0, 300, 200))
+    for i in range(5):
+        s.submit(req(i, hit=10, new=10, hbm=100))
+    first = s.on_de_group_fetch("D")
+    assert [b.request_id for b in first] == ["r0", "r1"]
+    assert sorted(b.de_engine for b in first) == ["d0", "d1"]
+    assert s.private_queue("D") == ["r2", "r3", "r4"] and s.on_de_group_fetch("D") == []
+    s.on_pe_group_fetch("P")
+    s.complete("r0")
+    assert [b.request_id for b in s.on_de_group_fetch("D")] == ["r2"]
+    load(s, ("d0", 1, 20, 200, 0), ("d1", 1, 20, 200, 0))     # the node: its buffer is full
+    assert s.on_de_group_fetch("D") == []
+    load(s, ("d0", 1, 20, 200, 150), ("d1", 1, 20, 200, 150))
+    assert [b.request_id for b in s.on_de_group_fetch("D")] == ["r3"]
+
+
+def test_an_unreported_de_buffer_leaves_each_engines_hbm_the_only_limit():
+    """Telemetry without ``buffer_free_bytes`` (a node that states none): as before v7."""
+    s = Scheduler(cfg(), [pe("p0", "P"), de("d0", "D", hbm=300), de("d1", "D", hbm=300)])
+    load(s, ("d0", 0, 0, 300), ("d1", 0, 0, 300))
+    for i in range(7):
+        s.submit(req(i, hit=10, new=10, hbm=100))
+    assert len(s.on_de_group_fetch("D")) == 6
+
+
 def test_de_memory_released_on_complete():
     s = _de_group(1)
     load(s, ("d0", 0, 0, 100))

@@ -17,7 +17,10 @@ import msgspec
 # back: docs/engine-api.md "An engine that is not attached")
 # 6: EngineLoad .attaches, ReportProgress .detached_engine/.engine_attaches (a detach the
 # node's failure report names takes the engine out before its request re-plans: one re-plan)
-PROTOCOL_VERSION = 6
+# 7: EngineLoad .buffer_free_bytes (a decode node's free DE buffer, shared by its decode
+# engines: the scheduler holds all of the node's bindings to it: docs/datapath.md "Buffer
+# admission in the scheduler")
+PROTOCOL_VERSION = 7
 
 # Where a request's hit KV is read from storage (paper §4): through the PE's own gateway, through
 # the DE's (which then streams the layers to the PE), split between the two (the DE reads the

@@ -90,6 +90,11 @@ class EngineLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # v6: how many times the engine attached to this node process (0: in-process, or never).
     # "attached" with the number of an attachment known dead is telemetry older than its end
     attaches: int = 0
+    # v7 (decode engines): the free bytes of the node's DE buffer, shared by all its decode
+    # engines (each attempt stages its KV there from its binding to its write-back), less what
+    # the node has taken on and not allocated yet; the scheduler places no more onto the node
+    # than this holds (free_hbm_bytes is then the engine's own HBM). None: not stated
+    buffer_free_bytes: int | None = None
 
 
 class FetchWork(Message, tag="sched.node.fetch", frozen=True):

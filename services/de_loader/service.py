@@ -174,19 +174,18 @@ class DELoaderService(NodeBase):
 
     def engine_loads(self) -> list[EngineLoad]:
         """seq/tok per decode engine (attempts bound here and not finished) and the room the
-        scheduler may place into: the engine's free HBM, but no more than the node's free
-        buffer (:meth:`free_buffer_bytes`).
+        scheduler may place into: the engine's free HBM (of :meth:`engine_hbm`) and, shared by
+        all of them, the node's free buffer (:meth:`free_buffer_bytes`, protocol v7).
 
         Why the buffer: every attempt stages its whole prompt's KV in the node's DE buffer
         from its binding until its write-back, so a decode node bound more prompts than its
         buffer holds makes each wait at the pool (``alloc_timeout_s``) while its PE's
         ``PrepareDecode`` runs out of time and the engines fall back to computing without
         dualpath — seen in ``bench engine_agents`` once β admitted a wave (docs/datapath.md
-        "Buffer admission in the scheduler"). With the capacity registered the same way
-        (:meth:`engine_hbm`), the scheduler keeps such requests in the group's queue
-        (``pick_de``), bounded by their deadlines. Engines of one node share its buffer, so
-        within one fetch each may be given up to all of it; the next report corrects it, and
-        the pool's bounded wait stays the backstop."""
+        "Buffer admission in the scheduler"). The scheduler keeps such requests in the group's
+        queue (``pick_de``), bounded by their deadlines, and takes every binding to any of the
+        node's engines off the one buffer figure, so two engines are never each given the same
+        free bytes; the pool's bounded wait stays the backstop."""
         seq = dict.fromkeys(self.ports, 0)
         tok = dict.fromkeys(self.ports, 0)
         hbm = dict.fromkeys(self.ports, 0)
@@ -195,9 +194,9 @@ class DELoaderService(NodeBase):
                 seq[att.engine_id] += 1
                 tok[att.engine_id] += att.tokens
                 hbm[att.engine_id] += att.hbm_bytes
-        cap = self.settings.hbm_capacity_bytes
+        cap = self.engine_hbm()
         buffer = self.free_buffer_bytes()
-        return [EngineLoad(e, seq[e], tok[e], min(max(cap - hbm[e], 0), buffer))
+        return [EngineLoad(e, seq[e], tok[e], max(cap - hbm[e], 0), buffer_free_bytes=buffer)
                 for e in self.ports]
 
     def node_counters(self) -> dict[str, float]:

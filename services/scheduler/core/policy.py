@@ -146,7 +146,7 @@ def pick_de(engines: Sequence[Engine], hbm: int, tokens: int, z: float) -> Engin
     """Phase 2's choice for one request of ``tokens`` tokens needing ``hbm`` bytes."""
     rest = high = None
     for e in engines:
-        if e.free_hbm < hbm:
+        if not e.fits(hbm):
             continue
         if e.tok + tokens <= z:
             if rest is None or e.seq < rest.seq or (e.seq == rest.seq and e.tok < rest.tok):
@@ -162,7 +162,7 @@ def pick_de_round_robin(group: Group, hbm: int) -> Engine | None:
     n = len(engines)
     for k in range(n):
         i = (group.rr + k) % n
-        if engines[i].free_hbm >= hbm:
+        if engines[i].fits(hbm):
             group.rr = (i + 1) % n
             return engines[i]
     return None

@@ -87,12 +87,14 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class EngineReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One engine's figures in a group fetch: seq_e, tok_e and (DEs) free HBM."""
+    """One engine's figures in a group fetch: seq_e, tok_e and (DEs) free HBM and their node's
+    free DE buffer."""
 
     engine_id: str
     seq: int
     tok: int
     free_hbm_bytes: int | None = None
+    buffer_free_bytes: int | None = None
 
 
 class Telemetry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

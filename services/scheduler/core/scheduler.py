@@ -298,8 +298,11 @@ class Scheduler:
                 self._pe_tok += r.tok - e.tok
                 if r.free_hbm_bytes is not None:    # PEs: their node's free buffer
                     e.node.buffer_free = r.free_hbm_bytes
-            elif r.free_hbm_bytes is not None:
-                e.free_hbm = r.free_hbm_bytes
+            else:
+                if r.free_hbm_bytes is not None:
+                    e.free_hbm = r.free_hbm_bytes
+                if r.buffer_free_bytes is not None:     # DEs: their node's free DE buffer
+                    e.node.de_buffer_free = r.buffer_free_bytes
             e.seq, e.tok = r.seq, r.tok
         for node_id, q in telemetry.read_q.items():
             n = nodes.get(node_id)
@@ -417,7 +420,7 @@ class Scheduler:
             # room (the common case while the group's HBM is full and its queue backs up).
             hbm = private[0].request.hbm_bytes
             for en in engines:
-                if en.free_hbm >= hbm:
+                if en.fits(hbm):
                     break
             else:
                 return []

@@ -17,9 +17,10 @@ from .records import Request, Role
 
 
 class Node:
-    """A machine: its storage link's disk-read queue, in tokens, and its PE buffer."""
+    """A machine: its storage link's disk-read queue, in tokens, and its PE or DE buffer."""
 
-    __slots__ = ("node_id", "read_q", "read_v", "engines", "buffer_cap", "buffer_free")
+    __slots__ = ("node_id", "read_q", "read_v", "engines", "buffer_cap", "buffer_free",
+                 "de_buffer_free")
 
     def __init__(self, node_id: str, read_v: int = 0) -> None:
         self.node_id = node_id
@@ -31,6 +32,10 @@ class Node:
         # the node's PEs (bytes; cap 0: not stated, not checked — policy.has_buffer_room)
         self.buffer_cap = 0
         self.buffer_free = 0
+        # the DE buffer every decode attempt of the node stages its KV in, shared by the node's
+        # decode engines: free bytes as the node last reported them (protocol v7), less what
+        # was bound here since; None: never reported, not checked (each engine's HBM still is)
+        self.de_buffer_free: int | None = None
 
     def take_buffer(self, nbytes: int) -> None:
         self.buffer_free -= nbytes
@@ -59,10 +64,21 @@ class Engine:
         self.hbm_capacity = hbm_capacity
         self.requests: dict[str, Pending] = {}
 
+    def fits(self, hbm: int) -> bool:
+        """Whether a request reserving ``hbm`` bytes fits this (decode) engine: its own free
+        HBM, and its node's DE buffer, which the node's decode engines share — so two engines
+        of one node are never each given the same free buffer within one placement pass."""
+        if self.free_hbm < hbm:
+            return False
+        buffer = self.node.de_buffer_free
+        return buffer is None or buffer >= hbm
+
     def add(self, p: Pending, tokens: int, hbm: int = 0) -> None:
         self.seq += 1
         self.tok += tokens
         self.free_hbm -= hbm
+        if hbm and self.node.de_buffer_free is not None:
+            self.node.de_buffer_free -= hbm
         self.requests[p.request.request_id] = p
 
     def release(self, p: Pending, tokens: int, hbm: int = 0) -> bool:
@@ -75,6 +91,9 @@ class Engine:
         self.tok = tok if tok > 0 else 0
         free, cap = self.free_hbm + hbm, self.hbm_capacity
         self.free_hbm = cap if cap and free > cap else free
+        if hbm and self.node.de_buffer_free is not None:
+            # may count bytes the node's next report already freed: that report replaces it
+            self.node.de_buffer_free += hbm
         return True
 
 

@@ -158,14 +158,16 @@ def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
         if load.engine_id not in own:
             raise InvalidArgument(f"engine {load.engine_id[:80]!r} is not one of "
                                   f"{reg.node_id}'s registered {reg.role} engines")
-        if load.seq < 0 or load.tok < 0 or (load.free_hbm_bytes or 0) < 0 or load.attaches < 0:
-            raise InvalidArgument(f"engine {load.engine_id!r}: seq, tok, free_hbm_bytes and "
-                                  f"attaches must be >= 0")
+        if (load.seq < 0 or load.tok < 0 or (load.free_hbm_bytes or 0) < 0
+                or (load.buffer_free_bytes or 0) < 0 or load.attaches < 0):
+            raise InvalidArgument(f"engine {load.engine_id!r}: seq, tok, free_hbm_bytes, "
+                                  f"buffer_free_bytes and attaches must be >= 0")
     if not msg.engines and msg.read_q_tokens is None:
         return None
     extra = pending_load(box, requests, pe_load)
     # a PE reports its node's free buffer (shared by the node's PEs): less the prompt KV of
-    # every plan for any of them still in the outbox
+    # every plan for any of them still in the outbox; a DE its node's free DE buffer beside
+    # its own HBM: less the HBM of every binding to any of the node's DEs still in the outbox
     node_bytes = sum(extra.get(e.engine_id, (0, 0, 0))[2] for e in reg.engines)
     reports = []
     for load in msg.engines:
@@ -173,7 +175,9 @@ def leader_telemetry(reg: Registration, msg: FetchWork, box: Outbox,
         if reg.role == "prefill":
             h = node_bytes
         free = None if load.free_hbm_bytes is None else max(load.free_hbm_bytes - h, 0)
-        reports.append(EngineReport(load.engine_id, load.seq + s, load.tok + t, free))
+        buffer = (None if load.buffer_free_bytes is None
+                  else max(load.buffer_free_bytes - node_bytes, 0))
+        reports.append(EngineReport(load.engine_id, load.seq + s, load.tok + t, free, buffer))
     read_q = {} if msg.read_q_tokens is None else {reg.node_id: msg.read_q_tokens}
     return Telemetry(tuple(reports), read_q)
 

@@ -89,7 +89,9 @@ Headline ``engine_agents_speedup`` = JCT(basic) ÷ JCT(dualpath), goal ≥ 1.5; 
 ``dualpath_vs_oracle`` = JCT(dualpath) ÷ the mean JCT of ``oracle`` and ``oracle-repeat``,
 goal ≤ 1.15. Per mode, over the timed
 turns: JCT, TTFT p50/p99 from the request's arrival at the front (the front's own clock) and
-from the client's send, decode step-gap p99 (client side), hit share, read sides; over all
+from the client's send, the scheduler's split of TTFT (``ttft_parts_ms``: the mean Sch./A./
+R./PF. of paper §7, submit to the PE's first-token report — where a mode's wait is), decode
+step-gap p99 (client side), hit share, read sides; over all
 turns: requests failed, and whether every output equals ``recompute``'s; the first turns'
 time. ``--quick``: 16 sessions x 3 turns (~5.5 min here); the default 16 x 5 (~7 min).
 """
@@ -214,6 +216,9 @@ async def gateway_counters(state: Any, rpc: Any) -> dict[str, dict[str, float]]:
     return out
 
 
+PARTS = ("sched", "alloc", "read", "prefill", "total")    # the front's ``ttft_parts_s``
+
+
 def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], list[int]]
             ) -> dict[str, Any]:
     """One mode's row of the results (module docstring)."""
@@ -229,12 +234,15 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
     timed = [t["got"] for t in later]         # what the JCT times: the later turns
     seen = timeline(timed)
     front_ttft = [t.dualpath["ttft_s"] for t in timed if t.dualpath.get("ttft_s") is not None]
+    parts = [t.dualpath["ttft_parts_s"] for t in timed if t.dualpath.get("ttft_parts_s")]
     equal = all(reference.get((t["session"], t["turn"])) == t["got"].tokens for t in ok)
     return {"mode": mode, "jct_s": round(run["jct_s"], 2),
             "first_turns_s": round(run["first_turns_s"], 2), "requests": len(run["turns"]),
             "failed": len(run["turns"]) - len(ok),
             "errors": [t["error"] for t in run["turns"] if "error" in t][:5],
             "ttft_from_arrival_ms": pcts(front_ttft), "ttft_client_ms": seen["ttft_ms"],
+            "ttft_parts_ms": ({k: round(1e3 * sum(p[k] for p in parts) / len(parts), 1)
+                               for k in PARTS} | {"n": len(parts)} if parts else {"n": 0}),
             "step_gap_ms": seen["step_gap_ms"], "max_in_flight": seen["max_in_flight"],
             "hit_share_from_turn_2": round(hit / max(1, sum(t["prompt"] for t in later)), 3),
             "hit_tokens": hit, "read_sides": sides,
@@ -505,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                  for r in modes.values()],
                 ["mode", "jct_s", "requests", "failed", "ttft_p50_ms", "ttft_p99_ms",
                  "gap_p99_ms", "hit_share_from_turn_2", "sides", "outputs_equal"])
+    print("TTFT split by the scheduler (mean ms over the timed turns: Sch./A./R./PF.):")
+    print_table([{"mode": r["mode"], **r["ttft_parts_ms"]} for r in modes.values()],
+                ["mode", *PARTS, "n"])
     speedup = modes["basic"]["jct_s"] / modes["dualpath"]["jct_s"]
     res["dualpath_vs_oracle"] = vs = versus_oracle(modes, "dualpath")
     vs_oracle, oracle_runs = vs["value"], vs["oracle_jct_s"]

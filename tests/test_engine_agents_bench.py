@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, SESSIONS, TOKEN_HI,
-                                       TOKEN_LO, Session, cluster_settings, main, profile_pe,
-                                       scheduler_settings, sessions_from_trace, token_of,
-                                       versus_oracle)
+                                       TOKEN_LO, Session, cluster_settings, figures, main,
+                                       profile_pe, scheduler_settings, sessions_from_trace,
+                                       token_of, versus_oracle)
 from tests.helpers import skip_or_fail
 
 
@@ -130,3 +130,30 @@ def test_beta_is_profiled_from_the_cold_first_turns_in_the_schedulers_load_unit(
     # what the scheduler does with it: β = the profiled rate x beta_s
     assert SchedulerConfig(model=model, pe_tokens_per_s=cost["pe_tokens_per_s"],
                            beta_s=10.0).resolved_beta() == int(cost["pe_tokens_per_s"] * 10.0)
+
+
+def test_a_modes_ttft_split_is_the_mean_of_its_timed_turns_parts():
+    """The mean Sch./A./R./PF. over the timed (later) turns that carry the scheduler's split;
+    the first turns and a turn served without one are left out, and their count is stated."""
+    from tools.stream_client import Streamed
+
+    def turn(session: str, k: int, parts: dict[str, float] | None) -> dict:
+        got = Streamed()
+        got.arrivals, got.tokens, got.done_at = [got.sent_at + 0.1], [7], got.sent_at + 0.2
+        got.dualpath = {"hit_tokens": 64 * k, "read_side": "de", "ttft_s": 0.1,
+                        "ttft_parts_s": parts}
+        return {"session": session, "turn": k, "prompt": 100 * (k + 1), "got": got}
+
+    def split(sched: float, read: float) -> dict[str, float]:
+        return {"sched": sched, "alloc": 0.01, "read": read, "prefill": 0.2,
+                "total": sched + 0.01 + read + 0.2}
+
+    run = {"jct_s": 3.0, "first_turns_s": 1.0,
+           "turns": [turn("a", 0, split(9.0, 9.0)), turn("a", 1, split(0.5, 1.0)),
+                     turn("b", 1, split(1.5, 3.0)), turn("b", 2, None)]}
+    ref = {(t["session"], t["turn"]): [7] for t in run["turns"]}
+    got = figures("dualpath", run, ref)["ttft_parts_ms"]
+    assert got == {"sched": 1000.0, "alloc": 10.0, "read": 2000.0, "prefill": 200.0,
+                   "total": 3210.0, "n": 2}, got
+    run["turns"] = [turn("a", 1, None)]
+    assert figures("recompute", run, ref)["ttft_parts_ms"] == {"n": 0}

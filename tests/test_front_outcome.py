@@ -51,6 +51,13 @@ def test_a_re_plan_after_an_engine_failure_is_still_served(outcomes):
     got = outcomes["replan_after_engine_failure"]
     assert (got["status"], got["token_ids"], got["de_engine"]) == (200, OUTPUT, "ok"), got
     assert got["cancelled"] is False, got      # it ended with the scheduler's outcome
+    assert got["ttft_parts"] is None, got      # the failed attempt's breakdown is not served
+
+
+def test_the_response_carries_the_schedulers_ttft_breakdown_of_the_served_attempt(outcomes):
+    got = outcomes["output_then_finished"]
+    assert got["ttft_parts"] == {"sched": 0.1, "alloc": 0.2, "read": 0.3, "prefill": 0.4,
+                                 "total": 1.0}, got
 
 
 @pytest.mark.parametrize("scenario", ["output_then_no_outcome", "stream_output_then_no_outcome",

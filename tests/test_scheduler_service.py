@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -208,6 +209,28 @@ async def test_submit_streams_events_in_order_with_ttft_breakdown():
                                                                   ("d0", "storage_gateway")}
         late = await p0.report("r1", 0, "finished")
         assert (late.current, late.state) == (False, "finished")
+
+
+async def test_a_heartbeat_held_up_past_a_quarter_of_the_lease_is_counted_by_its_cause():
+    """A node whose next heartbeat could not go out for a quarter of its lease says so
+    (``heartbeat_loop_stalled`` / ``heartbeat_reply_slow``, NodeSession.stats), so a lease the
+    scheduler expires names why the node fell silent."""
+    async with running(lease_s=2.0, heartbeat_s=0.1) as env:
+        d0 = await env.node("d0", "decode")
+        assert (d0.lease_s, d0.stats()["heartbeats_late_loop"]) == (2.0, 0.0)
+
+        def late() -> float:
+            s = d0.stats()
+            return s["heartbeats_late_loop"] + s["heartbeats_late_reply"]
+
+        await until(lambda: d0.stats()["heartbeats_sent"] >= 1, WAIT_S, what="a heartbeat")
+        # the stimulus, not a wait: this process stands still for 1 s, twice the threshold;
+        # the heartbeat's sleep ends >= 0.9 s late (or a call in flight gets its reply that late)
+        time.sleep(1.0)
+        await until(lambda: late() >= 1, WAIT_S, what=lambda: f"no late heartbeat: {d0.stats()}")
+        assert d0.stats()["heartbeat_late_max_s"] >= 0.5, d0.stats()
+        # the scheduler (in this process too) excused its own stall: the node kept its lease
+        assert "d0" in {reg.node_id for reg in env.svc.leases}
 
 
 async def test_hit_length_comes_from_the_session_or_the_injected_lookup():

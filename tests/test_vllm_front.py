@@ -149,12 +149,19 @@ async def conversation(front: str, plain_url: str, model: str) -> None:
         if turn > 0:
             assert dp["hit_tokens"] >= 0.9 * len(prompt), f"turn {turn}: {dp}"
             assert dp["read_side"] in ("pe", "de")
+        # the scheduler's TTFT breakdown of the served attempt (paper §7's Sch./A./R./PF.)
+        parts = dp["ttft_parts_s"]
+        assert parts is not None and set(parts) == {"sched", "alloc", "read", "prefill",
+                                                    "total"}, dp
+        assert min(parts.values()) >= 0.0 and parts["total"] > 0.0, parts
+        assert abs(sum(parts.values()) - 2 * parts["total"]) < 1e-6, parts
         if turn == TURNS - 1:                       # the A/B baseline: the front, no dualpath
             status, raw = await ahttp("POST", f"{front}/v1/completions",
                                       {"model": "smollm2", "prompt": prompt, "max_tokens": GEN,
                                        "kv_loading": False})
             off = json.loads(raw)["dualpath"]
-            assert (status, off["token_ids"], off["hit_tokens"]) == (200, ref, 0), raw
+            assert (status, off["token_ids"], off["hit_tokens"], off["ttft_parts_s"]) == \
+                (200, ref, 0, None), raw
         prompt = prompt + dp["token_ids"] + ids[cursor:cursor + APPEND]
         cursor += APPEND
 

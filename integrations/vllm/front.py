@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from common.errors import DualpathError
 from common.auth import load_secret
 from common.config import RpcConfig
-from common.protocol import RequestFailed, RequestFinished, RequestPlaced
+from common.protocol import FirstToken, RequestFailed, RequestFinished, RequestPlaced
 from integrations.vllm import openai_api as api
 from integrations.vllm.engine_calls import (Call, Decoded, EngineCallFailed, EngineCalls, Sent,
                                             sse)
@@ -291,7 +291,7 @@ class Front:
         self.metrics.hit_tokens.inc(placed.hit_tokens)
         return self._response(call, decoded, hit_tokens=placed.hit_tokens,
                               read_side=placed.read_side, pe_engine=placed.pe_engine,
-                              de_engine=placed.de_engine)
+                              de_engine=placed.de_engine, ttft_parts_s=run.ttft_parts())
 
     async def _follow(self, stream: Any, run: PlacedRun, call: Call,
                       out: web.StreamResponse | None) -> None:
@@ -350,7 +350,9 @@ class Front:
                     log.warning("front_served_though_failed", request_id=call.rid,
                                 code=ev.code, error=ev.message)
                     return
-                if isinstance(ev, RequestPlaced):
+                if isinstance(ev, FirstToken):
+                    run.first_token = ev
+                elif isinstance(ev, RequestPlaced):
                     if run.complete():    # a re-plan after vLLM answered: serve the answer
                         log.warning("front_served_before_replan", request_id=call.rid)
                         return
@@ -368,7 +370,7 @@ class Front:
         decoded = await self.calls.relay(self.calls.url(engine), call, None, out, Sent(),
                                          call.rid)
         return self._response(call, decoded, hit_tokens=0, read_side="off",
-                              pe_engine=engine, de_engine=engine)
+                              pe_engine=engine, de_engine=engine, ttft_parts_s=None)
 
     def _response(self, call: Call, decoded: Decoded, **dualpath: Any) -> dict[str, Any]:
         """The OpenAI-shaped body, with the ``dualpath`` object (placement, token ids, TTFT)."""
@@ -441,12 +443,22 @@ class PlacedRun:
         self.placed: RequestPlaced | None = None
         self.attempt: asyncio.Task[Decoded] | None = None
         self.ended_at: float | None = None        # loop time the attempt was seen ended
+        self.first_token: FirstToken | None = None  # the scheduler's TTFT breakdown
 
     def start(self, placed: RequestPlaced, attempt: asyncio.Task[Decoded]) -> None:
         """A (re-)placement: the earlier attempt is stopped, the new one followed."""
         if self.attempt is not None:
             self.attempt.cancel()
         self.placed, self.attempt, self.ended_at = placed, attempt, None
+
+    def ttft_parts(self) -> dict[str, float] | None:
+        """The scheduler's split of the served attempt's TTFT (paper §7: Sch./A./R./PF., from
+        the submit to the PE's first-token report), or None when its event did not come."""
+        ev, placed = self.first_token, self.placed
+        if ev is None or placed is None or ev.attempt != placed.attempt:
+            return None
+        return {"sched": ev.sched_s, "alloc": ev.alloc_s, "read": ev.read_s,
+                "prefill": ev.prefill_s, "total": ev.ttft_s}
 
     def complete(self) -> bool:
         """The attempt ended with vLLM's whole output."""

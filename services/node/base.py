@@ -406,6 +406,8 @@ class NodeBase(Service):
         out.update(self.collectives.stats())
         out.update({k: float(v) for k, v in self.counters.items()})
         out.update(self.node_counters())
+        if self.session is not None:      # heartbeats delayed, and by what (NodeSession.stats)
+            out.update(self.session.stats())
         if self.engine_api is not None:
             out.update({f"engine_api_{k}": v for k, v in self.engine_api.stats().items()})
             out.update({f"engine_{k}": v for k, v in self.engine_api.engine_counters().items()})

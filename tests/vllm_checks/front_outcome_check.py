@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.errors import Unavailable
-from common.protocol import RequestFailed, RequestFinished, RequestPlaced
+from common.protocol import FirstToken, RequestFailed, RequestFinished, RequestPlaced
 from integrations.vllm.front import Front, FrontConfig
 
 TOKENS = [11, 12, 13]
@@ -90,6 +90,11 @@ class Scheduler:
 
 def placed(rid: str, pe: str, de: str, attempt: int = 0) -> RequestPlaced:
     return RequestPlaced(rid, pe, "n-" + pe, de, "n-" + de, "pe", 0, attempt)
+
+
+def first_token(attempt: int) -> Any:
+    """The scheduler's TTFT breakdown of ``attempt`` (Sch. 0.1, A. 0.2, R. 0.3, PF. 0.4 s)."""
+    return lambda rid: FirstToken(rid, 1.0, 0.1, 0.2, 0.3, 0.4, attempt)
 
 
 def finished(rid: str) -> RequestFinished:
@@ -197,11 +202,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # an engine call fails, then the scheduler re-plans: the new pair serves it
     "replan_after_engine_failure": {
         "pair": ("ok", "fail"),
-        "after": {("fail", "decode"): [lambda rid: placed(rid, "ok", "ok", 1)],
+        "after": {("ok", "prefill"): [first_token(0)],     # the failed attempt's: not served
+                  ("fail", "decode"): [lambda rid: placed(rid, "ok", "ok", 1)],
                   ("ok", "decode"): [finished]}},
     # vLLM's whole output, then: the outcome / nothing / a failure / a re-plan
     # (events sent once the front's attempt ended: "attempt", "done")
-    "output_then_finished": {"pair": ("ok", "ok"), "after": {("attempt", "done"): [finished]}},
+    "output_then_finished": {"pair": ("ok", "ok"),
+                             "after": {("ok", "prefill"): [first_token(0)],
+                                       ("attempt", "done"): [finished]}},
     "output_then_no_outcome": {"pair": ("ok", "ok")},
     "stream_output_then_no_outcome": {"pair": ("ok", "ok"), "stream": True},
     "output_then_failed": {
@@ -259,6 +267,7 @@ async def run(name: str, spec: dict[str, Any], urls: dict[str, str]) -> dict[str
                 out["code"] = body.get("error", {}).get("code")
                 out["token_ids"] = body.get("dualpath", {}).get("token_ids")
                 out["de_engine"] = body.get("dualpath", {}).get("de_engine")
+                out["ttft_parts"] = body.get("dualpath", {}).get("ttft_parts_s")
         except TimeoutError:
             out["status"] = "hung"
     try:                                          # the calls the front left have ended

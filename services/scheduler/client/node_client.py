@@ -84,6 +84,9 @@ class NodeSession:
         self._registered_epoch: int | None = None
         self._heartbeats: asyncio.Task | None = None
         self.read_q_tokens: int | None = None   # reported with each heartbeat when set
+        self.heartbeat_gaps = {"loop": 0, "reply": 0}   # heartbeats delayed (_note_gap)
+        self.heartbeat_gap_max_s = 0.0
+        self.heartbeats_sent = 0
 
     async def start(self) -> RegisterNodeReply:
         """Register and keep the lease with a heartbeat task."""
@@ -131,8 +134,22 @@ class NodeSession:
             await self._lease_lost(epoch)
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat every ``heartbeat_s``, each awaited before the next sleep.
+
+        Two things can keep the next one from being sent, and the scheduler then drops the
+        node once it has heard nothing for ``lease_s``: this process not running (its loop
+        blocked, or the host starving it: the sleep ends late) or a reply that is slow to
+        come. Either, past a quarter of the lease, is logged (``heartbeat_loop_stalled`` /
+        ``heartbeat_reply_slow``) and counted (:meth:`stats`), so a lost lease names its cause
+        instead of only its effect (bench engine_agents, 2026-12-07: a DE loader silent for
+        5 s, nothing in its log to say why)."""
+        loop = asyncio.get_running_loop()
         while True:
+            due = loop.time() + self.heartbeat_s
             await asyncio.sleep(self.heartbeat_s)
+            sent = loop.time()
+            self._note_gap("loop", sent - due)
+            self.heartbeats_sent += 1
             try:
                 await self.heartbeat()
             except asyncio.CancelledError:
@@ -142,6 +159,29 @@ class NodeSession:
                 expected = isinstance(e, TimeoutError | OSError | DualpathError)
                 log.warning("heartbeat_failed", node=self.node_id, node_service=self.service,
                             error=repr(e), exc_info=not expected)
+            else:
+                self._note_gap("reply", loop.time() - sent)
+
+    _GAP_EVENTS = {"loop": "heartbeat_loop_stalled", "reply": "heartbeat_reply_slow"}
+
+    def _note_gap(self, cause: str, seconds: float) -> None:
+        """Count and log a delay of the next heartbeat past a quarter of the lease."""
+        if seconds <= self.lease_s / 4:
+            return
+        self.heartbeat_gaps[cause] += 1
+        self.heartbeat_gap_max_s = max(self.heartbeat_gap_max_s, seconds)
+        log.warning(self._GAP_EVENTS[cause], node=self.node_id, node_service=self.service,
+                    seconds=round(seconds, 3), lease_s=self.lease_s)
+
+    def stats(self) -> dict[str, float]:
+        """The session's counters for the node's stats: heartbeats delayed past a quarter of
+        the lease by this process not running (``loop``) or by a slow reply (``reply``), the
+        longest such delay, heartbeats sent, and the deposed leaders' replies refused."""
+        out = {f"heartbeats_late_{k}": float(v) for k, v in self.heartbeat_gaps.items()}
+        out["heartbeats_sent"] = float(self.heartbeats_sent)
+        out["heartbeat_late_max_s"] = self.heartbeat_gap_max_s
+        out["stale_replies"] = float(self.stale_replies)
+        return out
 
     async def _lease_lost(self, seen: int) -> None:
         """The scheduler forgot registration ``seen`` (the epoch the refused call was sent

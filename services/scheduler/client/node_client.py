@@ -127,11 +127,16 @@ class NodeSession:
 
     async def heartbeat(self) -> None:
         epoch = self.epoch
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         try:
             await self._call(Heartbeat(self.node_id, self.service, epoch,
                                            self.read_q_tokens), timeout=self.lease_s)
         except NotFound:
-            await self._lease_lost(epoch)
+            self._note_gap("reply", loop.time() - sent)
+            await self._lease_lost(epoch)   # registering again is not the reply's delay
+        else:
+            self._note_gap("reply", loop.time() - sent)
 
     async def _heartbeat_loop(self) -> None:
         """A heartbeat every ``heartbeat_s``, each awaited before the next sleep.
@@ -142,13 +147,13 @@ class NodeSession:
         come. Either, past a quarter of the lease, is logged (``heartbeat_loop_stalled`` /
         ``heartbeat_reply_slow``) and counted (:meth:`stats`), so a lost lease names its cause
         instead of only its effect (bench engine_agents, 2026-12-07: a DE loader silent for
-        5 s, nothing in its log to say why)."""
+        5 s, nothing in its log to say why). A reply that is slow because a scheduler is
+        (re)starting shows too, once per restart."""
         loop = asyncio.get_running_loop()
         while True:
             due = loop.time() + self.heartbeat_s
             await asyncio.sleep(self.heartbeat_s)
-            sent = loop.time()
-            self._note_gap("loop", sent - due)
+            self._note_gap("loop", loop.time() - due)
             self.heartbeats_sent += 1
             try:
                 await self.heartbeat()
@@ -159,8 +164,6 @@ class NodeSession:
                 expected = isinstance(e, TimeoutError | OSError | DualpathError)
                 log.warning("heartbeat_failed", node=self.node_id, node_service=self.service,
                             error=repr(e), exc_info=not expected)
-            else:
-                self._note_gap("reply", loop.time() - sent)
 
     _GAP_EVENTS = {"loop": "heartbeat_loop_stalled", "reply": "heartbeat_reply_slow"}
 

@@ -91,7 +91,10 @@ goal ≤ 1.15. Per mode, over the timed
 turns: JCT, TTFT p50/p99 from the request's arrival at the front (the front's own clock) and
 from the client's send, the scheduler's split of TTFT (``ttft_parts_ms``: the mean Sch./A./
 R./PF. of paper §7, submit to the PE's first-token report — where a mode's wait is), decode
-step-gap p99 (client side), hit share, read sides; over all
+step-gap p99 (client side), the wait from the last token to the stream's end
+(``outcome_wait_ms``: the front holds the close until the scheduler's outcome, which comes
+once the turn's write-back is durable, so it is on each session's path to its next turn),
+hit share, read sides; over all
 turns: requests failed, and whether every output equals ``recompute``'s; the first turns'
 time. ``--quick``: 16 sessions x 3 turns (~5.5 min here); the default 16 x 5 (~7 min).
 """
@@ -235,6 +238,9 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
     seen = timeline(timed)
     front_ttft = [t.dualpath["ttft_s"] for t in timed if t.dualpath.get("ttft_s") is not None]
     parts = [t.dualpath["ttft_parts_s"] for t in timed if t.dualpath.get("ttft_parts_s")]
+    # the last token to the stream's end: the front waits for the outcome, which comes once
+    # the turn's write-back is durable — on the session's path to its next turn
+    outcome_wait = [t.done_at - t.arrivals[-1] for t in timed if t.arrivals]
     equal = all(reference.get((t["session"], t["turn"])) == t["got"].tokens for t in ok)
     return {"mode": mode, "jct_s": round(run["jct_s"], 2),
             "first_turns_s": round(run["first_turns_s"], 2), "requests": len(run["turns"]),
@@ -244,6 +250,8 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
             "ttft_parts_ms": ({k: round(1e3 * sum(p[k] for p in parts) / len(parts), 1)
                                for k in PARTS} | {"n": len(parts)} if parts else {"n": 0}),
             "step_gap_ms": seen["step_gap_ms"], "max_in_flight": seen["max_in_flight"],
+            "outcome_wait_ms": pcts(outcome_wait) | ({"mean": round(
+                1e3 * sum(outcome_wait) / len(outcome_wait), 1)} if outcome_wait else {}),
             "hit_share_from_turn_2": round(hit / max(1, sum(t["prompt"] for t in later)), 3),
             "hit_tokens": hit, "read_sides": sides,
             "outputs_equal": bool(ok) and len(ok) == len(run["turns"]) and equal}
@@ -509,10 +517,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table([{k: v for k, v in r.items() if not isinstance(v, (dict, list))}
                  | {"ttft_p50_ms": r["ttft_from_arrival_ms"].get("p50"),
                     "ttft_p99_ms": r["ttft_from_arrival_ms"].get("p99"),
-                    "gap_p99_ms": r["step_gap_ms"].get("p99"), "sides": r["read_sides"]}
+                    "gap_p99_ms": r["step_gap_ms"].get("p99"), "sides": r["read_sides"],
+                    "end_wait_ms": r["outcome_wait_ms"].get("mean")}
                  for r in modes.values()],
                 ["mode", "jct_s", "requests", "failed", "ttft_p50_ms", "ttft_p99_ms",
-                 "gap_p99_ms", "hit_share_from_turn_2", "sides", "outputs_equal"])
+                 "gap_p99_ms", "end_wait_ms", "hit_share_from_turn_2", "sides",
+                 "outputs_equal"])
     print("TTFT split by the scheduler (mean ms over the timed turns: Sch./A./R./PF.):")
     print_table([{"mode": r["mode"], **r["ttft_parts_ms"]} for r in modes.values()],
                 ["mode", *PARTS, "n"])

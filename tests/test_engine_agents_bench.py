@@ -155,5 +155,8 @@ def test_a_modes_ttft_split_is_the_mean_of_its_timed_turns_parts():
     got = figures("dualpath", run, ref)["ttft_parts_ms"]
     assert got == {"sched": 1000.0, "alloc": 10.0, "read": 2000.0, "prefill": 200.0,
                    "total": 3210.0, "n": 2}, got
+    # each timed turn's last token came 0.1 s after its send and its stream ended at 0.2 s
+    wait = figures("dualpath", run, ref)["outcome_wait_ms"]
+    assert (wait["n"], round(wait["mean"])) == (3, 100), wait
     run["turns"] = [turn("a", 1, None)]
     assert figures("recompute", run, ref)["ttft_parts_ms"] == {"n": 0}

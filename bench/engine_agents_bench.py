@@ -222,6 +222,10 @@ async def gateway_counters(state: Any, rpc: Any) -> dict[str, dict[str, float]]:
 PARTS = ("sched", "alloc", "read", "prefill", "total")    # the front's ``ttft_parts_s``
 
 
+def mean_ms(seconds: list[float]) -> float:
+    return round(1e3 * sum(seconds) / len(seconds), 1)
+
+
 def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], list[int]]
             ) -> dict[str, Any]:
     """One mode's row of the results (module docstring)."""
@@ -247,11 +251,11 @@ def figures(mode: str, run: dict[str, Any], reference: dict[tuple[str, int], lis
             "failed": len(run["turns"]) - len(ok),
             "errors": [t["error"] for t in run["turns"] if "error" in t][:5],
             "ttft_from_arrival_ms": pcts(front_ttft), "ttft_client_ms": seen["ttft_ms"],
-            "ttft_parts_ms": ({k: round(1e3 * sum(p[k] for p in parts) / len(parts), 1)
-                               for k in PARTS} | {"n": len(parts)} if parts else {"n": 0}),
+            "ttft_parts_ms": ({k: mean_ms([p[k] for p in parts]) for k in PARTS} if parts
+                              else {}) | {"n": len(parts)},
             "step_gap_ms": seen["step_gap_ms"], "max_in_flight": seen["max_in_flight"],
-            "outcome_wait_ms": pcts(outcome_wait) | ({"mean": round(
-                1e3 * sum(outcome_wait) / len(outcome_wait), 1)} if outcome_wait else {}),
+            "outcome_wait_ms": pcts(outcome_wait) | ({"mean": mean_ms(outcome_wait)}
+                                                     if outcome_wait else {}),
             "hit_share_from_turn_2": round(hit / max(1, sum(t["prompt"] for t in later)), 3),
             "hit_tokens": hit, "read_sides": sides,
             "outputs_equal": bool(ok) and len(ok) == len(run["turns"]) and equal}

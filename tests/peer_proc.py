@@ -5,6 +5,7 @@ harness the transport tests share (``test_transport``, ``test_transport_shm``,
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import os
@@ -17,11 +18,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class OpEndedUnposted(RuntimeError):
+    """The op replied its result before it ever posted (an expect whose connect failed)."""
+
+    def __init__(self, reply: dict) -> None:
+        super().__init__(f"the peer's op ended before posting: {reply}")
+        self.reply = reply
+
+
 class PeerProc:
     """``tests/transport_peer.py`` in a subprocess; ``await request(op, ...)`` → reply."""
 
     def __init__(self, cfg: dict) -> None:
-        env = {**os.environ, "DUALPATH_TEST_TRANSPORT": json.dumps(cfg)}
+        # the peer's info lines (connect retries, aborted endpoints) go to the test's captured
+        # stderr, shown when a test fails
+        env = {"DUALPATH_TEST_LOG": "info", **os.environ,
+               "DUALPATH_TEST_TRANSPORT": json.dumps(cfg)}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.transport_peer"], cwd=ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
@@ -29,6 +41,7 @@ class PeerProc:
         self._futures: dict[tuple[int, str], concurrent.futures.Future] = {}
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._next_id = 0
+        self.other_output: collections.deque[str] = collections.deque(maxlen=40)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         ready = self._ready.result(timeout=60)
@@ -39,17 +52,23 @@ class PeerProc:
             try:     # UCX-Py logs to stdout too ("[ts] [host:pid] UCXPY ERROR ..."): skip it
                 msg = json.loads(line)
             except ValueError:
+                self.other_output.append(line.rstrip())
                 continue
             if not isinstance(msg, dict):
                 continue
             if msg.get("event") == "ready":
                 self._ready.set_result(msg)
                 continue
-            key = (msg["id"], "posted" if msg.get("event") == "posted" else "done")
+            posted = msg.get("event") == "posted"
             with self._lock:
-                fut = self._futures.pop(key, None)
+                fut = self._futures.pop((msg["id"], "posted" if posted else "done"), None)
+                # an op that ends without having posted (expect: its connect failed) never
+                # will: its "posted" fails with the op's reply instead of waiting forever
+                unposted = None if posted else self._futures.pop((msg["id"], "posted"), None)
             if fut is not None:
                 fut.set_result(msg)
+            if unposted is not None:
+                unposted.set_exception(OpEndedUnposted(msg))
         with self._lock:
             pending, self._futures = list(self._futures.values()), {}
         for fut in [self._ready, *pending]:
@@ -67,7 +86,21 @@ class PeerProc:
         return futs
 
     async def request(self, op: str, **kw) -> dict:
-        return await asyncio.wrap_future(self.call(op, **kw)["done"])
+        """``op``'s reply, waited for at most 30 s past the op's own deadline."""
+        return await self.reply(self.call(op, **kw), "done", kw.get("deadline", 10.0) + 30.0)
+
+    async def reply(self, futs: dict[str, concurrent.futures.Future], which: str = "done",
+                    wait_s: float = 90.0) -> dict:
+        """One reply of :meth:`call` (``posted`` or ``done``), waited for at most ``wait_s``
+        (the peer's ops carry their own deadlines: this bounds a peer that stopped answering,
+        and says what it printed besides its replies, e.g. UCX-Py's errors)."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(futs[which]), wait_s)
+        except TimeoutError:
+            alive = "alive" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+            raise TimeoutError(f"transport peer {self.pid} ({alive}) sent no {which!r} in "
+                               f"{wait_s:g}s; its other output: {list(self.other_output)}"
+                               ) from None
 
     def close(self) -> None:
         try:

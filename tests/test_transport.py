@@ -13,6 +13,7 @@ import gc
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from common.errors import (Cancelled, DeadlineExceeded, InvalidArgument, PeerFai
 from common.transport import PageTransport
 from tools.cluster.launcher import proc_cpu_seconds
 from tests.helpers import apoll, holders, until
-from tests.peer_proc import PeerProc, gapped
+from tests.peer_proc import OpEndedUnposted, PeerProc, gapped
 from tests.transport_peer import gather, pattern, split_views
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +195,8 @@ async def test_a_handshake_that_ran_out_of_time_is_tried_again_within_the_deadli
     """ci103, ci106: a peer starved of CPU did not finish the handshake within
     ``connect_timeout_s`` and the transfer failed with ``Unavailable`` at once. A timed-out
     handshake is now tried again while the caller's deadline allows: here the peer is frozen
-    (SIGSTOP) past several connect timeouts, then thawed, and the transfer goes through."""
+    (SIGSTOP) past several connect timeouts, then thawed, and the transfer goes through. The
+    waiting side does not spin meanwhile."""
     p = PeerProc(CFG)
     try:
         async with PageTransport(TransportConfig(**CFG, connect_timeout_s=0.5), "a") as a:
@@ -202,11 +204,16 @@ async def test_a_handshake_that_ran_out_of_time_is_tried_again_within_the_deadli
             arena, tid = arena_for(slots), a.new_transfer_id()
             os.kill(p.pid, signal.SIGSTOP)
             try:
+                cpu0, t0 = time.process_time(), time.monotonic()
                 expecting = asyncio.ensure_future(a.expect(p.address, tid, arena, slots, 30.0))
                 await until(lambda: expecting.done()
                             or a.stats().get("connect_retries", 0) >= 2, 20,
                             what="timed-out handshakes tried again")
                 assert not expecting.done(), expecting
+                # waiting for a handshake does not spin (ucxx's Request.wait() took a core:
+                # common.transport.handshake.until_complete)
+                share = (time.process_time() - cpu0) / (time.monotonic() - t0)
+                assert share < 0.25, f"{share:.2f} of a core while handshakes waited"
             finally:
                 os.kill(p.pid, signal.SIGCONT)
             handle = await asyncio.wait_for(expecting, 30)
@@ -313,11 +320,28 @@ async def test_other_direction(peer, local):
         tid = (await peer.request("new_id"))["tid"]
         futs = peer.call("expect", peer=list(local.address), tid=tid, arena_bytes=20 * MIB,
                          slots=slots, deadline=20.0)
-        await asyncio.wrap_future(futs["posted"])
+        await peer.reply(futs, "posted")
         data = pattern(seed, sum(n for _, n in slots))
         await local.send(peer.address, tid, [data], slots, 20.0)
-        reply = await asyncio.wrap_future(futs["done"])
+        reply = await peer.reply(futs, "done")
         assert reply["ok"] and reply["digest"] == hashlib.sha256(data.tobytes()).hexdigest()
+
+
+async def test_a_peer_op_that_fails_before_posting_fails_the_wait_for_its_post(peer):
+    """The harness (tests/peer_proc.py): an expect whose connect is refused replies its
+    failure and never posts; a test waiting for the post gets that reply at once. (The project
+    CI on 3c62e6f: test_other_direction waited for a post that could no longer come until
+    pytest's 120-s timeout, and the peer's error was never shown.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]      # nothing listens there once closed
+    tid = (await peer.request("new_id"))["tid"]
+    futs = peer.call("expect", peer=["127.0.0.1", closed_port], tid=tid, arena_bytes=4096,
+                     slots=[(0, 4096)], deadline=20.0)
+    with pytest.raises(OpEndedUnposted) as info:
+        await peer.reply(futs, "posted", wait_s=30.0)
+    assert not info.value.reply["ok"] and info.value.reply["error"] == "Unavailable", \
+        info.value.reply
 
 
 @pytest.mark.slow
@@ -343,16 +367,24 @@ async def test_sender_killed_mid_transfer_raises_peer_failed(local):
 @pytest.mark.slow
 async def test_deadline_then_arena_is_not_targeted_and_reusable(peer, local):
     slots = gapped(4, MIB)
-    # a live link first: the 0.5 s below is the transfer's budget, not a connect's (a connect
-    # on a loaded 2-core machine took longer once: CI, the real-engine tests running beside)
+    # a live link first: the budget below is the transfer's, not a connect's (a connect on a
+    # loaded 2-core machine took longer once: CI, the real-engine tests running beside)
     await receive_from(peer, local, [(0, MIB)], seed=3)
-    arena, tid = arena_for(slots), local.new_transfer_id()
-    handle = await local.expect(peer.address, tid, arena, slots, 0.5)
-    reply = await peer.request("send", peer=list(local.address), tid=tid, slots=slots[:2],
-                               seed=4, deadline=5.0)
-    assert reply["ok"]
-    with pytest.raises(DeadlineExceeded):
-        await handle.wait()
+    # the case needs the first half received before the deadline passes; on a starved host the
+    # peer's send of it once outlasted 0.5 s (the deadline aborted the link: the send failed
+    # PEER_FAILED), so the budget grows until the first half made it
+    for budget in (0.5, 2.0, 8.0, 30.0):
+        arena, tid = arena_for(slots), local.new_transfer_id()
+        handle = await local.expect(peer.address, tid, arena, slots, budget)
+        reply = await peer.request("send", peer=list(local.address), tid=tid, slots=slots[:2],
+                                   seed=4, deadline=budget + 5.0)
+        with pytest.raises(DeadlineExceeded):
+            await handle.wait()
+        if reply["ok"]:
+            break
+        assert reply["error"] == "PeerFailed", reply     # the deadline aborted the link
+    else:
+        pytest.fail("the first half never crossed within its receive's deadline")
     arena[:] = 0xAB
     late = await peer.request("send", peer=list(local.address), tid=tid, slots=slots, seed=4,
                               deadline=1.0)
@@ -521,9 +553,9 @@ async def test_single_copy_off_on_one_side_falls_back(local, monkeypatch):
         tid = (await other.request("new_id"))["tid"]
         futs = other.call("expect", peer=list(local.address), tid=tid, arena_bytes=4 * MIB,
                           slots=[(0, 2 * MIB)], deadline=20.0)
-        await asyncio.wrap_future(futs["posted"])
+        await other.reply(futs, "posted")
         await local.send(other.address, tid, [pattern(34, 2 * MIB)], [(0, 2 * MIB)], 20.0)
-        assert (await asyncio.wrap_future(futs["done"]))["ok"]
+        assert (await other.reply(futs, "done"))["ok"]
         assert local.stats()["single_copy_links"] == 0
         assert (await other.request("stats"))["stats"]["single_copy_endpoints"] == 0
     finally:

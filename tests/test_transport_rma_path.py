@@ -170,7 +170,7 @@ async def test_a_receiver_killed_mid_transfer_fails_the_send_and_the_sender_serv
             tid = (await victim.request("new_id"))["tid"]
             futs = victim.call("expect", peer=list(t.address), tid=tid,
                                arena_bytes=64 * MIB, slots=slots, deadline=60.0)
-            await asyncio.wrap_future(futs["posted"])
+            await victim.reply(futs, "posted")
             os.kill(victim.pid, signal.SIGSTOP)              # the puts cannot finish now
             send = asyncio.ensure_future(t.send(victim.address, tid, [pattern(3, 32 * MIB)],
                                                 slots, 60.0))
@@ -186,10 +186,10 @@ async def test_a_receiver_killed_mid_transfer_fails_the_send_and_the_sender_serv
             tid = (await other.request("new_id"))["tid"]
             futs = other.call("expect", peer=list(t.address), tid=tid, arena_bytes=16 * MIB,
                               slots=slots, deadline=30.0)
-            await asyncio.wrap_future(futs["posted"])
+            await other.reply(futs, "posted")
             data = pattern(5, 4 * MIB)
             await t.send(other.address, tid, [data], slots, 30.0)
-            reply = await asyncio.wrap_future(futs["done"])
+            reply = await other.reply(futs, "done")
             assert reply["ok"] and reply["digest"] == hashlib.sha256(data.tobytes()).hexdigest()
             assert t.stats()["rma_transfers_sent"] == 1
         finally:

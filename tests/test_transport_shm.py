@@ -399,7 +399,7 @@ async def test_receiver_giving_up_mid_copy_stops_the_sender(pools):
             await handle.cancel()
             assert t.stats()["shm_fences"] == 1 and t.stats()["shm_fences_not_settled"] == 0
             after = pool.arena[base:base + 64 * PAGE].copy()
-            reply = await asyncio.wrap_future(sent["done"])
+            reply = await peer.reply(sent, "done")
             assert not reply["ok"] and reply["error"] == "PeerFailed", reply
             assert np.array_equal(pool.arena[base:base + 64 * PAGE], after), \
                 "the sender wrote after the receiver's cancel returned"
@@ -419,7 +419,7 @@ async def test_receiver_killed_fails_the_send_typed(pools):
             reply = await peer.request("new_id")
             posted = peer.call("expect", peer=list(t.address), tid=reply["tid"],
                                arena_bytes=4 * MIB, slots=slots, deadline=30.0)
-            await asyncio.wrap_future(posted["posted"])
+            await peer.reply(posted, "posted")
             assert t.stats()["shm_segments_mapped"] == 1
             os.kill(peer.pid, signal.SIGKILL)
             await until(lambda: t.stats()["shm_segments_mapped"] == 0, 20.0,
@@ -434,10 +434,10 @@ async def test_receiver_killed_fails_the_send_typed(pools):
             tid = (await other.request("new_id"))["tid"]
             futs = other.call("expect", peer=list(t.address), tid=tid, arena_bytes=4 * MIB,
                               slots=slots, deadline=20.0)
-            await asyncio.wrap_future(futs["posted"])
+            await other.reply(futs, "posted")
             data = pattern(4, sum(n for _, n in slots))
             await t.send(other.address, tid, [data], slots, 20.0)
-            done = await asyncio.wrap_future(futs["done"])
+            done = await other.reply(futs, "done")
             assert done["ok"], done
             assert done["digest"] == hashlib.sha256(data.tobytes()).hexdigest()
             assert t.stats()["shm_transfers_sent"] == 1

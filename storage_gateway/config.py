@@ -44,6 +44,11 @@ class GatewayConfig(Section, frozen=True):
     link_rate_bytes_per_s: NonNegFloat = 0.0     # emulated SNIC; 0 = unlimited (real hardware)
     link_burst_bytes: NonNegInt = 4 * MiB
     link_chunk_bytes: PositiveInt = 1 * MiB      # large transfers are charged in chunks (fair interleave)
+    # "half": one bucket carries the reads (storage -> node) and the writes (node -> storage);
+    # "full": one bucket per direction, each at link_rate_bytes_per_s, like a real NIC, where a
+    # write-back never delays a read (docs/storage.md "Link emulation"; set [scheduler]
+    # write_weight = 0 with it, as the simulator does for full-duplex SNICs)
+    link_duplex: Literal["half", "full"] = "half"
     # Same-host shared memory (docs/storage.md): the node's PE receiver / DE loader keep their
     # buffer in /dev/shm/dualpath-* and the gateway preads straight into it (one copy, no UCX);
     # the gateway serves such reads. false: requesters keep private buffers, all reads over UCX.

@@ -1,4 +1,5 @@
-"""Storage-link emulation: one token bucket (bytes/s, burst) per node, shared by reads and writes.
+"""Storage-link emulation: a token bucket (bytes/s, burst) per node and direction in use —
+one shared by reads and writes (``[gateway] link_duplex = "half"``), or one each (``"full"``).
 
 On one machine each node's SNIC is emulated by its gateway's bucket (docs/storage.md). The bucket
 keeps *debt*: a reservation subtracts its bytes at once, the balance may go negative, and the

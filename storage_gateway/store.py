@@ -95,7 +95,11 @@ class GatewayStore:
             max_concurrent=cfg.max_concurrent_reads, max_queued=cfg.max_queued_requests,
             max_keys=cfg.max_keys_per_request, max_bytes=cfg.max_bytes_per_request,
             retry_after_s=cfg.overloaded_retry_after_s)
+        # the emulated link: reads cross ``shaper`` (storage -> node); writes cross it too on a
+        # half-duplex link, their own direction's bucket on a full-duplex one
         self.shaper = LinkShaper(cfg.link_rate_bytes_per_s, cfg.link_burst_bytes, cfg.link_chunk_bytes)
+        self.write_shaper = self.shaper if cfg.link_duplex == "half" else LinkShaper(
+            cfg.link_rate_bytes_per_s, cfg.link_burst_bytes, cfg.link_chunk_bytes)
         # read jobs in flight over all requests: enough to keep every I/O thread busy with one
         # queued behind it; handed out by order key, like the link (docs/storage.md, "Read order")
         self._io_jobs = PriorityGate(2 * cfg.io_threads)
@@ -431,7 +435,7 @@ class GatewayStore:
             try:
                 if victims:
                     await self._delete_files(victims)
-                await self.shaper.acquire(self.block_bytes, order)
+                await self.write_shaper.acquire(self.block_bytes, order)
                 await self.backend.write(key, views)
             except BaseException:
                 self.index.unreserve()
@@ -466,9 +470,20 @@ class GatewayStore:
                 self._deleting.pop(key).set()
 
     # ------------------------------------------------------------------ metrics
+    def _link_counters(self) -> dict[str, float]:
+        """The link's counters over both directions; a full-duplex link also states its write
+        direction's waits apart (``link_write_*``)."""
+        out = self.shaper.counters()
+        if self.write_shaper is not self.shaper:
+            writes = self.write_shaper.counters()
+            for key in ("link_bytes_charged", "link_waits", "link_wait_s"):
+                out[key] += writes[key]
+                out[key.replace("link_", "link_write_")] = writes[key]
+        return out
+
     def stats(self) -> dict[str, float]:
         """Every counter and gauge of the store (the gateway's Stats reply and telemetry)."""
         return {**self._stats, **self.backend.counters(), **self.read_queue.counters(),
-                **self.shaper.counters(), "evictions": self.index.evictions,
+                **self._link_counters(), "evictions": self.index.evictions,
                 "blocks_stored": len(self.index), "bytes_stored": self.index.used_bytes,
                 "capacity_bytes": self.cfg.capacity_bytes, "pinned_blocks": self.index.pinned_blocks}

@@ -209,6 +209,36 @@ async def test_store_charges_reads_and_writes_to_the_link(tmp_path, monkeypatch)
         assert vt.now == pytest.approx((7 * BB) / 8e6, rel=1e-12)   # one burst free, then the rate
 
 
+@pytest.mark.parametrize("duplex", ["half", "full"])
+async def test_a_full_duplex_link_carries_writes_beside_reads(tmp_path, monkeypatch, duplex):
+    """8 blocks read while 8 others are written: a half-duplex link carries all 16 through one
+    bucket; a full-duplex one (a real NIC's two directions) carries each side at the rate, so
+    the two end together in half the time and the writes are counted apart."""
+    rate = 8e6
+    cfg = make_cfg(tmp_path, "memory", link_rate_bytes_per_s=rate, link_burst_bytes=BB,
+                   link_chunk_bytes=BB, link_duplex=duplex)
+    stored, new = rand_keys(8), rand_keys(8, seed=1)
+    vt = virtual_link(monkeypatch)
+    async with GatewayStore(cfg, SPEC) as store:
+        await vt.run(store.write_blocks(stored, rand_blocks(8)))
+        vt.now = 1000.0                       # the writes' debt is long paid: full bursts again
+
+        async def both() -> None:
+            res, _ = await asyncio.gather(store.read_blocks(stored, empty_dests(8)),
+                                          store.write_blocks(new, rand_blocks(8)))
+            assert all(res.found)
+
+        await vt.run(both())
+        stats = store.stats()
+    assert stats["link_bytes_charged"] == 24 * BB
+    crossing = 15 * BB if duplex == "half" else 7 * BB       # one burst free, then the rate
+    assert vt.now - 1000.0 == pytest.approx(crossing / rate, rel=1e-9)
+    if duplex == "full":
+        assert stats["link_write_bytes_charged"] == 16 * BB and stats["link_write_waits"] > 0
+    else:
+        assert "link_write_bytes_charged" not in stats
+
+
 _READER: contextvars.ContextVar[str] = contextvars.ContextVar("reader")
 
 

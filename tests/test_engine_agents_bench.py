@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, SESSIONS, TOKEN_HI,
-                                       TOKEN_LO, Session, cluster_settings, figures, main,
-                                       profile_pe, scheduler_settings, sessions_from_trace,
-                                       token_of, versus_oracle)
+from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, NODE_BUFFER, SESSIONS,
+                                       TOKEN_HI, TOKEN_LO, Session, cluster_settings, figures,
+                                       main, profile_pe, run_defaults, scheduler_settings,
+                                       sessions_from_trace, token_of, versus_oracle)
 from tests.helpers import skip_or_fail
 
 
@@ -82,6 +82,21 @@ def test_scheduler_settings_are_toml_values_checked_before_anything_starts(capsy
     with pytest.raises(SystemExit) as exc:                 # refused before the trace is read
         main(["--scheduler-set", "beta_s=nope", "--trace", "/nonexistent"])
     assert exc.value.code == 2 and "--scheduler-set" in capsys.readouterr().err
+
+
+def test_run_defaults_full_duplex_links_and_wave_buffers_under_what_was_given():
+    settings, scheduler = cluster_settings(["de_loader.buffer_bytes=1048576"]), {}
+    run_defaults(settings, scheduler)
+    assert settings == {"pe_receiver": {"buffer_bytes": NODE_BUFFER},
+                        "de_loader": {"buffer_bytes": 1048576},
+                        "gateway": {"link_duplex": "full"}}
+    assert scheduler == {"write_weight": 0}       # a full-duplex write never delays a read
+    settings, scheduler = cluster_settings(['gateway.link_duplex="half"']), {}
+    run_defaults(settings, scheduler)
+    assert settings["gateway"] == {"link_duplex": "half"} and scheduler == {}
+    scheduler = scheduler_settings(["write_weight=0.5"])
+    run_defaults({}, scheduler)
+    assert scheduler == {"write_weight": 0.5}
 
 
 def test_cluster_settings_are_toml_values_by_section(capsys):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import tempfile
 import threading
 from collections.abc import Coroutine
@@ -50,13 +49,6 @@ def rss_mb() -> float:
     """Resident memory of this process now, in MB (an in-process cluster's services run here)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def closed_port() -> int:
-    """A loopback port nobody listens on (fuzzed UCX addresses point here, never off-host)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RawPeer:

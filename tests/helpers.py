@@ -15,6 +15,7 @@ import asyncio
 import heapq
 import inspect
 import itertools
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
@@ -24,6 +25,15 @@ from typing import Any, NoReturn, TypeVar
 # (hit 0, recomputed: correct) when the whole VM stands still, and CI's host sampler has seen
 # 3-7 s stalls beside the real-engine tests (ci122: 6.7 s); docs/contributing.md, flake table.
 HIT_LOOKUP_S = 10.0
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on (bound, then closed): a peer that died, a refused
+    connect — never an address off this host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 T = TypeVar("T")
 What = str | Callable[[], str]

@@ -36,8 +36,8 @@ from common.protocol import (AbortDecode, AdminRequest, CancelCall, CancelReques
                              PrepareDecode, PullLayers, ReadBatch, ReadBlocks, RegisterNode,
                              ReportProgress, SchedulerRequest, StreamItem, SubmitRequest,
                              WatchTelemetry, WriteBlocks, union_members)
-from tests.fuzz_rig import LiveCluster, RawPeer, closed_port, error_code, fuzz_examples
-from tests.helpers import until
+from tests.fuzz_rig import LiveCluster, RawPeer, error_code, fuzz_examples
+from tests.helpers import closed_port, until
 
 pytestmark = [pytest.mark.reliability]
 

@@ -13,7 +13,6 @@ import gc
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from common.errors import (Cancelled, DeadlineExceeded, InvalidArgument, PeerFai
                            ProtocolError, Unavailable)
 from common.transport import PageTransport
 from tools.cluster.launcher import proc_cpu_seconds
-from tests.helpers import apoll, holders, until
+from tests.helpers import apoll, closed_port, holders, until
 from tests.peer_proc import OpEndedUnposted, PeerProc, gapped
 from tests.transport_peer import gather, pattern, split_views
 
@@ -231,16 +230,11 @@ async def test_a_handshake_that_ran_out_of_time_is_tried_again_within_the_deadli
 
 async def test_the_handshake_on_an_endpoint_that_already_failed_fails_at_once():
     """The order the CI run hit, forced: the connect is refused before the exchange posts."""
-    import socket
-
     from common.transport import handshake, ucx
 
     u = ucx.ucxx()
     ctx = u.app.ApplicationContext({"TLS": "tcp,sm,self"}, progress_mode="blocking")
-    with socket.socket() as s:          # a port nobody listens on any more
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ep = u.lib.UCXEndpoint.create(ctx.worker, "127.0.0.1", port, True)
+    ep = u.lib.UCXEndpoint.create(ctx.worker, "127.0.0.1", closed_port(), True)
 
     def failed() -> bool:
         ctx.worker.progress()
@@ -332,11 +326,8 @@ async def test_a_peer_op_that_fails_before_posting_fails_the_wait_for_its_post(p
     failure and never posts; a test waiting for the post gets that reply at once. (The project
     CI on 3c62e6f: test_other_direction waited for a post that could no longer come until
     pytest's 120-s timeout, and the peer's error was never shown.)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed_port = s.getsockname()[1]      # nothing listens there once closed
     tid = (await peer.request("new_id"))["tid"]
-    futs = peer.call("expect", peer=["127.0.0.1", closed_port], tid=tid, arena_bytes=4096,
+    futs = peer.call("expect", peer=["127.0.0.1", closed_port()], tid=tid, arena_bytes=4096,
                      slots=[(0, 4096)], deadline=20.0)
     with pytest.raises(OpEndedUnposted) as info:
         await peer.reply(futs, "posted", wait_s=30.0)

@@ -1,6 +1,6 @@
 """``tests/transport_peer.py`` (a PageTransport in its own process) driven from a test: the
-harness the transport tests share (``test_transport``, ``test_transport_shm``,
-``test_transport_rma_path``), and their slot layouts."""
+harness the transport tests share (``test_transport``, ``test_transport_connect``,
+``test_transport_shm``, ``test_transport_rma_path``), and their slot layouts."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,3 +122,8 @@ class PeerProc:
 
 def gapped(count: int, size: int, gap: int = 4096) -> list[tuple[int, int]]:
     return [(i * (size + gap), size) for i in range(count)]
+
+
+def arena_for(slots) -> np.ndarray:
+    """A zeroed arena that holds ``slots`` (and a page past them)."""
+    return np.zeros(max((o + n for o, n in slots), default=0) + 4096, np.uint8)

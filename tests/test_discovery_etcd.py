@@ -157,7 +157,11 @@ async def test_another_kv_spec_or_protocol_version_is_refused_with_both_named(et
 
 
 async def test_a_second_process_with_a_taken_node_id_is_refused_with_the_reason(etcd):
-    cfg = etcd_cfg(etcd)
+    # the holder's lease must outlive the twin's attempt (one lease and a second): with the
+    # suite's 1-s lease the holder's renewals timed out while the real-engine half started
+    # beside it (the local CI on 2368b6d), the key expired and the twin took it; 8 s rides out
+    # the stalls the host sampler has seen (3-7 s), the refusal then comes after ~9 s
+    cfg = msgspec.structs.replace(etcd_cfg(etcd), lease_s=8)
     first = make_record("d0", "de_loader", "127.0.0.1", 9001, 9501, ["d0.e0"], "f", 2)
     twin = make_record("d0", "de_loader", "127.0.0.1", 9003, 9503, ["d0.e0"], "f", 2)
     async with registered(cfg, first):

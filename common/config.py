@@ -44,8 +44,22 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 
 class LoggingConfig(Section, frozen=True):
+    """``[logging]``: the level and format of a service's log, and its loop watch.
+
+    ``loop_stall_s``: a ``dualpath serve`` process logs ``event_loop_blocked`` with its event
+    loop's stack when the loop has not run for this long, and ``event_loop_resumed`` with the
+    stall's length (``tools/cluster/loop_watch.py``; 0: no watch). A node whose loop stands
+    still misses its heartbeats and loses its lease; the stack names the code that held it.
+    ``loop_stall_dump_s``: once a stall lasts this long, every thread's Python stack goes to
+    the log (stderr) *during* the stall, even when the loop holds the GIL in a C call (0: no
+    dump). Why the defaults: 1 s is a fifth of a node's lease (``[scheduler_service] lease_s``
+    = 5 s) and far above any callback this code means to run; 10 s is past that lease, so a
+    dump comes only for a stall long enough to have cost a node its lease."""
+
     level: str = "info"
     json: bool | None = None  # None: JSON when stderr is not a TTY
+    loop_stall_s: FiniteNonNegFloat = 1.0
+    loop_stall_dump_s: FiniteNonNegFloat = 10.0
 
 
 class RpcConfig(Section, frozen=True):

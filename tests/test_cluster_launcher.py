@@ -145,11 +145,11 @@ def test_up_serves_two_turns_and_down_leaves_no_process(tmp_path, capsys):
         assert 'dualpath_buffer_pages{kind="used",node="d0",pool="de_buffer"}' in de
         # an idle cluster does not spin: group leaders' fetches are long-polled. Counted in
         # wakeups, which the configuration fixes (heartbeats every 0.5 s, metrics snapshots
-        # every 1 s: ~9/s in a gateway, ~15/s in a node service, ~21/s in the scheduler
-        # that hears 4 services), where the 20 ms pull this replaced added 50/s per leader and
-        # 100/s in the scheduler. CPU time per wakeup is not fixed: 0.2-0.6 % of a core here
-        # idle, 2-3x that in one CI run beside the real-engine tests (ci17) — so the CPU bound
-        # only catches a real spin.
+        # every 1 s, the loop watch's ~5/s: ~14/s in a gateway, ~19/s in a node service,
+        # ~26/s in the scheduler that hears 4 services), where the 20 ms pull this replaced
+        # added 50/s per leader and 100/s in the scheduler. CPU time per wakeup is not
+        # fixed: 0.2-0.6 % of a core here idle, 2-3x that in one CI run beside the
+        # real-engine tests (ci17) — so the CPU bound only catches a real spin.
         busy = idle_activity(pids, settle_s=1.0, window_s=4.0)
         assert all(v["wakeups_per_s"] < 40 and v["cpu_share"] < 0.05
                    for v in busy.values()), busy

@@ -100,3 +100,74 @@ async def test_a_service_that_stops_on_its_own_fails_the_shell(tmp_path):
     with pytest.raises(InternalError, match="stopped on its own"):
         await serve_process(start, tmp_path / "ready")
     assert json.loads((tmp_path / "ready").read_text()) == {"event": "ready"}
+
+
+def _ready(proc: subprocess.Popen) -> dict:
+    """The ready line of a ``dualpath serve`` child (its stderr's tail when it ended first)."""
+    line = proc.stdout.readline()
+    while line and not line.startswith('{"event": "ready"'):
+        line = proc.stdout.readline()
+    assert line, proc.stderr.read()[-3000:]
+    return json.loads(line)
+
+
+def _event_loop_stat(port: int, name: str) -> float | None:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        for row in r.read().decode().splitlines():
+            if row.startswith("dualpath_stat{") and 'service="event_loop"' in row \
+                    and f'name="{name}"' in row:
+                return float(row.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.mark.slow
+def test_a_served_node_whose_loop_stands_still_logs_the_stack_that_held_it(tmp_path):
+    """``[logging] loop_stall_s``: a node service's loop held (the failpoint's ``delay``, armed
+    once the node is serving, sleeps in the loop thread at its next call to the scheduler) is
+    logged with
+    the holding stack, every thread's stack is written to its log *during* the stall past
+    ``loop_stall_dump_s``, and ``/metrics`` counts the stall — what stop 54's lost lease
+    lacked."""
+    from tests.helpers import wait_until
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(f'[kv]\npreset = "test-small"\n[pe_receiver]\nbuffer_bytes = {8 << 20}\n'
+                   f'[transport]\nstaging_bytes = {16 << 20}\n[logging]\nlevel = "warning"\n'
+                   f'json = true\nloop_stall_s = 0.4\nloop_stall_dump_s = 0.8\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUALPATH")}
+    serve_cmd = [sys.executable, "-m", "tools.cli", "serve"]
+    sched = subprocess.Popen([*serve_cmd, "scheduler", "-c", str(cfg), "--port", "0"], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    node = None
+    try:
+        port = _ready(sched)["rpc_port"]
+        arm = tmp_path / "failpoints"
+        node = subprocess.Popen([*serve_cmd, "pe_receiver", "-c", str(cfg), "--node", "p0",
+                                 "--scheduler", f"127.0.0.1:{port}", "--metrics-port", "0"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**env, "DUALPATH_FAILPOINTS_FILE": str(arm)})
+        metrics = _ready(node)["metrics_port"]
+        wait_until(lambda: _event_loop_stat(metrics, "loop_stalls") == 0,    # refreshed 1/s
+                   what="the watch on /metrics, nothing held yet")
+        arm.write_text("node.sched.call=delay:2")                 # its next heartbeat or fetch
+        node.send_signal(signal.SIGUSR1)
+        wait_until(lambda: _event_loop_stat(metrics, "loop_stalls") == 1,
+                   what="the stall counted on /metrics")
+        assert 1.5 <= (_event_loop_stat(metrics, "loop_stall_max_s") or 0) < 10
+        assert _event_loop_stat(metrics, "loop_stalled_now") == 0
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=20) == 0
+        log = node.stderr.read()
+    finally:
+        for proc in (node, sched):
+            if proc is not None:
+                reap(proc)
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    blocked = [e for e in events if e.get("event") == "event_loop_blocked"]
+    assert len(blocked) == 1, log[-3000:]
+    assert "in failpoint" in blocked[0]["stack"] and "_call" in blocked[0]["stack"]
+    resumed = [e for e in events if e.get("event") == "event_loop_resumed"]
+    assert len(resumed) == 1 and resumed[0]["stalled_s"] >= 1.5
+    # faulthandler's dump, written during the stall: the loop thread asleep in the failpoint
+    dump = log[log.index("FAILPOINT node.sched.call"):]
+    assert 'in failpoint' in dump and "the loop stood still" in dump, log[-3000:]

@@ -1,14 +1,17 @@
-"""Who held the loop: a watchdog thread for clusters that share one event loop.
+"""Who held the loop: a watchdog thread for an event loop that must keep running.
 
-An in-process cluster (:mod:`tools.cluster.inprocess`) runs every service in the caller's
-loop, so one synchronous stretch anywhere — a copy, a checksum, a blocking call — stops all
+Every ``dualpath serve`` process runs one (``[logging] loop_stall_s``,
+:meth:`tools.cluster.serve.Serving.watch_loop`): a node whose loop stands still misses its
+heartbeats and loses its lease. An in-process cluster (:mod:`tools.cluster.inprocess`) runs
+every service in the caller's loop, so one synchronous stretch anywhere — a copy, a checksum, a blocking call — stops all
 of them at once: heartbeats, transfers, the scheduler's sweeps. The scheduler no longer holds
 such a stall against its nodes (``SchedulerService._lease_loop``), but the stall itself is a
 defect worth finding. :class:`LoopStallWatch` ticks in the loop every ``tick_s``; a thread
 checks the last tick and, when the loop has not run for ``threshold_s``, logs
 ``event_loop_blocked`` once per stall with the loop thread's stack at that moment (the code
 holding it) and, when the loop runs again, ``event_loop_resumed`` with the stall's length.
-``stalls`` keeps every stall's length for a test or tool to read.
+``stalls`` keeps the latest stalls' lengths for a test or tool to read, :meth:`stats` the
+counts of all of them (a service's ``/metrics``).
 
 That watcher is a Python thread: it needs the GIL, so a loop thread stuck *inside a C call
 that holds the GIL* (a blocking call in an extension) stops it too, and it can only report
@@ -34,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -47,6 +51,7 @@ log = structlog.get_logger("loop_watch")
 LOOP_STALLS_FILE = "loop-stalls.log"
 # the signal of the stall dumps: a real-time one no library here uses
 STALL_SIGNAL = signal.SIGRTMIN + 5
+STALLS_KEPT = 64            # LoopStallWatch.stalls: the latest stalls' lengths
 
 
 class _Timespec(ctypes.Structure):
@@ -118,13 +123,19 @@ class LoopStallWatch:
     """Report the stack of a loop thread that stopped running callbacks (see module doc)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, threshold_s: float = 1.0,
-                 tick_s: float = 0.1, dump_to: Path | None = None,
+                 tick_s: float = 0.1, dump_to: Path | int | None = None,
                  dump_after_s: float = 10.0) -> None:
+        """``dump_to``: a file (appended to) or a file descriptor (duplicated: a service's
+        stderr, its log) that every thread's stack is written to during a stall of
+        ``dump_after_s``; None: no dump."""
         self.loop, self.threshold_s, self.tick_s = loop, threshold_s, tick_s
         self.dump_to, self.dump_after_s = dump_to, dump_after_s
         self._dump_file: IO[str] | None = None
         self._alarm: StallAlarm | None = None
-        self.stalls: list[float] = []            # seconds, one per stall past the threshold
+        # seconds, one per stall past the threshold: the latest STALLS_KEPT (a service runs for
+        # months); every stall is counted in the totals
+        self.stalls: deque[float] = deque(maxlen=STALLS_KEPT)
+        self.stall_count, self.stall_s_total, self.stall_max_s = 0, 0.0, 0.0
         self._last = time.monotonic()
         self._blocked_since: float | None = None
         self._loop_thread = threading.get_ident()
@@ -136,14 +147,24 @@ class LoopStallWatch:
     def start(self) -> None:
         """Start from the loop's own thread (its stack is the one reported)."""
         self._loop_thread = threading.get_ident()
-        if self.dump_to is not None:
+        if isinstance(self.dump_to, int):     # a dup: stop() closes it, never the fd itself
+            self._dump_file = os.fdopen(os.dup(self.dump_to), "a")
+        elif self.dump_to is not None:
             self._dump_file = open(self.dump_to, "a")     # noqa: SIM115 -- closed in stop()
+        if self._dump_file is not None:
             _register_dump(self._dump_file)
         self._thread.start()
         if self._dump_file is not None:
             assert self._thread.native_id is not None       # set once started
             self._alarm = StallAlarm(self._thread.native_id)
         self._tick()
+
+    def stats(self) -> dict[str, float]:
+        """The stalls so far, for ``/metrics`` (``dualpath_stat{service="event_loop"}``):
+        their number, summed and longest length, and whether the loop stands still now."""
+        return {"loop_stalls": self.stall_count, "loop_stall_s_total": self.stall_s_total,
+                "loop_stall_max_s": self.stall_max_s,
+                "loop_stalled_now": float(self._blocked_since is not None)}
 
     def stop(self) -> None:
         self._stop.set()
@@ -163,8 +184,12 @@ class LoopStallWatch:
         since = self._blocked_since
         if since is not None:                     # the watcher saw this stall: close it
             self._blocked_since = None
-            self.stalls.append(now - since)
-            log.warning("event_loop_resumed", stalled_s=round(self.stalls[-1], 3))
+            stalled = now - since
+            self.stalls.append(stalled)
+            self.stall_count += 1
+            self.stall_s_total += stalled
+            self.stall_max_s = max(self.stall_max_s, stalled)
+            log.warning("event_loop_resumed", stalled_s=round(stalled, 3))
             if self._dump_file is not None and self.stalls[-1] >= self.dump_after_s:
                 self._dump_file.write(f"== the loop stood still {self.stalls[-1]:.1f} s "
                                       f"until {time.strftime('%H:%M:%S')} (stacks above: "
@@ -176,9 +201,16 @@ class LoopStallWatch:
         self._handle = self.loop.call_later(self.tick_s, self._tick)
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        # wakes when the loop would have been silent threshold_s (not every tick): an idle
+        # service's watcher wakes about once per threshold_s
+        wait = self.tick_s
+        while not self._stop.wait(wait):
             idle = time.monotonic() - self._last
-            if idle < self.threshold_s or self._blocked_since is not None:
+            wait = self.tick_s
+            if self._blocked_since is not None:
+                continue
+            if idle < self.threshold_s:
+                wait = max(self.threshold_s - idle, self.tick_s)
                 continue
             self._blocked_since = self._last          # the stall began at the last tick
             frame = sys._current_frames().get(self._loop_thread)

@@ -37,6 +37,7 @@ prefixes between requests). No gateway known: the scheduler's per-session index.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import sys
@@ -50,10 +51,12 @@ import msgspec
 from common.config import build_config, env_overlay, read_toml
 from common.errors import ConfigError, DualpathError
 from common.logging import configure_logging
+from common.metrics import export_source
 from common.service import Service, run_cli, serve_process
 from tools.config import DualpathConfig
 
 from .config import ROLE_SERVICE, Cluster, apply_mode, load_cluster, load_data, service_config
+from .loop_watch import LoopStallWatch
 
 if TYPE_CHECKING:
     from services.node.base import NodeBase
@@ -225,7 +228,32 @@ class Serving:
         """Start the role (:data:`ROLES`) into ``stack``: the service and its ready info."""
         role = "engine_sim" if self.args.service == "engine_sim" else self.service
         svc, info = await ROLES[role](self, stack)
+        self.watch_loop(stack)
         return svc, {**self.head(), **info}
+
+    def watch_loop(self, stack: contextlib.AsyncExitStack) -> LoopStallWatch | None:
+        """Watch this process's event loop (``[logging] loop_stall_s``; None when 0): a stall
+        is logged with the stack that held the loop, a long one dumps every thread's stack to
+        stderr during it (``loop_stall_dump_s``), and the stalls are counted on ``/metrics``
+        (``dualpath_stat{service="event_loop"}``). Entered once the service has started: its
+        start holds the loop by design (the first import of ucxx, 0.6 s here, must follow the
+        UCX environment the transport sets), and the stop that closes the stack ends it first.
+
+        Why in every service: a node whose loop stands still misses its heartbeats and the
+        scheduler drops it (stop 54's lost lease of a DE loader, whose log said nothing of
+        why); the heartbeat counters say *that* the process did not run, the stack *what*
+        held it."""
+        logging = self.target.cfg.logging
+        if not logging.loop_stall_s:
+            return None
+        watch = LoopStallWatch(asyncio.get_running_loop(), threshold_s=logging.loop_stall_s,
+                               tick_s=min(logging.loop_stall_s / 4, 0.25),
+                               dump_to=sys.stderr.fileno() if logging.loop_stall_dump_s else None,
+                               dump_after_s=logging.loop_stall_dump_s)
+        watch.start()
+        stack.callback(watch.stop)
+        export_source(stack, "event_loop", self.args.node or "scheduler", watch.stats)
+        return watch
 
 
 Started = tuple[Service, dict[str, Any]]

@@ -41,6 +41,11 @@ restart on the step's config while the storage is emptied, copied or restored:
   a hit may be read on the PE's and the DE's link at once (docs/datapath.md "Split reads"),
   links shaped to the same ``R``; reported as ``split_vs_oracle`` and
   ``split_speedup_vs_dualpath`` beside the headline;
+* ``dualpath-variant`` (with ``--variant SECTION.KEY=VALUE``, repeatable; ``[gateway]`` and
+  ``[scheduler]`` settings, the services restarted between modes) — ``dualpath`` with those
+  settings, links shaped to the same ``R``: an A/B of one setting in one run, where two runs
+  of this bench differ by as much as the effect (the oracle's drift below); reported as
+  ``variant_vs_oracle`` and ``variant_speedup_vs_dualpath``;
 * ``oracle-repeat`` — the oracle once more, last: on a small shared host the oracle's JCT
   drifts between runs of one config (±10 %, and 15.7–21.6 s in four ``--quick`` runs of
   2026-12-06: docs/vllm.md), as much as the gap it bounds, so the bound is measured at both
@@ -139,6 +144,7 @@ MODES: dict[str, tuple[str, bool, bool]] = {
     "basic": ("basic", True, True),
     "dualpath": ("dualpath", True, True),
     "dualpath-split": ("dualpath", True, True),     # --split-reads: [scheduler] split_reads
+    "dualpath-variant": ("dualpath", True, True),   # --variant: dualpath with other settings
     "oracle-repeat": ("dualpath", False, True),     # the oracle again, last (the host's drift)
 }
 
@@ -295,7 +301,8 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
                 echo: Any, reads: int | None = None, split: bool = False,
                 scheduler: dict[str, Any] | None = None,
                 settings: dict[str, dict[str, Any]] | None = None,
-                profile_beta: bool = True, keep_logs: Path | None = None) -> dict[str, Any]:
+                profile_beta: bool = True, keep_logs: Path | None = None,
+                variant: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     from common.kv import spec_from_config
     from tools.cluster.launcher import Launcher
     from tools.cluster.real_engines import on_loopback
@@ -307,10 +314,16 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
     profiled: dict[str, Any] = {}       # [scheduler] pe_tokens_per_s once profiled
     pe_profile: dict[str, Any] | None = None
 
-    def config(sched_mode: str, rate: float, split_reads: bool = False):
+    def config(sched_mode: str, rate: float, mode: str = ""):
+        """The cluster file of a step; ``mode`` adds ``dualpath-split``'s or
+        ``dualpath-variant``'s own settings."""
+        extra = (variant or {}) if mode == "dualpath-variant" else {}
         sched = (profiled | dict(scheduler or {})
-                 | ({"split_reads": True} if split_reads else {}))
-        sections = fixed | ({"scheduler": sched} if sched else {})
+                 | ({"split_reads": True} if mode == "dualpath-split" else {})
+                 | extra.get("scheduler", {}))
+        sections = fixed | {section: fixed.get(section, {}) | values
+                            for section, values in extra.items() if section != "scheduler"}
+        sections |= {"scheduler": sched} if sched else {}
         return on_loopback(CONFIG, root, mode=sched_mode, sections=sections or None,
                            storage_link_bytes_per_s=rate, vllm_prefix_caching=False)
 
@@ -382,11 +395,10 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
         # oracle-repeat last, after the shaped modes: the bound measured at both ends of the
         # run, so the host's drift over these minutes shows in the bound itself
         for mode in ("basic", "dualpath", *(("dualpath-split",) if split else ()),
-                     "oracle-repeat"):
+                     *(("dualpath-variant",) if variant else ()), "oracle-repeat"):
             sched_mode, shaped, _ = MODES[mode]
             await asyncio.to_thread(launcher.reconfigure,
-                                    config(sched_mode, rate if shaped else 0.0,
-                                           mode == "dualpath-split"),
+                                    config(sched_mode, rate if shaped else 0.0, mode),
                                     restart, lambda: restore(snapshot))
             await timed(mode, first)
     finally:
@@ -426,6 +438,34 @@ def versus_oracle(modes: dict[str, dict[str, Any]], mode: str) -> dict[str, Any]
     value = modes[mode]["jct_s"] / mean
     return {"value": value, "goal": ORACLE_GOAL, "met": value <= ORACLE_GOAL,
             "oracle_jct_s": runs, "oracle_spread": (max(runs) - min(runs)) / mean}
+
+
+VARIANT_SECTIONS = ("gateway", "scheduler")    # the services restarted between modes
+
+
+def variant_settings(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--variant SECTION.KEY=VALUE`` items by section: only ``[gateway]`` and
+    ``[scheduler]``, the services restarted between modes (a node service's setting would
+    not change within the run); the scheduler's checked as ``--scheduler-set``'s are."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        path, sep, value = item.partition("=")
+        section, dot, key = path.strip().rpartition(".")
+        if not sep or not dot or section not in VARIANT_SECTIONS or not key:
+            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE with SECTION one of "
+                             f"{', '.join(VARIANT_SECTIONS)} (the services restarted between "
+                             f"modes)")
+        out.setdefault(section, {})[key] = _toml_value(value)
+    import msgspec
+
+    from services.scheduler.core.config import SchedulerConfig
+    from storage_gateway.config import GatewayConfig
+    for section, kind in (("scheduler", SchedulerConfig), ("gateway", GatewayConfig)):
+        try:            # checked now, not at the variant's restart minutes into the run
+            msgspec.convert(out.get(section, {}), kind)
+        except (msgspec.ValidationError, ValueError) as e:
+            raise ValueError(f"[{section}] {e}") from None
+    return out
 
 
 def cluster_settings(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -476,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="storage link rate per node, MB/s (default: half the oracle's demand)")
     p.add_argument("--split-reads", action="store_true",
                    help="also run mode dualpath-split ([scheduler] split_reads = true)")
+    p.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="also run mode dualpath-variant: dualpath with this [gateway] or "
+                        "[scheduler] setting (TOML value; repeatable), e.g. "
+                        "'gateway.read_order=\"arrival\"'")
     p.add_argument("--scheduler-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a [scheduler] setting for every mode (TOML value; repeatable), e.g. "
                         "beta_s=20")
@@ -499,6 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = cluster_settings(args.settings)
     except ValueError as e:
         p.error(f"--set: {e}")
+    try:
+        variant = variant_settings(args.variant)
+    except ValueError as e:
+        p.error(f"--variant: {e}")
     run_defaults(settings, scheduler)
     turns = args.turns or (3 if args.quick else 5)
     trace = args.trace or shared_agentic_dir()
@@ -528,9 +576,10 @@ def main(argv: list[str] | None = None) -> int:
         res = asyncio.run(bench(sessions, Path(tmp), args.link_mb_s,
                                 lambda m: print(m, flush=True), args.gateway_reads,
                                 args.split_reads, scheduler, settings,
-                                not args.derived_beta, args.keep_logs))
+                                not args.derived_beta, args.keep_logs, variant))
     res["scheduler_settings"] = scheduler
     res["cluster_settings"] = settings
+    res["variant_settings"] = variant
     res["workload"] = {"trace": str(trace), "sessions": [s.sid for s in sessions],
                        "turns": turns, "gen_tokens": GEN, "token_scale": "1 token per 64-token "
                        "trace block", "prompt_tokens": [list(map(len, s.prompts))
@@ -551,12 +600,14 @@ def main(argv: list[str] | None = None) -> int:
     speedup = modes["basic"]["jct_s"] / modes["dualpath"]["jct_s"]
     res["dualpath_vs_oracle"] = vs = versus_oracle(modes, "dualpath")
     vs_oracle, oracle_runs = vs["value"], vs["oracle_jct_s"]
-    if "dualpath-split" in modes:
-        split_jct = modes["dualpath-split"]["jct_s"]
-        res["split_vs_oracle"] = versus_oracle(modes, "dualpath-split")["value"]
-        res["split_speedup_vs_dualpath"] = modes["dualpath"]["jct_s"] / split_jct
-        print(f"split reads: JCT / oracle JCT = {res['split_vs_oracle']:.2f}, dualpath JCT / "
-              f"split JCT = {res['split_speedup_vs_dualpath']:.2f}")
+    for mode, name, what in (("dualpath-split", "split", "split reads"),
+                             ("dualpath-variant", "variant", f"variant {args.variant}")):
+        if mode in modes:
+            res[f"{name}_vs_oracle"] = versus_oracle(modes, mode)["value"]
+            res[f"{name}_speedup_vs_dualpath"] = (modes["dualpath"]["jct_s"]
+                                                  / modes[mode]["jct_s"])
+            print(f"{what}: JCT / oracle JCT = {res[f'{name}_vs_oracle']:.2f}, dualpath JCT / "
+                  f"{name} JCT = {res[f'{name}_speedup_vs_dualpath']:.2f}")
     res["all_checks_passed"] = all(r["outputs_equal"] and not r["failed"]
                                    for r in modes.values())
     print(f"storage links {res['link_rate_mb_s']} MB/s per node ({res['link_rate_rule']}); "

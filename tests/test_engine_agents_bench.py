@@ -19,6 +19,7 @@ import pytest
 from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, NODE_BUFFER, SESSIONS,
                                        TOKEN_HI, TOKEN_LO, Session, cluster_settings, figures,
                                        main, profile_pe, run_defaults, scheduler_settings,
+                                       variant_settings,
                                        sessions_from_trace, token_of, versus_oracle)
 from tests.helpers import skip_or_fail
 
@@ -111,6 +112,22 @@ def test_cluster_settings_are_toml_values_by_section(capsys):
     with pytest.raises(SystemExit) as exc:                 # refused before the trace is read
         main(["--set", "nodot=1", "--trace", "/nonexistent"])
     assert exc.value.code == 2 and "--set" in capsys.readouterr().err
+
+
+def test_a_variant_takes_gateway_and_scheduler_settings_checked_before_the_run(capsys):
+    """``--variant``: only the services restarted between modes, each value checked against
+    its section now (a typo found minutes into the run would lose the run)."""
+    assert variant_settings(['gateway.read_order="arrival"', "scheduler.beta_s=12"]) == {
+        "gateway": {"read_order": "arrival"}, "scheduler": {"beta_s": 12}}
+    for bad, why in [("pe_receiver.buffer_bytes=1", "restarted between modes"),
+                     ('gateway.read_order="lifo"', r"\[gateway\] Invalid enum"),
+                     ("scheduler.no_such_key=1", r"\[scheduler\].*no_such_key"),
+                     ("beta_s=1", "SECTION.KEY")]:
+        with pytest.raises(ValueError, match=why):
+            variant_settings([bad])
+    with pytest.raises(SystemExit) as exc:                 # refused before the trace is read
+        main(["--variant", "de_loader.buffer_bytes=1", "--trace", "/nonexistent"])
+    assert exc.value.code == 2 and "--variant" in capsys.readouterr().err
 
 
 def test_the_oracle_bound_is_the_mean_of_both_oracle_runs_where_both_ran():

@@ -3,11 +3,12 @@
 Every ``dualpath serve`` process runs one (``[logging] loop_stall_s``,
 :meth:`tools.cluster.serve.Serving.watch_loop`): a node whose loop stands still misses its
 heartbeats and loses its lease. An in-process cluster (:mod:`tools.cluster.inprocess`) runs
-every service in the caller's loop, so one synchronous stretch anywhere — a copy, a checksum, a blocking call — stops all
-of them at once: heartbeats, transfers, the scheduler's sweeps. The scheduler no longer holds
-such a stall against its nodes (``SchedulerService._lease_loop``), but the stall itself is a
-defect worth finding. :class:`LoopStallWatch` ticks in the loop every ``tick_s``; a thread
-checks the last tick and, when the loop has not run for ``threshold_s``, logs
+every service in the caller's loop, so one synchronous stretch anywhere — a copy, a checksum,
+a blocking call — stops all of them at once: heartbeats, transfers, the scheduler's sweeps.
+The scheduler no longer holds such a stall against its nodes
+(``SchedulerService._lease_loop``), but the stall itself is a defect worth finding.
+:class:`LoopStallWatch` ticks in the loop every ``tick_s``; a thread checks the last tick and,
+when the loop has not run for ``threshold_s`` (it sleeps until then, not tick by tick), logs
 ``event_loop_blocked`` once per stall with the loop thread's stack at that moment (the code
 holding it) and, when the loop runs again, ``event_loop_resumed`` with the stall's length.
 ``stalls`` keeps the latest stalls' lengths for a test or tool to read, :meth:`stats` the

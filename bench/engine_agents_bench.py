@@ -44,8 +44,11 @@ restart on the step's config while the storage is emptied, copied or restored:
 * ``dualpath-variant`` (with ``--variant SECTION.KEY=VALUE``, repeatable; ``[gateway]`` and
   ``[scheduler]`` settings, the services restarted between modes) — ``dualpath`` with those
   settings, links shaped to the same ``R``: an A/B of one setting in one run, where two runs
-  of this bench differ by as much as the effect (the oracle's drift below); reported as
-  ``variant_vs_oracle`` and ``variant_speedup_vs_dualpath``;
+  of this bench differ by as much as the effect (the oracle's drift below). Run A B B A:
+  ``dualpath``, ``dualpath-variant``, ``dualpath-variant-repeat``, ``dualpath-repeat``
+  (:func:`variant_figures`); reported as ``variant_vs_oracle`` (the first variant run),
+  ``variant_speedup_vs_dualpath`` (mean JCT of the ``dualpath`` runs ÷ the variant's) and
+  ``variant_pairs``;
 * ``oracle-repeat`` — the oracle once more, last: on a small shared host the oracle's JCT
   drifts between runs of one config (±10 %, and 15.7–21.6 s in four ``--quick`` runs of
   2026-12-06: docs/vllm.md), as much as the gap it bounds, so the bound is measured at both
@@ -90,7 +93,10 @@ real SNIC does and as the simulator models it; the read-side rule then counts no
 directions: a decode node's write-backs then queued behind the reads placed on its link, and
 each session's next turn waited for them (0.36 s per turn in a ``--quick`` run against 0.04 s
 in the oracle; docs/vllm.md). ``--set gateway.link_duplex='"half"'`` runs the old emulation
-(``write_weight`` then stays the config's unless ``--scheduler-set`` gives it).
+(``write_weight`` then stays the config's unless ``--scheduler-set`` gives it). The links
+serve their reads in the gateway's default order (``read_order = "shared"``); the arrival
+order, A/B-tested with ``--variant`` in three runs, shortened each turn's read but not
+reliably the JCT (docs/vllm.md "Reads in their arrival order").
 
 ``--keep-logs DIR`` copies every service's log there when the run ends.
 
@@ -126,6 +132,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.engine_agents_settings import (cluster_settings, run_defaults, scheduler_settings,
+                                          variant_settings)
 from bench.report import bench_parser, headline, print_table, write_results
 
 GOAL = 1.5
@@ -135,7 +143,6 @@ GEN = 16
 MAX_CONTEXT = 2048                  # the instances' --max-model-len
 MIN_FIRST = 256                     # a first prompt of at least 4 of our 64-token blocks
 SESSIONS = 16                       # sessions at once by default (module docstring: why 16)
-NODE_BUFFER = 512 * 2**20           # the bench's PE and DE buffers: a wave (module docstring)
 TOKEN_LO, TOKEN_HI = 1000, 49000    # ordinary tokens of SmolLM2's 49,152 (no special ids)
 # mode -> (scheduler mode of the cluster config, storage links shaped?, kv_loading)
 MODES: dict[str, tuple[str, bool, bool]] = {
@@ -145,6 +152,8 @@ MODES: dict[str, tuple[str, bool, bool]] = {
     "dualpath": ("dualpath", True, True),
     "dualpath-split": ("dualpath", True, True),     # --split-reads: [scheduler] split_reads
     "dualpath-variant": ("dualpath", True, True),   # --variant: dualpath with other settings
+    "dualpath-variant-repeat": ("dualpath", True, True),    # --variant: A B B A
+    "dualpath-repeat": ("dualpath", True, True),            # --variant: A B B A
     "oracle-repeat": ("dualpath", False, True),     # the oracle again, last (the host's drift)
 }
 
@@ -317,7 +326,7 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
     def config(sched_mode: str, rate: float, mode: str = ""):
         """The cluster file of a step; ``mode`` adds ``dualpath-split``'s or
         ``dualpath-variant``'s own settings."""
-        extra = (variant or {}) if mode == "dualpath-variant" else {}
+        extra = (variant or {}) if mode.startswith("dualpath-variant") else {}
         sched = (profiled | dict(scheduler or {})
                  | ({"split_reads": True} if mode == "dualpath-split" else {})
                  | extra.get("scheduler", {}))
@@ -394,8 +403,9 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
         rate = link_mb_s * 1e6 if link_mb_s else demand / 2
         # oracle-repeat last, after the shaped modes: the bound measured at both ends of the
         # run, so the host's drift over these minutes shows in the bound itself
+        abba = ("dualpath-variant", "dualpath-variant-repeat", "dualpath-repeat")
         for mode in ("basic", "dualpath", *(("dualpath-split",) if split else ()),
-                     *(("dualpath-variant",) if variant else ()), "oracle-repeat"):
+                     *(abba if variant else ()), "oracle-repeat"):
             sched_mode, shaped, _ = MODES[mode]
             await asyncio.to_thread(launcher.reconfigure,
                                     config(sched_mode, rate if shaped else 0.0, mode),
@@ -410,26 +420,6 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
             "pe_profile": pe_profile}
 
 
-def scheduler_settings(items: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` items (TOML values) as ``[scheduler]`` settings, checked against
-    ``SchedulerConfig`` now (ValueError naming the item) rather than at the first restart."""
-    import msgspec
-
-    from services.scheduler.core.config import SchedulerConfig
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"{item!r} is not KEY=VALUE")
-        out[key.strip()] = _toml_value(value)
-    try:
-        msgspec.convert(out, SchedulerConfig)
-    except (msgspec.ValidationError, ValueError) as e:
-        raise ValueError(str(e)) from None
-    return out
-
-
 def versus_oracle(modes: dict[str, dict[str, Any]], mode: str) -> dict[str, Any]:
     """``mode``'s JCT ÷ the oracle's: the mean of ``oracle`` and ``oracle-repeat`` (where it
     ran), with both JCTs and their spread (range ÷ mean)."""
@@ -440,66 +430,17 @@ def versus_oracle(modes: dict[str, dict[str, Any]], mode: str) -> dict[str, Any]
             "oracle_jct_s": runs, "oracle_spread": (max(runs) - min(runs)) / mean}
 
 
-VARIANT_SECTIONS = ("gateway", "scheduler")    # the services restarted between modes
-
-
-def variant_settings(items: list[str]) -> dict[str, dict[str, Any]]:
-    """``--variant SECTION.KEY=VALUE`` items by section: only ``[gateway]`` and
-    ``[scheduler]``, the services restarted between modes (a node service's setting would
-    not change within the run); the scheduler's checked as ``--scheduler-set``'s are."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        path, sep, value = item.partition("=")
-        section, dot, key = path.strip().rpartition(".")
-        if not sep or not dot or section not in VARIANT_SECTIONS or not key:
-            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE with SECTION one of "
-                             f"{', '.join(VARIANT_SECTIONS)} (the services restarted between "
-                             f"modes)")
-        out.setdefault(section, {})[key] = _toml_value(value)
-    import msgspec
-
-    from services.scheduler.core.config import SchedulerConfig
-    from storage_gateway.config import GatewayConfig
-    for section, kind in (("scheduler", SchedulerConfig), ("gateway", GatewayConfig)):
-        try:            # checked now, not at the variant's restart minutes into the run
-            msgspec.convert(out.get(section, {}), kind)
-        except (msgspec.ValidationError, ValueError) as e:
-            raise ValueError(f"[{section}] {e}") from None
-    return out
-
-
-def cluster_settings(items: list[str]) -> dict[str, dict[str, Any]]:
-    """``SECTION.KEY=VALUE`` items (TOML values) as cluster-file settings by section; the
-    scheduler's go through ``--scheduler-set`` (checked field by field there)."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        path, sep, value = item.partition("=")
-        section, dot, key = path.strip().rpartition(".")
-        if not sep or not dot or not section or not key:
-            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE")
-        if section == "scheduler":
-            raise ValueError(f"{item!r}: use --scheduler-set {key}={value}")
-        out.setdefault(section, {})[key] = _toml_value(value)
-    return out
-
-
-def _toml_value(value: str) -> Any:
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        return value            # a bare word: a string
-
-
-def run_defaults(settings: dict[str, dict[str, Any]], scheduler: dict[str, Any]) -> None:
-    """The bench's own defaults, under what ``--set`` / ``--scheduler-set`` gave: the PE's and
-    DE's buffers a wave (``NODE_BUFFER``), the storage links full duplex, and then no write
-    bytes in the read-side rule (module docstring, "Storage links")."""
-    for service in ("pe_receiver", "de_loader"):
-        settings.setdefault(service, {}).setdefault("buffer_bytes", NODE_BUFFER)
-    if settings.setdefault("gateway", {}).setdefault("link_duplex", "full") == "full":
-        scheduler.setdefault("write_weight", 0)
+def variant_figures(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``--variant``'s A/B, run A B B A (``dualpath``, the variant twice, ``dualpath`` again):
+    the mean JCT of both ``dualpath`` runs ÷ the mean of both variant runs, and each pair's
+    ratio. Why A B B A: in three runs with the variant right after ``dualpath`` the mode run
+    second won each time, either way round (docs/vllm.md "Reads in their arrival order"); a
+    drift of the host over the run cancels in the means."""
+    a = [modes[m]["jct_s"] for m in ("dualpath", "dualpath-repeat")]
+    b = [modes[m]["jct_s"] for m in ("dualpath-variant", "dualpath-variant-repeat")]
+    return {"variant_vs_oracle": versus_oracle(modes, "dualpath-variant")["value"],
+            "variant_speedup_vs_dualpath": sum(a) / sum(b),
+            "variant_pairs": [a[0] / b[0], a[1] / b[1]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -600,14 +541,17 @@ def main(argv: list[str] | None = None) -> int:
     speedup = modes["basic"]["jct_s"] / modes["dualpath"]["jct_s"]
     res["dualpath_vs_oracle"] = vs = versus_oracle(modes, "dualpath")
     vs_oracle, oracle_runs = vs["value"], vs["oracle_jct_s"]
-    for mode, name, what in (("dualpath-split", "split", "split reads"),
-                             ("dualpath-variant", "variant", f"variant {args.variant}")):
-        if mode in modes:
-            res[f"{name}_vs_oracle"] = versus_oracle(modes, mode)["value"]
-            res[f"{name}_speedup_vs_dualpath"] = (modes["dualpath"]["jct_s"]
-                                                  / modes[mode]["jct_s"])
-            print(f"{what}: JCT / oracle JCT = {res[f'{name}_vs_oracle']:.2f}, dualpath JCT / "
-                  f"{name} JCT = {res[f'{name}_speedup_vs_dualpath']:.2f}")
+    if "dualpath-split" in modes:
+        res["split_vs_oracle"] = versus_oracle(modes, "dualpath-split")["value"]
+        res["split_speedup_vs_dualpath"] = (modes["dualpath"]["jct_s"]
+                                            / modes["dualpath-split"]["jct_s"])
+        print(f"split reads: JCT / oracle JCT = {res['split_vs_oracle']:.2f}, dualpath JCT / "
+              f"split JCT = {res['split_speedup_vs_dualpath']:.2f}")
+    if "dualpath-variant" in modes:
+        res |= variant_figures(modes)
+        print(f"variant {args.variant}: JCT / oracle JCT = {res['variant_vs_oracle']:.2f}; "
+              f"dualpath JCT / variant JCT = {res['variant_speedup_vs_dualpath']:.2f} over "
+              f"A B B A (pairs {', '.join(f'{x:.2f}' for x in res['variant_pairs'])})")
     res["all_checks_passed"] = all(r["outputs_equal"] and not r["failed"]
                                    for r in modes.values())
     print(f"storage links {res['link_rate_mb_s']} MB/s per node ({res['link_rate_rule']}); "

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, NODE_BUFFER, SESSIONS,
-                                       TOKEN_HI, TOKEN_LO, Session, cluster_settings, figures,
-                                       main, profile_pe, run_defaults, scheduler_settings,
-                                       variant_settings,
-                                       sessions_from_trace, token_of, versus_oracle)
+from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, SESSIONS, TOKEN_HI,
+                                       TOKEN_LO, Session, figures, main, profile_pe,
+                                       sessions_from_trace, token_of, variant_figures,
+                                       versus_oracle)
+from bench.engine_agents_settings import (NODE_BUFFER, cluster_settings, run_defaults,
+                                          scheduler_settings, variant_settings)
 from tests.helpers import skip_or_fail
 
 
@@ -141,6 +142,18 @@ def test_the_oracle_bound_is_the_mean_of_both_oracle_runs_where_both_ran():
     assert vs["value"] == 36.0 / 32.0 and vs["met"] and vs["oracle_jct_s"] == [32.0]
     assert vs["oracle_spread"] == 0.0
     assert versus_oracle({"oracle": {"jct_s": 40.0}, "d": {"jct_s": 44.0}}, "d")["met"]
+
+
+def test_a_variant_is_compared_over_a_b_b_a_so_a_drift_of_the_host_cancels():
+    """A host slowing 2 s per mode: A 40, B 42, B 44, A 46 — the means tie (no effect), where
+    the first pair alone would credit A with 5 %."""
+    modes = {"oracle": {"jct_s": 38.0}, "dualpath": {"jct_s": 40.0},
+             "dualpath-variant": {"jct_s": 42.0}, "dualpath-variant-repeat": {"jct_s": 44.0},
+             "dualpath-repeat": {"jct_s": 46.0}}
+    fig = variant_figures(modes)
+    assert fig["variant_speedup_vs_dualpath"] == 1.0
+    assert fig["variant_pairs"] == [40.0 / 42.0, 46.0 / 44.0]
+    assert fig["variant_vs_oracle"] == 42.0 / 38.0
 
 
 def test_beta_is_profiled_from_the_cold_first_turns_in_the_schedulers_load_unit():

@@ -124,12 +124,15 @@ class LoopStallWatch:
     """Report the stack of a loop thread that stopped running callbacks (see module doc)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, threshold_s: float = 1.0,
-                 tick_s: float = 0.1, dump_to: Path | int | None = None,
+                 tick_s: float | None = None, dump_to: Path | int | None = None,
                  dump_after_s: float = 10.0) -> None:
-        """``dump_to``: a file (appended to) or a file descriptor (duplicated: a service's
-        stderr, its log) that every thread's stack is written to during a stall of
-        ``dump_after_s``; None: no dump."""
-        self.loop, self.threshold_s, self.tick_s = loop, threshold_s, tick_s
+        """``tick_s``: how often the loop marks that it runs (None: a quarter of
+        ``threshold_s``, at most 0.25 s — a stall's length is known to a tick). ``dump_to``:
+        a file (appended to) or a file descriptor (duplicated: a service's stderr, its log)
+        that every thread's stack is written to during a stall of ``dump_after_s``; None: no
+        dump."""
+        self.loop, self.threshold_s = loop, threshold_s
+        self.tick_s = min(threshold_s / 4, 0.25) if tick_s is None else tick_s
         self.dump_to, self.dump_after_s = dump_to, dump_after_s
         self._dump_file: IO[str] | None = None
         self._alarm: StallAlarm | None = None
@@ -220,7 +223,7 @@ class LoopStallWatch:
 
 
 @contextlib.contextmanager
-def watching(threshold_s: float = 1.0, dump_to: Path | None = None,
+def watching(threshold_s: float = 1.0, dump_to: Path | int | None = None,
              dump_after_s: float = 10.0) -> Iterator[LoopStallWatch]:
     """Watch the running loop for the ``with`` block (call from inside the loop);
     ``dump_to``: where every thread's stack goes when the loop stalls ``dump_after_s``."""

@@ -247,7 +247,6 @@ class Serving:
         if not logging.loop_stall_s:
             return None
         watch = LoopStallWatch(asyncio.get_running_loop(), threshold_s=logging.loop_stall_s,
-                               tick_s=min(logging.loop_stall_s / 4, 0.25),
                                dump_to=sys.stderr.fileno() if logging.loop_stall_dump_s else None,
                                dump_after_s=logging.loop_stall_dump_s)
         watch.start()

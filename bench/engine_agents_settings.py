@@ -1,0 +1,93 @@
+"""``dualpath bench engine_agents``'s settings from its command line: ``--scheduler-set``,
+``--set``, ``--variant`` (TOML values, each checked before the cluster starts: a typo found
+minutes into a run would lose the run) and the bench's own defaults under them
+(:func:`run_defaults`; bench/engine_agents_bench.py's docstring says why each).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NODE_BUFFER = 512 * 2**20           # the bench's PE and DE buffers: a wave (the bench's docstring)
+
+
+def scheduler_settings(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items (TOML values) as ``[scheduler]`` settings, checked against
+    ``SchedulerConfig`` now (ValueError naming the item) rather than at the first restart."""
+    import msgspec
+
+    from services.scheduler.core.config import SchedulerConfig
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        out[key.strip()] = _toml_value(value)
+    try:
+        msgspec.convert(out, SchedulerConfig)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    return out
+
+
+VARIANT_SECTIONS = ("gateway", "scheduler")    # the services restarted between modes
+
+
+def variant_settings(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--variant SECTION.KEY=VALUE`` items by section: only ``[gateway]`` and
+    ``[scheduler]``, the services restarted between modes (a node service's setting would
+    not change within the run); the scheduler's checked as ``--scheduler-set``'s are."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        path, sep, value = item.partition("=")
+        section, dot, key = path.strip().rpartition(".")
+        if not sep or not dot or section not in VARIANT_SECTIONS or not key:
+            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE with SECTION one of "
+                             f"{', '.join(VARIANT_SECTIONS)} (the services restarted between "
+                             f"modes)")
+        out.setdefault(section, {})[key] = _toml_value(value)
+    import msgspec
+
+    from services.scheduler.core.config import SchedulerConfig
+    from storage_gateway.config import GatewayConfig
+    for section, kind in (("scheduler", SchedulerConfig), ("gateway", GatewayConfig)):
+        try:            # checked now, not at the variant's restart minutes into the run
+            msgspec.convert(out.get(section, {}), kind)
+        except (msgspec.ValidationError, ValueError) as e:
+            raise ValueError(f"[{section}] {e}") from None
+    return out
+
+
+def cluster_settings(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``SECTION.KEY=VALUE`` items (TOML values) as cluster-file settings by section; the
+    scheduler's go through ``--scheduler-set`` (checked field by field there)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        path, sep, value = item.partition("=")
+        section, dot, key = path.strip().rpartition(".")
+        if not sep or not dot or not section or not key:
+            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE")
+        if section == "scheduler":
+            raise ValueError(f"{item!r}: use --scheduler-set {key}={value}")
+        out.setdefault(section, {})[key] = _toml_value(value)
+    return out
+
+
+def _toml_value(value: str) -> Any:
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value            # a bare word: a string
+
+
+def run_defaults(settings: dict[str, dict[str, Any]], scheduler: dict[str, Any]) -> None:
+    """The bench's own defaults, under what ``--set`` / ``--scheduler-set`` gave: the PE's and
+    DE's buffers a wave (``NODE_BUFFER``), the storage links full duplex, and then no write
+    bytes in the read-side rule (module docstring, "Storage links")."""
+    for service in ("pe_receiver", "de_loader"):
+        settings.setdefault(service, {}).setdefault("buffer_bytes", NODE_BUFFER)
+    if settings.setdefault("gateway", {}).setdefault("link_duplex", "full") == "full":
+        scheduler.setdefault("write_weight", 0)

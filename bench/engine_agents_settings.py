@@ -85,9 +85,12 @@ def _toml_value(value: str) -> Any:
 
 def run_defaults(settings: dict[str, dict[str, Any]], scheduler: dict[str, Any]) -> None:
     """The bench's own defaults, under what ``--set`` / ``--scheduler-set`` gave: the PE's and
-    DE's buffers a wave (``NODE_BUFFER``), the storage links full duplex, and then no write
-    bytes in the read-side rule (module docstring, "Storage links")."""
+    DE's buffers a wave (``NODE_BUFFER``), the storage links full duplex, and with them no
+    write bytes in the read-side rule and each link's reads served in their arrival order
+    (the bench's docstring, "Storage links")."""
     for service in ("pe_receiver", "de_loader"):
         settings.setdefault(service, {}).setdefault("buffer_bytes", NODE_BUFFER)
-    if settings.setdefault("gateway", {}).setdefault("link_duplex", "full") == "full":
+    gateway = settings.setdefault("gateway", {})
+    if gateway.setdefault("link_duplex", "full") == "full":
         scheduler.setdefault("write_weight", 0)
+        gateway.setdefault("read_order", "arrival")

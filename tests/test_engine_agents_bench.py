@@ -91,11 +91,14 @@ def test_run_defaults_full_duplex_links_and_wave_buffers_under_what_was_given():
     run_defaults(settings, scheduler)
     assert settings == {"pe_receiver": {"buffer_bytes": NODE_BUFFER},
                         "de_loader": {"buffer_bytes": 1048576},
-                        "gateway": {"link_duplex": "full"}}
+                        "gateway": {"link_duplex": "full", "read_order": "arrival"}}
     assert scheduler == {"write_weight": 0}       # a full-duplex write never delays a read
     settings, scheduler = cluster_settings(['gateway.link_duplex="half"']), {}
     run_defaults(settings, scheduler)
     assert settings["gateway"] == {"link_duplex": "half"} and scheduler == {}
+    settings = cluster_settings(['gateway.read_order="shared"'])        # the order of before
+    run_defaults(settings, {})
+    assert settings["gateway"] == {"link_duplex": "full", "read_order": "shared"}
     scheduler = scheduler_settings(["write_weight=0.5"])
     run_defaults({}, scheduler)
     assert scheduler == {"write_weight": 0.5}

@@ -14,8 +14,6 @@ NODE_BUFFER = 512 * 2**20           # the bench's PE and DE buffers: a wave (the
 def scheduler_settings(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` items (TOML values) as ``[scheduler]`` settings, checked against
     ``SchedulerConfig`` now (ValueError naming the item) rather than at the first restart."""
-    import msgspec
-
     from services.scheduler.core.config import SchedulerConfig
 
     out: dict[str, Any] = {}
@@ -24,11 +22,28 @@ def scheduler_settings(items: list[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ValueError(f"{item!r} is not KEY=VALUE")
         out[key.strip()] = _toml_value(value)
-    try:
-        msgspec.convert(out, SchedulerConfig)
-    except (msgspec.ValidationError, ValueError) as e:
-        raise ValueError(str(e)) from None
+    _check(out, SchedulerConfig)
     return out
+
+
+def _check(values: dict[str, Any], section: type, label: str = "") -> None:
+    """``values`` as a ``section`` would take them (ValueError with msgspec's reason, after
+    ``label``): checked now, not when a service restarts on them minutes into the run."""
+    import msgspec
+
+    try:
+        msgspec.convert(values, section)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"{label}{e}") from None
+
+
+def _section_item(item: str) -> tuple[str, str, Any]:
+    """``SECTION.KEY=VALUE`` as (section, key, TOML value); ValueError naming the item."""
+    path, sep, value = item.partition("=")
+    section, dot, key = path.strip().rpartition(".")
+    if not sep or not dot or not section or not key:
+        raise ValueError(f"{item!r} is not SECTION.KEY=VALUE")
+    return section, key, _toml_value(value)
 
 
 VARIANT_SECTIONS = ("gateway", "scheduler")    # the services restarted between modes
@@ -38,24 +53,18 @@ def variant_settings(items: list[str]) -> dict[str, dict[str, Any]]:
     """``--variant SECTION.KEY=VALUE`` items by section: only ``[gateway]`` and
     ``[scheduler]``, the services restarted between modes (a node service's setting would
     not change within the run); the scheduler's checked as ``--scheduler-set``'s are."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        path, sep, value = item.partition("=")
-        section, dot, key = path.strip().rpartition(".")
-        if not sep or not dot or section not in VARIANT_SECTIONS or not key:
-            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE with SECTION one of "
-                             f"{', '.join(VARIANT_SECTIONS)} (the services restarted between "
-                             f"modes)")
-        out.setdefault(section, {})[key] = _toml_value(value)
-    import msgspec
-
     from services.scheduler.core.config import SchedulerConfig
     from storage_gateway.config import GatewayConfig
-    for section, kind in (("scheduler", SchedulerConfig), ("gateway", GatewayConfig)):
-        try:            # checked now, not at the variant's restart minutes into the run
-            msgspec.convert(out.get(section, {}), kind)
-        except (msgspec.ValidationError, ValueError) as e:
-            raise ValueError(f"[{section}] {e}") from None
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        section, key, value = _section_item(item)
+        if section not in VARIANT_SECTIONS:
+            raise ValueError(f"{item!r}: SECTION must be one of {', '.join(VARIANT_SECTIONS)} "
+                             f"(the services restarted between modes)")
+        out.setdefault(section, {})[key] = value
+    _check(out.get("scheduler", {}), SchedulerConfig, "[scheduler] ")
+    _check(out.get("gateway", {}), GatewayConfig, "[gateway] ")
     return out
 
 
@@ -64,13 +73,10 @@ def cluster_settings(items: list[str]) -> dict[str, dict[str, Any]]:
     scheduler's go through ``--scheduler-set`` (checked field by field there)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
-        path, sep, value = item.partition("=")
-        section, dot, key = path.strip().rpartition(".")
-        if not sep or not dot or not section or not key:
-            raise ValueError(f"{item!r} is not SECTION.KEY=VALUE")
+        section, key, value = _section_item(item)
         if section == "scheduler":
-            raise ValueError(f"{item!r}: use --scheduler-set {key}={value}")
-        out.setdefault(section, {})[key] = _toml_value(value)
+            raise ValueError(f"{item!r}: use --scheduler-set {key}={item.partition('=')[2]}")
+        out.setdefault(section, {})[key] = value
     return out
 
 

@@ -184,6 +184,17 @@ def holders(obj: Any, depth: int = 4, limit: int = 40) -> str:
     return "held by: " + (" | ".join(lines) or "nothing (only the weakref)")
 
 
+def ready_line(proc: Any) -> dict[str, Any]:
+    """The JSON ready line a ``dualpath serve`` child prints once serving (lines before it
+    skipped); fails with its stderr's tail when it ended without one."""
+    import json
+    line = proc.stdout.readline()
+    while line and not line.startswith('{"event": "ready"'):
+        line = proc.stdout.readline()
+    assert line, proc.stderr.read()[-3000:]
+    return json.loads(line)
+
+
 def reap(proc: Any) -> None:
     """End a test's child process (kill if it is still running) and close its pipes."""
     if proc.poll() is None:

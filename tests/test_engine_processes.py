@@ -94,7 +94,7 @@ def test_serve_with_engine_socket_lets_an_engine_process_attach(tmp_path):
     an engine in another process attaches and is refused with another KV spec."""
     from common.kv import PRESETS
     from services.engine_api.remote import SyncEngineClient
-    from tests.helpers import reap
+    from tests.helpers import ready_line, reap
     cfg = tmp_path / "node.toml"
     cfg.write_text(f'[kv]\npreset = "test-small"\n[pe_receiver]\nbuffer_bytes = {8 << 20}\n'
                    f'[transport]\nstaging_bytes = {16 << 20}\n[logging]\nlevel = "warning"\n')
@@ -103,10 +103,7 @@ def test_serve_with_engine_socket_lets_an_engine_process_attach(tmp_path):
                              str(cfg), "--node", "p0", "--engine-socket", str(sock)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
-        while line and not line.startswith('{"event": "ready"'):
-            line = proc.stdout.readline()
-        assert line, proc.stderr.read()[-3000:]
+        ready_line(proc)
         spec = PRESETS["test-small"]
         with SyncEngineClient.connect(str(sock), engine_id="p0.e0", role="prefill",
                                       kv_spec=spec) as c:

@@ -102,15 +102,6 @@ async def test_a_service_that_stops_on_its_own_fails_the_shell(tmp_path):
     assert json.loads((tmp_path / "ready").read_text()) == {"event": "ready"}
 
 
-def _ready(proc: subprocess.Popen) -> dict:
-    """The ready line of a ``dualpath serve`` child (its stderr's tail when it ended first)."""
-    line = proc.stdout.readline()
-    while line and not line.startswith('{"event": "ready"'):
-        line = proc.stdout.readline()
-    assert line, proc.stderr.read()[-3000:]
-    return json.loads(line)
-
-
 def _event_loop_stat(port: int, name: str) -> float | None:
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
@@ -125,11 +116,10 @@ def _event_loop_stat(port: int, name: str) -> float | None:
 def test_a_served_node_whose_loop_stands_still_logs_the_stack_that_held_it(tmp_path):
     """``[logging] loop_stall_s``: a node service's loop held (the failpoint's ``delay``, armed
     once the node is serving, sleeps in the loop thread at its next call to the scheduler) is
-    logged with
-    the holding stack, every thread's stack is written to its log *during* the stall past
-    ``loop_stall_dump_s``, and ``/metrics`` counts the stall — what stop 54's lost lease
-    lacked."""
-    from tests.helpers import wait_until
+    logged with the holding stack, every thread's stack is written to its log *during* the
+    stall past ``loop_stall_dump_s``, and ``/metrics`` counts the stall — what stop 54's lost
+    lease lacked."""
+    from tests.helpers import ready_line, wait_until
     cfg = tmp_path / "node.toml"
     cfg.write_text(f'[kv]\npreset = "test-small"\n[pe_receiver]\nbuffer_bytes = {8 << 20}\n'
                    f'[transport]\nstaging_bytes = {16 << 20}\n[logging]\nlevel = "warning"\n'
@@ -140,13 +130,13 @@ def test_a_served_node_whose_loop_stands_still_logs_the_stack_that_held_it(tmp_p
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     node = None
     try:
-        port = _ready(sched)["rpc_port"]
+        port = ready_line(sched)["rpc_port"]
         arm = tmp_path / "failpoints"
         node = subprocess.Popen([*serve_cmd, "pe_receiver", "-c", str(cfg), "--node", "p0",
                                  "--scheduler", f"127.0.0.1:{port}", "--metrics-port", "0"],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**env, "DUALPATH_FAILPOINTS_FILE": str(arm)})
-        metrics = _ready(node)["metrics_port"]
+        metrics = ready_line(node)["metrics_port"]
         wait_until(lambda: _event_loop_stat(metrics, "loop_stalls") == 0,    # refreshed 1/s
                    what="the watch on /metrics, nothing held yet")
         arm.write_text("node.sched.call=delay:2")                 # its next heartbeat or fetch

@@ -455,9 +455,9 @@ async def serve(cfg: FrontConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        with contextlib.ExitStack() as watch:
-            if cfg.loop_stall_s:     # as every dualpath serve process (docs/deploy.md)
-                watch.enter_context(watching(cfg.loop_stall_s, dump_to=sys.stderr.fileno()))
+        # as every dualpath serve process (docs/deploy.md)
+        with (watching(cfg.loop_stall_s, dump_to=sys.stderr.fileno()) if cfg.loop_stall_s
+              else contextlib.nullcontext()):
             await stop.wait()
     finally:
         with contextlib.suppress(Exception):

@@ -194,8 +194,8 @@ class LoopStallWatch:
             self.stall_s_total += stalled
             self.stall_max_s = max(self.stall_max_s, stalled)
             log.warning("event_loop_resumed", stalled_s=round(stalled, 3))
-            if self._dump_file is not None and self.stalls[-1] >= self.dump_after_s:
-                self._dump_file.write(f"== the loop stood still {self.stalls[-1]:.1f} s "
+            if self._dump_file is not None and stalled >= self.dump_after_s:
+                self._dump_file.write(f"== the loop stood still {stalled:.1f} s "
                                       f"until {time.strftime('%H:%M:%S')} (stacks above: "
                                       f"written {self.dump_after_s:g} s into it)\n")
                 self._dump_file.flush()

@@ -37,7 +37,6 @@ prefixes between requests). No gateway known: the scheduler's per-session index.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import sys
@@ -56,7 +55,7 @@ from common.service import Service, run_cli, serve_process
 from tools.config import DualpathConfig
 
 from .config import ROLE_SERVICE, Cluster, apply_mode, load_cluster, load_data, service_config
-from .loop_watch import LoopStallWatch
+from .loop_watch import LoopStallWatch, watching
 
 if TYPE_CHECKING:
     from services.node.base import NodeBase
@@ -246,11 +245,9 @@ class Serving:
         logging = self.target.cfg.logging
         if not logging.loop_stall_s:
             return None
-        watch = LoopStallWatch(asyncio.get_running_loop(), threshold_s=logging.loop_stall_s,
-                               dump_to=sys.stderr.fileno() if logging.loop_stall_dump_s else None,
-                               dump_after_s=logging.loop_stall_dump_s)
-        watch.start()
-        stack.callback(watch.stop)
+        watch = stack.enter_context(watching(
+            logging.loop_stall_s, dump_to=sys.stderr.fileno() if logging.loop_stall_dump_s
+            else None, dump_after_s=logging.loop_stall_dump_s))
         export_source(stack, "event_loop", self.args.node or "scheduler", watch.stats)
         return watch
 

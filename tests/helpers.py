@@ -106,13 +106,20 @@ class VirtualTime:
     Pass ``clock`` to a ``TokenBucket``/``LinkShaper`` and patch its module's ``sleep`` with
     ``sleep``; ``run(aw)`` then drives ``aw``: whenever the tasks have settled it wakes the
     earliest sleeper (ties in the order they slept) and sets ``now`` to its wake time. Time
-    never moves while nobody sleeps (a task waiting on real I/O just makes ``run`` wait), so
-    the schedule is exact. ``sleeps`` lists every requested delay in order.
+    never moves while nobody sleeps, nor while a call wrapped by :meth:`real_io` is pending
+    (``run`` then waits for it in real time), so the schedule is exact whatever the host's
+    speed. ``sleeps`` lists every requested delay in order.
+
+    Why :meth:`real_io`: "settled" is ten turns of the loop, and work in a thread pool is not
+    on the loop — under load a write's thread outlasted them, the clock jumped through the
+    reads' sleeps meanwhile, and the write's next charge came late in virtual time (a
+    full-duplex link took 10 block times instead of 7, once in CI).
     """
 
     def __init__(self) -> None:
         self.now = 0.0
         self.sleeps: list[float] = []
+        self._real_io = 0                    # calls of real_io-wrapped functions pending
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
 
@@ -125,14 +132,25 @@ class VirtualTime:
         heapq.heappush(self._sleepers, (self.now + max(0.0, delay), next(self._seq), fut))
         await fut
 
+    def real_io(self, fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        """``fn`` (an async function that waits on real I/O: a thread pool, a socket) with
+        time standing still while a call of it is pending."""
+        async def tracked(*args: Any, **kwargs: Any) -> T:
+            self._real_io += 1
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self._real_io -= 1
+        return tracked
+
     async def run(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` with this clock driving every sleep it makes."""
         task = asyncio.ensure_future(aw)
         while not task.done():
             for _ in range(10):              # let every runnable task reach its next await
                 await asyncio.sleep(0)
-            if not self._wake_next() and not task.done():
-                await asyncio.sleep(0.001)   # only real I/O is pending: wait for it
+            if (self._real_io or not self._wake_next()) and not task.done():
+                await asyncio.sleep(0.001)   # real I/O is pending: wait for it
         return await task
 
     def _wake_next(self) -> bool:

@@ -16,6 +16,7 @@ from common.rate import TokenBucket
 from storage_gateway.link_shaper import LinkShaper
 from storage_gateway.priority_gate import PriorityGate
 from storage_gateway.read_queue import ReadQueue
+from storage_gateway import backend_memory as backend_memory_mod
 from storage_gateway import link_shaper as link_shaper_mod
 from storage_gateway import store as store_mod
 from storage_gateway.store import GatewayStore
@@ -99,10 +100,12 @@ class _VirtualAsyncio:
 
 
 def virtual_link(monkeypatch) -> VirtualTime:
-    """Every LinkShaper made from here on (the store's too) runs on one virtual clock."""
+    """Every LinkShaper made from here on (the store's too) runs on one virtual clock, which
+    stands still while the memory backend's I/O (its thread pool) runs."""
     vt = VirtualTime()
     monkeypatch.setattr(link_shaper_mod, "asyncio", _VirtualAsyncio(vt))
     monkeypatch.setattr(store_mod, "LinkShaper", functools.partial(LinkShaper, clock=vt.clock))
+    monkeypatch.setattr(backend_memory_mod, "run_io", vt.real_io(backend_memory_mod.run_io))
     return vt
 
 

@@ -86,21 +86,21 @@ JCT (a hit of h bytes at R = K·h / (2·wave time) takes 2/K of a wave), so dual
 paper's offline runs have 1,024–4,096 agents, where the head vanishes (docs/vllm.md "The
 head of each wave").
 
-**Storage links full duplex** (``[gateway] link_duplex = "full"``, docs/storage.md): each
-node's link carries its reads and its write-backs in separate directions at ``R`` each, as a
-real SNIC does and as the simulator models it; the read-side rule then counts no write bytes
-(``[scheduler] write_weight = 0``). Until 2026-12-07 the bench shared one bucket between both
-directions: a decode node's write-backs then queued behind the reads placed on its link, and
-each session's next turn waited for them (0.36 s per turn in a ``--quick`` run against 0.04 s
-in the oracle; docs/vllm.md). ``--set gateway.link_duplex='"half"'`` runs the old emulation
-(``write_weight`` and ``read_order`` then stay the config's unless given). With full-duplex
-links each link serves its reads **in their arrival order** (``[gateway] read_order =
-"arrival"``; the gateway's default ``"shared"`` interleaves the reads admitted together, so
-they end together and reach the prefill instance as a burst): the earliest hit is whole after
-one hit's read and its prefill starts while the next is read. Measured A B B A with
-``--variant`` (2026-12-07): the dualpath JCT 7 % (``--quick``) and 21 % (full run) shorter,
-each pair of both runs the same way (docs/vllm.md "Reads in their arrival order").
-``--set gateway.read_order='"shared"'`` runs the order of before.
+**Storage links full duplex** (``[gateway] link_duplex = "full"``, the services' default since
+2026-12-07, docs/storage.md): each node's link carries its reads and its write-backs in
+separate directions at ``R`` each, as a real SNIC does and as the simulator models it; the
+read-side rule then counts no write bytes (``[scheduler] write_weight = 0``). Until
+2026-12-07 the bench shared one bucket between both directions: a decode node's write-backs
+then queued behind the reads placed on its link, and each session's next turn waited for them
+(0.36 s per turn in a ``--quick`` run against 0.04 s in the oracle; docs/vllm.md).
+``--set gateway.link_duplex='"half"'`` runs the old emulation, with ``write_weight = 1`` and
+``read_order = "shared"`` unless given. With full-duplex links each link serves its reads **in
+their arrival order** (``[gateway] read_order = "arrival"``; ``"shared"`` interleaves the
+reads admitted together, so they end together and reach the prefill instance as a burst): the
+earliest hit is whole after one hit's read and its prefill starts while the next is read.
+Measured A B B A with ``--variant`` (2026-12-07): the dualpath JCT 7 % (``--quick``) and 21 %
+(full run) shorter, each pair of both runs the same way (docs/vllm.md "Reads in their arrival
+order"). ``--set gateway.read_order='"shared"'`` runs the order of before.
 
 ``--keep-logs DIR`` copies every service's log there when the run ends.
 
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="also run mode dualpath-variant: dualpath with this [gateway] or "
                         "[scheduler] setting (TOML value; repeatable), e.g. "
-                        "'gateway.read_order=\"arrival\"'")
+                        "'gateway.read_order=\"shared\"'")
     p.add_argument("--scheduler-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a [scheduler] setting for every mode (TOML value; repeatable), e.g. "
                         "beta_s=20")

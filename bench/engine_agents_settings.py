@@ -91,12 +91,12 @@ def _toml_value(value: str) -> Any:
 
 def run_defaults(settings: dict[str, dict[str, Any]], scheduler: dict[str, Any]) -> None:
     """The bench's own defaults, under what ``--set`` / ``--scheduler-set`` gave: the PE's and
-    DE's buffers a wave (``NODE_BUFFER``), the storage links full duplex, and with them no
-    write bytes in the read-side rule and each link's reads served in their arrival order
-    (the bench's docstring, "Storage links")."""
+    DE's buffers a wave (``NODE_BUFFER``). The storage links are the services' defaults (full
+    duplex, no write bytes in the read-side rule, reads in their arrival order); asked for
+    half-duplex links, the settings that go with them (write bytes counted, reads shared: the
+    bench's docstring, "Storage links")."""
     for service in ("pe_receiver", "de_loader"):
         settings.setdefault(service, {}).setdefault("buffer_bytes", NODE_BUFFER)
-    gateway = settings.setdefault("gateway", {})
-    if gateway.setdefault("link_duplex", "full") == "full":
-        scheduler.setdefault("write_weight", 0)
-        gateway.setdefault("read_order", "arrival")
+    if settings.get("gateway", {}).get("link_duplex") == "half":
+        scheduler.setdefault("write_weight", 1)
+        settings["gateway"].setdefault("read_order", "shared")

@@ -13,7 +13,8 @@ Sections (every key optional; typos are rejected with their name):
 * ``[scheduler]`` — ``services.scheduler.SchedulerConfig`` as is. The simulator overrides
   ``model`` and ``snic_bytes_per_s`` from the sections above and ``policy``/``oracle``/
   ``placement`` from the mode, so α and β always follow the simulated hardware, and
-  ``write_weight`` to 0 unless ``snic_shared`` (a full-duplex SNIC's writes never delay a read).
+  ``write_weight`` to 0 unless ``snic_shared`` (a full-duplex SNIC's writes never delay a read;
+  with ``snic_shared`` the section's value stays: set it to 1, its default 0 is full duplex's).
 * ``[sim]`` — time scale, SNIC window, seed, exact per-layer mode.
 
 ``time_scale`` mirrors a slowed-down local emulation: every cost-model time (prefill, decode)

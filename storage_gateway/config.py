@@ -36,19 +36,21 @@ class GatewayConfig(Section, frozen=True):
     max_queued_requests: NonNegInt = 1024        # waiting read requests; above → OVERLOADED
     max_concurrent_writes: PositiveInt = 4       # leaves I/O threads for reads while writes fsync
     read_batch_bytes: PositiveInt = 4 * MiB      # blocks per thread job / link charge (≥ 1 block)
-    # who the link and the I/O jobs serve next (docs/storage.md, "Read order"): "shared" =
-    # every running request a turn in round robin, so requests admitted together end together;
-    # "arrival" = the earliest request first, so they end one after another
-    read_order: Literal["arrival", "shared"] = "shared"
+    # who the link and the I/O jobs serve next (docs/storage.md, "Read order"): "arrival" = the
+    # earliest request first, so they end one after another and each hit reaches its engine
+    # after one hit's read; "shared" = every running request a turn in round robin, so requests
+    # admitted together end together (pair it with link_duplex = "half", where a write-back
+    # must not wait behind every read queued before it)
+    read_order: Literal["arrival", "shared"] = "arrival"
     overloaded_retry_after_s: NonNegFloat = 0.05
     link_rate_bytes_per_s: NonNegFloat = 0.0     # emulated SNIC; 0 = unlimited (real hardware)
     link_burst_bytes: NonNegInt = 4 * MiB
     link_chunk_bytes: PositiveInt = 1 * MiB      # large transfers are charged in chunks (fair interleave)
-    # "half": one bucket carries the reads (storage -> node) and the writes (node -> storage);
     # "full": one bucket per direction, each at link_rate_bytes_per_s, like a real NIC, where a
-    # write-back never delays a read (docs/storage.md "Link emulation"; set [scheduler]
-    # write_weight = 0 with it, as the simulator does for full-duplex SNICs)
-    link_duplex: Literal["half", "full"] = "half"
+    # write-back never delays a read; "half": one bucket carries the reads (storage -> node) and
+    # the writes (node -> storage), as storage whose disks serve both (docs/storage.md "Link
+    # emulation"; set [scheduler] write_weight = 1 and read_order = "shared" with it)
+    link_duplex: Literal["half", "full"] = "full"
     # Same-host shared memory (docs/storage.md): the node's PE receiver / DE loader keep their
     # buffer in /dev/shm/dualpath-* and the gateway preads straight into it (one copy, no UCX);
     # the gateway serves such reads. false: requesters keep private buffers, all reads over UCX.

@@ -22,6 +22,8 @@ from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, SESSIONS, TO
                                        versus_oracle)
 from bench.engine_agents_settings import (NODE_BUFFER, cluster_settings, run_defaults,
                                           scheduler_settings, variant_settings)
+from services.scheduler.core.config import SchedulerConfig
+from storage_gateway.config import GatewayConfig
 from tests.helpers import skip_or_fail
 
 
@@ -86,22 +88,22 @@ def test_scheduler_settings_are_toml_values_checked_before_anything_starts(capsy
     assert exc.value.code == 2 and "--scheduler-set" in capsys.readouterr().err
 
 
-def test_run_defaults_full_duplex_links_and_wave_buffers_under_what_was_given():
+def test_run_defaults_wave_buffers_and_half_duplex_links_with_their_settings():
     settings, scheduler = cluster_settings(["de_loader.buffer_bytes=1048576"]), {}
     run_defaults(settings, scheduler)
     assert settings == {"pe_receiver": {"buffer_bytes": NODE_BUFFER},
-                        "de_loader": {"buffer_bytes": 1048576},
-                        "gateway": {"link_duplex": "full", "read_order": "arrival"}}
-    assert scheduler == {"write_weight": 0}       # a full-duplex write never delays a read
+                        "de_loader": {"buffer_bytes": 1048576}}
+    assert scheduler == {}           # full duplex, write_weight 0, arrival: the services' own
+    assert (GatewayConfig().link_duplex, GatewayConfig().read_order) == ("full", "arrival")
+    assert SchedulerConfig().write_weight == 0
     settings, scheduler = cluster_settings(['gateway.link_duplex="half"']), {}
-    run_defaults(settings, scheduler)
-    assert settings["gateway"] == {"link_duplex": "half"} and scheduler == {}
-    settings = cluster_settings(['gateway.read_order="shared"'])        # the order of before
-    run_defaults(settings, {})
-    assert settings["gateway"] == {"link_duplex": "full", "read_order": "shared"}
+    run_defaults(settings, scheduler)          # the old emulation: writes counted, reads shared
+    assert settings["gateway"] == {"link_duplex": "half", "read_order": "shared"}
+    assert scheduler == {"write_weight": 1}
+    settings = cluster_settings(['gateway.link_duplex="half"', 'gateway.read_order="arrival"'])
     scheduler = scheduler_settings(["write_weight=0.5"])
-    run_defaults({}, scheduler)
-    assert scheduler == {"write_weight": 0.5}
+    run_defaults(settings, scheduler)          # what was given stays
+    assert settings["gateway"]["read_order"] == "arrival" and scheduler == {"write_weight": 0.5}
 
 
 def test_cluster_settings_are_toml_values_by_section(capsys):
@@ -161,7 +163,6 @@ def test_a_variant_is_compared_over_a_b_b_a_so_a_drift_of_the_host_cancels():
 
 def test_beta_is_profiled_from_the_cold_first_turns_in_the_schedulers_load_unit():
     from services.compute_model.cost_model import PrefillLoad, cost_model
-    from services.scheduler.core.config import SchedulerConfig
 
     sessions = [Session("a", [[1] * 300, [1] * 310]), Session("b", [[2] * 500, [2] * 520])]
     # raw prompt tokens: 800 tokens in 2 s = 400 tokens/s, β = 5 s of it

@@ -201,8 +201,9 @@ def test_token_bucket_accounts_debt_exactly():
 
 
 async def test_store_charges_reads_and_writes_to_the_link(tmp_path, monkeypatch):
+    """A half-duplex link: the reads pay for the writes before them (one bucket)."""
     cfg = make_cfg(tmp_path, "memory", link_rate_bytes_per_s=8e6, link_burst_bytes=BB,
-                   link_chunk_bytes=BB)
+                   link_chunk_bytes=BB, link_duplex="half")
     keys = rand_keys(4)
     vt = virtual_link(monkeypatch)
     async with GatewayStore(cfg, SPEC) as store:

@@ -6,7 +6,8 @@ Definitions (paper §6.8, §7.4):
 * **TTFT / TTST / TPOT**: from the scheduler's events; percentiles over finished requests.
   The **SLO** (TTFT ≤ 4 s, TPOT ≤ 50 ms, both × the cluster's ``slo_scale``) holds when the
   90th percentiles of both are within it; ``slo_attainment`` is the share of requests within both.
-* **Storage-link utilisation** per node: bytes charged to its emulated SNIC per window ÷ rate.
+* **Storage-link utilisation** per node: bytes charged to its emulated SNIC's read direction per
+  window ÷ rate (a half-duplex link: reads and write-backs, which share it).
 * **SNIC max/avg**: per window, the busiest node's storage-link bytes ÷ the nodes' mean;
   averaged over the windows carrying at least 10 % of the peak window's traffic (the paper
   plots this in the busy phase only — an idle tail has no meaning, §7.4).
@@ -169,7 +170,10 @@ def _links(sampler: Sampler, roles: dict[str, str], rates: dict[str, float],
     for s in sampler.samples:
         svc, _, node = s["key"].partition(":")
         if svc == "storage_gateway" and "link_bytes_charged" in s:
-            series[node].append((s["t"], s["link_bytes_charged"]))
+            # a full-duplex link's reads have their own direction at the rate: the write-backs
+            # (stated apart) do not load it; a half-duplex link carries both
+            series[node].append((s["t"], s["link_bytes_charged"]
+                                 - s.get("link_write_bytes_charged", 0.0)))
     if not series:
         return {}
     end = max(t for pts in series.values() for t, _ in pts)

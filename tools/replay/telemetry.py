@@ -2,7 +2,8 @@
 
 Each sample is one ``GetStats`` call per service (the same counters ``/metrics`` exports):
 the storage link's bytes per node (``link_bytes_charged``: reads and write-backs through the
-node's emulated SNIC), bytes read / written, KV bytes each node service sent, buffer pages.
+node's emulated SNIC; ``link_write_bytes_charged``: a full-duplex link's write direction apart),
+bytes read / written, KV bytes each node service sent, buffer pages.
 The series give storage-link utilisation per node over time and the SNIC max/avg ratio.
 """
 
@@ -20,7 +21,7 @@ from common.config import RpcConfig
 from common.protocol import ErrorReply, GetStats, GetStatsReply, Pong
 from common.rpc import RpcClient
 
-KEEP = ("link_bytes_charged", "bytes_read", "bytes_written", "transport_bytes_received",
+KEEP = ("link_bytes_charged", "link_write_bytes_charged", "bytes_read", "bytes_written", "transport_bytes_received",
         "tx_bytes_sent", "arbiter_kv_bytes", "pe_buffer_pages_free", "de_buffer_pages_free",
         "pe_buffer_pages_total", "de_buffer_pages_total", "link_rate_bytes_per_s")
 

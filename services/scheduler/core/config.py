@@ -75,9 +75,11 @@ class SchedulerConfig(Section, frozen=True):  # frozen restated for mypy's datac
     # sent less than the cluster's mean may catch up in one go
     read_credit_s: NonNegFloat = 1.0
     # read side: what one written-back token weighs on its node's storage link, counted in what
-    # the link has been sent (policy.read_side). 1: reads and write-backs share the link (the
-    # local emulation's gateway bucket; storage whose disks serve both); 0: a full-duplex SNIC
-    write_weight: NonNegFloat = 1.0
+    # the link has been sent (policy.read_side). 0: a full-duplex SNIC, where a write-back never
+    # delays a read (the paper's rule: reads alone; the gateway's default link_duplex = "full");
+    # 1: reads and write-backs share the link ([gateway] link_duplex = "half"; storage whose
+    # disks serve both)
+    write_weight: NonNegFloat = 0.0
     # PE fair share (policy.pe_share_limit): at a fetch a PE takes work only while its tok_e is at
     # most pe_share × the cluster's mean PE load with the PE queue placed; 0 = β alone (paper)
     pe_share: float = 1.0

@@ -137,7 +137,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engine_agents_settings import (cluster_settings, run_defaults, scheduler_settings,
-                                          variant_settings)
+                                          storage_links, variant_settings)
 from bench.report import bench_parser, headline, print_table, write_results
 
 GOAL = 1.5
@@ -421,6 +421,7 @@ async def bench(sessions: list[Session], root: Path, link_mb_s: float | None,
             shutil.copytree(launcher.log_dir, keep_logs, dirs_exist_ok=True)
     return {"modes": rows, "link_rate_mb_s": round(rate / 1e6, 1), "cluster_up_s": round(up_s, 1),
             "link_rate_rule": "--link-mb-s" if link_mb_s else "oracle hit bytes / JCT / 2",
+            "storage_links": storage_links(config("dualpath", rate).cfg),
             "pe_profile": pe_profile}
 
 
@@ -558,7 +559,10 @@ def main(argv: list[str] | None = None) -> int:
               f"A B B A (pairs {', '.join(f'{x:.2f}' for x in res['variant_pairs'])})")
     res["all_checks_passed"] = all(r["outputs_equal"] and not r["failed"]
                                    for r in modes.values())
-    print(f"storage links {res['link_rate_mb_s']} MB/s per node ({res['link_rate_rule']}); "
+    links = res["storage_links"]
+    print(f"storage links {res['link_rate_mb_s']} MB/s per node ({res['link_rate_rule']}; "
+          f"{links['link_duplex']} duplex, reads in {links['read_order']} order, write_weight "
+          f"{links['write_weight']:g}); "
           f"dualpath JCT / oracle JCT = {vs_oracle:.2f} (goal <= {ORACLE_GOAL}; oracle "
           f"{' and '.join(f'{j:.1f}' for j in oracle_runs)} s); every output "
           f"equal to recompute and no request failed: {res['all_checks_passed']}")

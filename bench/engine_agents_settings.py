@@ -100,3 +100,11 @@ def run_defaults(settings: dict[str, dict[str, Any]], scheduler: dict[str, Any])
     if settings.get("gateway", {}).get("link_duplex") == "half":
         scheduler.setdefault("write_weight", 1)
         settings["gateway"].setdefault("read_order", "shared")
+
+
+def storage_links(cfg: Any) -> dict[str, Any]:
+    """How a cluster config's storage links run — the results name it, since the services'
+    defaults decide it unless ``--set`` / ``--scheduler-set`` did (and have changed once:
+    half duplex with the shared order before 2026-12-07)."""
+    return {"link_duplex": cfg.gateway.link_duplex, "read_order": cfg.gateway.read_order,
+            "write_weight": cfg.scheduler.write_weight}

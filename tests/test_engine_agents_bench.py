@@ -21,7 +21,7 @@ from bench.engine_agents_bench import (GEN, MAX_CONTEXT, MIN_FIRST, SESSIONS, TO
                                        sessions_from_trace, token_of, variant_figures,
                                        versus_oracle)
 from bench.engine_agents_settings import (NODE_BUFFER, cluster_settings, run_defaults,
-                                          scheduler_settings, variant_settings)
+                                          scheduler_settings, storage_links, variant_settings)
 from services.scheduler.core.config import SchedulerConfig
 from storage_gateway.config import GatewayConfig
 from tests.helpers import skip_or_fail
@@ -104,6 +104,23 @@ def test_run_defaults_wave_buffers_and_half_duplex_links_with_their_settings():
     scheduler = scheduler_settings(["write_weight=0.5"])
     run_defaults(settings, scheduler)          # what was given stays
     assert settings["gateway"]["read_order"] == "arrival" and scheduler == {"write_weight": 0.5}
+
+
+def test_the_results_name_how_the_storage_links_ran(tmp_path):
+    """The services' defaults decide the links unless a setting did: the JSON says which."""
+    from bench.engine_agents_bench import CONFIG
+    from tools.cluster.real_engines import on_loopback
+
+    def links(sections):
+        return storage_links(on_loopback(CONFIG, tmp_path, mode="dualpath", sections=sections,
+                                         storage_link_bytes_per_s=1e6,
+                                         vllm_prefix_caching=False).cfg)
+
+    assert links(None) == {"link_duplex": "full", "read_order": "arrival", "write_weight": 0}
+    settings, scheduler = cluster_settings(['gateway.link_duplex="half"']), {}
+    run_defaults(settings, scheduler)
+    assert links(settings | {"scheduler": scheduler}) == {
+        "link_duplex": "half", "read_order": "shared", "write_weight": 1}
 
 
 def test_cluster_settings_are_toml_values_by_section(capsys):

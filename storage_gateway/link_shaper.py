@@ -8,9 +8,9 @@ chunk, no polling). Late wake-ups do not lose rate — the clock keeps refilling
 oversleeps — so the long-run rate is exact up to the initial burst. Large transfers are
 charged ``chunk_bytes`` at a time, one chunk crossing at a time: the next chunk goes to the
 waiter with the lowest order key (``acquire(n, key)``), ties in the order they asked. Equal keys
-(``[gateway] read_order = "shared"``) interleave concurrent readers chunk by
-chunk; the request's arrival order as key (``"arrival"``, the default) lets the earliest request's chunks
-cross first, like a link serving its queue in order (storage_gateway/priority_gate.py).
+(``[gateway] read_order = "shared"``) interleave concurrent readers chunk by chunk; the
+request's arrival order as key (``"arrival"``, the default) lets the earliest request's
+chunks cross first, like a link serving its queue in order (storage_gateway/priority_gate.py).
 """
 
 from __future__ import annotations

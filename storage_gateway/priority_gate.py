@@ -2,10 +2,10 @@
 
 The gateway's reads share two scarce things: the storage link (the emulated SNIC's token
 bucket, one chunk crossing at a time) and its I/O jobs in flight. Handed out in the order
-the askers asked (equal keys: ``[gateway] read_order = "shared"``), every request
-admitted at once progresses together and they all end together (processor sharing). Handed
-out by the *request's* arrival order (``"arrival"``, the default), the earliest request takes what it can
-use and ends first, the next one after it: the same bytes per second, but the first hit is
+the askers asked (equal keys: ``[gateway] read_order = "shared"``), every request admitted
+at once progresses together and they all end together (processor sharing). Handed out by the
+*request's* arrival order (``"arrival"``, the default), the earliest request takes what it
+can use and ends first, the next one after it: the same bytes per second, but the first hit is
 complete after one hit's read instead of after all of them (docs/storage.md, "Read order").
 
 Waiters with equal keys enter in the order they asked. A waiter cancelled while waiting

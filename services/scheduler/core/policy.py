@@ -41,8 +41,8 @@ Tie rules (all deterministic): equal keys go to the engine or group registered f
   92 %, storage max/avg 1.35; docs/simulator.md). The sent-volume term lets a node that was
   sent less catch up (at most the credit), the queue term still steers away from a slow link.
   What a node is sent includes its write-backs, × ``write_weight`` (0 by default: a full-duplex
-  SNIC; 1 where one link carries both directions: a DE node writes back every
-  request's new and generated tokens over the same link; counting reads alone, a miss-heavy
+  SNIC; 1 where one link carries both directions: a DE node writes back every request's new
+  and generated tokens over the same link; counting reads alone, a miss-heavy
   workload's hits went onto DE links saturated by writes, docs/workloads.md "Never worse than
   basic"), up to at most the mean plus the credit (past writes bias reads by two credits at
   most); an idle PE link beside a busy DE link always takes the read.

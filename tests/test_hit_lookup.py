@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from common.kv import block_keys_from_tokens, spec_from_config
 from common.protocol import RequestFinished, RequestQueued
 from services.scheduler.app import start_scheduler
 from services.scheduler.client.client import SchedulerClient
+from services.scheduler.shell.frontend_channel import LOOKUP_STALL_S
 from services.scheduler.shell.gateway_lookup import BUDGET_SHARE, GatewayHitLookup
 from services.scheduler.shell.hit_lookup import HitLookup
 from storage_gateway.service import GatewayService
@@ -243,6 +245,54 @@ async def test_a_failed_lookup_is_hit_0_and_says_so_in_events_counters_metrics_a
             metrics.unregister_source("scheduler", "scheduler")
     assert "dualpath_hit_lookup_failures_total 1.0" in text
     assert "dualpath_hit_lookup_retries_total " in text
+
+
+class StallingGateway:
+    """Its first call holds the loop ``stall_s`` (a synchronous sleep in a callback: this
+    process standing still, as a GC pause or a stopped VM does) and is never answered; every
+    later call answers ``hit``."""
+
+    def __init__(self, hit: int, stall_s: float) -> None:
+        self.hit, self.stall_s, self.calls = hit, stall_s, 0
+
+    async def lookup_prefix(self, keys: Sequence[str], timeout: float | None = None) -> Reply:
+        self.calls += 1
+        if self.calls == 1:
+            asyncio.get_running_loop().call_soon(time.sleep, self.stall_s)
+            await asyncio.Event().wait()
+        return Reply(self.hit)
+
+
+async def test_a_lookup_that_ran_out_while_the_scheduler_stood_still_is_asked_again():
+    """CI (the real-engine front test, four agents at once): the in-process scheduler's loop
+    stood still 28 s, the lookups' deadlines fell due inside the stall and ran before the
+    gateways' answers, and two later turns were recomputed from hit 0. A lookup that fails
+    more than ``LOOKUP_STALL_S`` past its budget is now asked once more; one that is merely
+    slow (no stall) still fails at its budget, hit 0, and is not asked again."""
+    budget = 0.3
+    stalling = StallingGateway(hit=3, stall_s=budget + LOOKUP_STALL_S + 0.5)
+    lookup = GatewayHitLookup({"g0": stalling}, budget)
+    async with running(hit_lookup=lookup, hit_lookup_timeout_s=budget) as env:
+        await env.pair()
+        fe = await env.client()
+        with structlog.testing.capture_logs() as logs:
+            stream = fe.submit("r1", "s", 5 * BT + 1, 2, block_keys=keys(5))
+            queued = await nxt(stream)
+            await stream.aclose()
+        assert queued.hit_tokens == 3 * BT and not queued.hit_lookup_failed
+        assert stalling.calls == 2
+        assert env.svc.counters["hit_lookup_stall_retries"] == 1
+        assert env.svc.counters["hit_lookup_failures"] == 0
+        retried = [e for e in logs if e["event"] == "hit_lookup_retried_after_stall"]
+        assert len(retried) == 1 and retried[0]["overrun_s"] > LOOKUP_STALL_S, retried
+
+        lookup.replace({"g1": FakeGateway(hang=True)})     # slow, and the loop runs
+        stream = fe.submit("r2", "s", 5 * BT + 1, 2, block_keys=keys(5))
+        queued = await nxt(stream)
+        await stream.aclose()
+        assert queued.hit_tokens == 0 and queued.hit_lookup_failed
+        assert env.svc.counters["hit_lookup_stall_retries"] == 1
+        assert env.svc.counters["hit_lookup_failures"] == 1
 
 
 # --------------------------------------------------------------------------- two real gateways

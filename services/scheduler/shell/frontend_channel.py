@@ -35,6 +35,9 @@ from .stored_prefix import PromisedPrefixes
 from .table import RequestTable, loop_now
 
 CALL_MARGIN_S = 0.05     # a request's deadline fires this much before its stream's call deadline
+# A hit lookup that ends this long past its budget did not lose to a slow index: this process
+# stood still at the deadline (the lease loop's reasoning, ``SchedulerService._lease_loop``)
+LOOKUP_STALL_S = 1.0
 
 
 class FrontendChannel:
@@ -178,7 +181,7 @@ class FrontendChannel:
         if sub.hit_tokens is not None:
             hit = sub.hit_tokens
         elif sub.keys:
-            blocks = await self._lookup(sub)
+            blocks = await self._lookup(rs)
             rs.hit_lookup_failed = blocks is None
             hit = usable_hit_blocks(blocks or 0, len(sub.keys), sub.prompt_tokens, bt) * bt
             if blocks is not None:
@@ -221,14 +224,38 @@ class FrontendChannel:
                          session_id=sub.session_id, found_blocks=found_blocks,
                          missing_blocks=short, missing_tokens=short * bt)
 
-    async def _lookup(self, sub: Submission) -> int | None:
-        """Stored leading blocks; None when the lookup failed (the caller takes hit 0)."""
-        try:
-            async with asyncio.timeout(self.settings.hit_lookup_timeout_s):
-                return await self.hits.lookup(sub.session_id, sub.keys)
-        except Exception as e:      # no hit is always correct, only slower — but never silent
-            self._lookup_failed(sub, e)
+    async def _lookup(self, rs: RequestState) -> int | None:
+        """Stored leading blocks; None when the lookup failed (the caller takes hit 0).
+
+        A lookup that failed only well past its budget (``LOOKUP_STALL_S``) ran out while this
+        process stood still — a GC pause, a stopped VM, or in an in-process cluster a service
+        holding the shared loop (CI saw 28 s). The gateways' answers may sit unread in its
+        sockets, and a timer that fell due in the stall runs before the reply it raced; taking
+        hit 0 then recomputes a whole stored prompt. So it is asked once more with a fresh
+        budget, counted (``hit_lookup_stall_retries``) and logged; a lookup that was merely
+        slow fails at its budget as before."""
+        sub, budget = rs.sub, self.settings.hit_lookup_timeout_s
+        started = loop_now()
+        got = await self._ask(sub, budget)
+        overrun = loop_now() - started - budget
+        if isinstance(got, Exception) and overrun > LOOKUP_STALL_S and not rs.terminal:
+            self.counters["hit_lookup_stall_retries"] += 1
+            self.log.warning("hit_lookup_retried_after_stall", request_id=sub.request_id,
+                             session_id=sub.session_id, overrun_s=round(overrun, 3),
+                             error=repr(got))
+            got = await self._ask(sub, budget)
+        if isinstance(got, Exception):  # no hit is always correct, only slower — never silent
+            self._lookup_failed(sub, got)
             return None
+        return got
+
+    async def _ask(self, sub: Submission, budget_s: float) -> int | Exception:
+        """One lookup within ``budget_s``: the stored blocks, or why it failed."""
+        try:
+            async with asyncio.timeout(budget_s):
+                return await self.hits.lookup(sub.session_id, sub.keys)
+        except Exception as e:      # noqa: BLE001 -- the caller decides: retry or hit 0
+            return e
         finally:                    # a retrying lookup (GatewayHitLookup) counts its retries
             self.counters["hit_lookup_retries"] = getattr(self.hits, "retries", 0)
 
@@ -246,4 +273,4 @@ class FrontendChannel:
             code, reason = "", repr(e)
         self.log.warning("hit_lookup_failed", request_id=sub.request_id,
                          session_id=sub.session_id, keys=len(sub.keys), code=code,
-                         reason=reason, hit_tokens=0, exc_info=not code)
+                         reason=reason, hit_tokens=0, exc_info=e if not code else False)

@@ -65,7 +65,8 @@ _UNSET: Any = object()
 COUNTERS = ("submitted", "finished", "failed", "cancelled", "deadline_exceeded", "replans",
             "rejected_invalid", "rejected_overload", "registrations", "leases_expired",
             "fetches", "fetch_resends", "fetch_holds", "plans_sent", "bindings_sent",
-            "revocations_sent", "hit_lookup_failures", "hit_lookup_retries", "stale_reports",
+            "revocations_sent", "hit_lookup_failures", "hit_lookup_retries",
+            "hit_lookup_stall_retries", "stale_reports",
             "dropped_reports", "attempts_failed", "resubmits", "detached", "results_kept",
             "results_recovered", "hit_shortfalls", "hit_shortfall_tokens", "discovery_gone",
             "lease_sweeps_stalled", "lease_unconfirmed", "engines_detached", "engines_attached")

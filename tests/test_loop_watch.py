@@ -25,6 +25,34 @@ async def test_a_blocked_loop_is_reported_once_with_the_blocking_stack():
     blocked = [e for e in logs if e["event"] == "event_loop_blocked"]
     assert len(blocked) == 1 and "hold_the_loop" in blocked[0]["stack"]
     assert len(watch.stalls) == 1 and 1.0 <= watch.stalls[0] < 3.0
+    # what the kernel said: the loop thread slept in it (nanosleep), using no CPU meanwhile
+    resumed = next(e for e in logs if e["event"] == "event_loop_resumed")
+    assert resumed["state"] == "S" and "sleep" in resumed["wchan"], resumed
+    assert 0 <= resumed["cpu_s"] < 0.5 and resumed["runqueue_s"] >= 0, resumed
+    assert "sleep" in resumed.get("kernel_stack", "nanosleep"), resumed   # root only
+    assert blocked[0]["kernel"]["state"] == "S", blocked[0]
+
+
+def spin_the_loop(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+async def test_a_loop_that_computes_is_told_from_one_that_sleeps():
+    """A stall spent computing: the loop thread's CPU and run-queue seconds over the
+    measured window add up to (nearly) all of it, where a sleeping loop thread's stay near 0
+    (the test above)."""
+    with capture_logs() as logs, watching(threshold_s=0.3) as watch:
+        spin_the_loop(1.2)
+        await until(lambda: any(e["event"] == "event_loop_resumed" for e in logs),
+                    what="the resume logged")
+    resumed = next(e for e in logs if e["event"] == "event_loop_resumed")
+    # a spinning thread is on a CPU or waiting for one for all of the measured window, but
+    # for the moments the watcher holds the GIL
+    assert resumed["measured_s"] <= watch.stalls[0], (resumed, watch.stalls)
+    assert resumed["cpu_s"] + resumed["runqueue_s"] >= 0.8 * resumed["measured_s"], resumed
+    assert resumed["state"] == "R", resumed          # sampled while it spun
 
 
 def hold_the_loop_and_the_gil(seconds: float) -> None:

@@ -24,6 +24,16 @@ Python stack to that file *during* the stall, without the GIL. (A first version 
 ``faulthandler.dump_traceback_later`` on every tick instead: each re-arm joins one watchdog
 thread and starts another while holding the GIL, and under CI's load one re-arm itself held
 the loop 1.2 s.) The signal's handler is one per process: it writes to the newest watch's file.
+
+Python stacks say where the loop thread entered the kernel, not why it stayed there (seen in
+CI: 50.9 s and 28.2 s inside a non-blocking ``socket.send``). So the watcher also reads what
+the kernel says of the loop thread (:func:`thread_kernel_state`, Linux ``/proc``): at the
+stall's start and on every tick while it lasts. ``event_loop_resumed`` then carries the loop
+thread's CPU and run-queue seconds over the stall (from its detection on: ``measured_s``)
+and the kernel's last word (state, wchan,
+kernel stack where readable): ``runqueue_s`` near the stall's length means it was runnable
+but got no CPU; ``cpu_s`` near it means it ran (in the kernel, if the stack says so — or on a
+virtual CPU its host had stopped); neither means it slept in the kernel where ``wchan`` says.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import traceback
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import structlog
 
@@ -90,6 +100,27 @@ def _unregister_dump(file: IO[str]) -> None:
             faulthandler.register(STALL_SIGNAL, file=_dump_files[-1], all_threads=True)
         else:
             faulthandler.unregister(STALL_SIGNAL)
+
+
+def thread_kernel_state(native_id: int) -> dict[str, Any]:
+    """What the kernel says of one thread of this process (Linux ``/proc``; empty elsewhere):
+    ``state`` (R running or runnable, S sleeping, D uninterruptible), ``cpu_s`` and
+    ``runqueue_s`` so far (``schedstat``: on a CPU; runnable but waiting for one), ``wchan``
+    (where it sleeps in the kernel) and, where readable (root), ``kernel_stack``."""
+    task = Path(f"/proc/self/task/{native_id}")
+    out: dict[str, Any] = {}
+    try:
+        stat = (task / "stat").read_text()
+        out["state"] = stat[stat.rindex(")") + 2]
+        on_cpu, waiting = (task / "schedstat").read_text().split()[:2]
+        out["cpu_s"], out["runqueue_s"] = int(on_cpu) / 1e9, int(waiting) / 1e9
+        out["wchan"] = (task / "wchan").read_text().strip() or "-"
+        frames = (task / "stack").read_text().splitlines()
+    except (OSError, ValueError, IndexError):
+        return out
+    # "[<0>] tcp_sendmsg+0x2c/0x50" -> "tcp_sendmsg", innermost first
+    out["kernel_stack"] = " < ".join(f.split("] ", 1)[-1].split("+", 1)[0] for f in frames[:10])
+    return out
 
 
 class StallAlarm:
@@ -141,8 +172,13 @@ class LoopStallWatch:
         self.stalls: deque[float] = deque(maxlen=STALLS_KEPT)
         self.stall_count, self.stall_s_total, self.stall_max_s = 0, 0.0, 0.0
         self._last = time.monotonic()
-        self._blocked_since: float | None = None
+        # the stall the watcher saw and the loop has not closed yet; the lock makes "the loop
+        # ticked" and "the watcher saw a stall" exclusive (the watcher's /proc reads release
+        # the GIL: without it a tick could slip between its check and its mark)
+        self._stall: _Stall | None = None
+        self._lock = threading.Lock()
         self._loop_thread = threading.get_ident()
+        self._loop_native_id = threading.get_native_id()
         self._stop = threading.Event()
         self._handle: asyncio.TimerHandle | None = None
         self._thread = threading.Thread(target=self._watch, name="loop-stall-watch",
@@ -151,6 +187,7 @@ class LoopStallWatch:
     def start(self) -> None:
         """Start from the loop's own thread (its stack is the one reported)."""
         self._loop_thread = threading.get_ident()
+        self._loop_native_id = threading.get_native_id()
         if isinstance(self.dump_to, int):     # a dup: stop() closes it, never the fd itself
             self._dump_file = os.fdopen(os.dup(self.dump_to), "a")
         elif self.dump_to is not None:
@@ -168,7 +205,7 @@ class LoopStallWatch:
         their number, summed and longest length, and whether the loop stands still now."""
         return {"loop_stalls": self.stall_count, "loop_stall_s_total": self.stall_s_total,
                 "loop_stall_max_s": self.stall_max_s,
-                "loop_stalled_now": float(self._blocked_since is not None)}
+                "loop_stalled_now": float(self._stall is not None)}
 
     def stop(self) -> None:
         self._stop.set()
@@ -185,21 +222,22 @@ class LoopStallWatch:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        since = self._blocked_since
-        if since is not None:                     # the watcher saw this stall: close it
-            self._blocked_since = None
-            stalled = now - since
+        with self._lock:
+            stall, self._stall, self._last = self._stall, None, now
+        if stall is not None:                     # the watcher saw this stall: close it
+            stalled = now - stall.since
             self.stalls.append(stalled)
             self.stall_count += 1
             self.stall_s_total += stalled
             self.stall_max_s = max(self.stall_max_s, stalled)
-            log.warning("event_loop_resumed", stalled_s=round(stalled, 3))
+            kernel = stall.kernel_report(thread_kernel_state(self._loop_native_id), now)
+            log.warning("event_loop_resumed", stalled_s=round(stalled, 3), **kernel)
             if self._dump_file is not None and stalled >= self.dump_after_s:
                 self._dump_file.write(f"== the loop stood still {stalled:.1f} s "
                                       f"until {time.strftime('%H:%M:%S')} (stacks above: "
-                                      f"written {self.dump_after_s:g} s into it)\n")
+                                      f"written {self.dump_after_s:g} s into it); the loop "
+                                      f"thread in the kernel: {kernel}\n")
                 self._dump_file.flush()
-        self._last = now
         if self._alarm is not None:            # the loop ran: push the C dump back
             self._alarm.push(self.dump_after_s)
         self._handle = self.loop.call_later(self.tick_s, self._tick)
@@ -209,17 +247,46 @@ class LoopStallWatch:
         # service's watcher wakes about once per threshold_s
         wait = self.tick_s
         while not self._stop.wait(wait):
-            idle = time.monotonic() - self._last
             wait = self.tick_s
-            if self._blocked_since is not None:
-                continue
-            if idle < self.threshold_s:
+            with self._lock:
+                stall, idle = self._stall, time.monotonic() - self._last
+                fresh = stall is None and idle >= self.threshold_s
+                if fresh:                       # the stall began at the last tick
+                    stall = self._stall = _Stall(self._last, time.monotonic())
+            if stall is None:
                 wait = max(self.threshold_s - idle, self.tick_s)
                 continue
-            self._blocked_since = self._last          # the stall began at the last tick
+            stall.latest = thread_kernel_state(self._loop_native_id)
+            if not fresh:                       # still stalled: the kernel's latest word
+                continue
+            stall.first = stall.latest
             frame = sys._current_frames().get(self._loop_thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
-            log.warning("event_loop_blocked", blocked_s=round(idle, 3), stack=stack)
+            log.warning("event_loop_blocked", blocked_s=round(idle, 3), kernel=stall.first,
+                        stack=stack)
+
+
+class _Stall:
+    """One stall the watcher saw: when it began (the loop's last tick), when the watcher saw
+    it, and what the kernel said of the loop thread then and last."""
+
+    def __init__(self, since: float, seen: float) -> None:
+        self.since, self.seen = since, seen
+        self.first: dict[str, Any] = {}
+        self.latest: dict[str, Any] = {}
+
+    def kernel_report(self, now_state: dict[str, Any], now: float) -> dict[str, Any]:
+        """The loop thread's CPU and run-queue seconds from the stall's detection until
+        ``now`` (``measured_s``), and the kernel's latest word during it (module doc)."""
+        first, out = self.first, {}
+        for key in ("cpu_s", "runqueue_s"):
+            if key in first and key in now_state:
+                out[key] = round(max(0.0, now_state[key] - first[key]), 3)
+        if out:
+            out["measured_s"] = round(now - self.seen, 3)
+        out.update({k: self.latest[k] for k in ("state", "wchan", "kernel_stack")
+                    if k in self.latest})
+        return out
 
 
 @contextlib.contextmanager

@@ -30,10 +30,11 @@ CI: 50.9 s and 28.2 s inside a non-blocking ``socket.send``). So the watcher als
 the kernel says of the loop thread (:func:`thread_kernel_state`, Linux ``/proc``): at the
 stall's start and on every tick while it lasts. ``event_loop_resumed`` then carries the loop
 thread's CPU and run-queue seconds over the stall (from its detection on: ``measured_s``)
-and the kernel's last word (state, wchan,
-kernel stack where readable): ``runqueue_s`` near the stall's length means it was runnable
-but got no CPU; ``cpu_s`` near it means it ran (in the kernel, if the stack says so — or on a
-virtual CPU its host had stopped); neither means it slept in the kernel where ``wchan`` says.
+and the kernel's last word (state, wchan, kernel stack where readable). ``runqueue_s`` near
+the stall's length means it was runnable but got no CPU; ``cpu_s`` near it means it ran (in
+the kernel, if the stack says so); neither, in state S or D, means it slept in the kernel
+where ``wchan`` says; neither in state R means its CPU itself did not run (a virtual CPU its
+host had stopped: the guest counts that as steal time, not as the thread's).
 """
 
 from __future__ import annotations

@@ -236,14 +236,15 @@ class _Attachment:
 
 def test_a_claim_without_an_answer_keeps_the_attachment_a_broken_one_drops_it():
     """The attachment is shared by every request of the instance: a claim that timed out
-    (the node slow) fails that request only, and the sessions already claimed through the
-    attachment keep it; a broken connection (PeerFailed) drops it, to re-attach."""
+    (the node slow) fails that request only — once its own deadline has passed too — and
+    the sessions already claimed through the attachment keep it; a broken connection
+    (PeerFailed) drops it, to re-attach."""
     from common.errors import DeadlineExceeded, PeerFailed, Unavailable
 
     src = EngineSource("/nonexistent", "d0.e0", "decode", SPEC, 1.0)
     slow = src._client = _Attachment(DeadlineExceeded("ClaimRequest got no reply within 40s"))
     with pytest.raises(DeadlineExceeded):
-        src.open_decode("r1", list(range(10)), 1.0)
+        src.open_decode("r1", list(range(10)), 0.5)
     assert src._client is slow and not slow.closed
     broken = src._client = _Attachment(PeerFailed("peer closed"))
     with pytest.raises((PeerFailed, Unavailable)):     # (re-attaching to no node: Unavailable)
@@ -251,33 +252,62 @@ def test_a_claim_without_an_answer_keeps_the_attachment_a_broken_one_drops_it():
     assert broken.closed and src._client is not broken
 
 
-class _StuckThenBack(_Attachment):
-    """Refuses claims OUT_OF_SERVICE ``times`` times (its beat has not put it back yet)."""
+class _FailsThenBack(_Attachment):
+    """Its first ``times`` claim rounds raise ``error()``; later ones return ``claimed``."""
 
-    def __init__(self, times: int, claimed: object):
+    def __init__(self, error, times: int, claimed: object):
         super().__init__(None)
-        self.times, self.calls, self.claimed = times, 0, claimed
+        self.error_of, self.times, self.calls, self.claimed = error, times, 0, claimed
 
     def claim_decode(self, request_id, timeout_s, attempt):
-        from common.errors import OutOfService
         self.calls += 1
         if self.calls <= self.times:
-            raise OutOfService("engine d0.e0 is out of service on d0", retry_after_s=0.01)
+            raise self.error_of()
         return self.claimed
 
 
-def test_a_claim_refused_out_of_service_asks_again_on_the_same_attachment():
-    """OUT_OF_SERVICE (the node judged the step stuck, the beat showing its end not heard
-    yet) is no lost attachment: the claim asks again after retry_after_s and succeeds once
-    the engine is back; past the claim's deadline it fails that request only."""
-    from common.errors import OutOfService
+def _silent():
+    """A round the node never answered (its process stood still)."""
+    from common.errors import DeadlineExceeded
+    return DeadlineExceeded("ClaimRequest got no reply within 40s")
 
+
+def _out_of_service():
+    """The node judged the engine's step stuck and has not heard its beat since."""
+    from common.errors import OutOfService
+    return OutOfService("engine d0.e0 is out of service on d0", retry_after_s=0.01)
+
+
+@pytest.mark.parametrize("refusal", [_out_of_service, _silent])
+def test_a_claim_round_that_ends_without_the_request_is_asked_again_on_the_same_attachment(
+        refusal, monkeypatch):
+    """Two ways a claim round ends without the request, neither a lost attachment:
+    OUT_OF_SERVICE (the node judged the step stuck, the beat showing its end not heard yet),
+    and no answer at all (CI: the node's process stood still 51 s, a decode claim's round got
+    no reply within its 40 s, and the request went to a recompute though its claim had
+    300 s). The claim asks again — after ``retry_after_s``, or a short pause: never a tight
+    loop — on the same attachment, and succeeds once the node answers; past the claim's
+    deadline it fails that request only."""
+    from integrations.vllm import engine_source
+
+    monkeypatch.setattr(engine_source, "UNANSWERED_PAUSE_S", 0.01)
     src = EngineSource("/nonexistent", "d0.e0", "decode", SPEC, 1.0)
     claimed = object()
-    back = src._client = _StuckThenBack(2, claimed)
+    back = src._client = _FailsThenBack(refusal, 2, claimed)
     assert src._claim_or_detach("claim_decode", "r1", 5.0, lambda: False) is claimed
     assert back.calls == 3 and src._client is back and not back.closed
-    stuck = src._client = _StuckThenBack(10**9, claimed)
-    with pytest.raises(OutOfService):
+    stuck = src._client = _FailsThenBack(refusal, 10**9, claimed)
+    with pytest.raises(type(refusal())):
         src._claim_or_detach("claim_decode", "r2", 0.05, lambda: False)
     assert src._client is stuck and not stuck.closed and stuck.calls >= 2
+
+
+def test_a_claim_asked_again_stops_once_vllm_gave_the_request_up(monkeypatch):
+    from integrations.vllm import engine_source
+
+    monkeypatch.setattr(engine_source, "UNANSWERED_PAUSE_S", 0.01)
+    src = EngineSource("/nonexistent", "d0.e0", "decode", SPEC, 1.0)
+    silent = src._client = _FailsThenBack(_silent, 10**9, object())
+    with pytest.raises(engine_source.ClaimStopped):
+        src._claim_or_detach("claim_decode", "r2", 5.0, lambda: silent.calls >= 2)
+    assert silent.calls == 2

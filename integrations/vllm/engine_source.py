@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from common.errors import (DualpathError, InvalidArgument, NotFound, OutOfService,
-                           PeerFailed, Unavailable)
+from common.errors import (DeadlineExceeded, DualpathError, InvalidArgument, NotFound,
+                           OutOfService, PeerFailed, Unavailable)
 from common.kv import KVSpec, block_keys_from_tokens
 from services.engine_api.prompt import PromptInfo
 from services.engine_api.blocking import SyncDecodeRequest, SyncEngineClient, SyncPrefillHandle
@@ -39,6 +39,9 @@ log = structlog.get_logger(__name__)
 # node never planned is still refused after that grace rather than after claim_timeout_s
 CLAIM_ROUND_S = 35.0
 ABANDON_WAIT_S = 10.0    # how long the node waits for a plan the engine abandons
+# the pause before a claim round that got no answer at all is asked again (such a round has
+# already waited CLAIM_ROUND_S plus the call margin; the pause only rules out a tight loop)
+UNANSWERED_PAUSE_S = 1.0
 KEEP_ATTACHED_S = 1.0    # how often the worker checks that its node still has it attached
 Stop = Callable[[], bool]
 
@@ -155,13 +158,14 @@ class EngineSource:
         idled) is replaced once at once, so the first request after a restart still loads
         through dualpath; otherwise this request fails and vLLM recomputes it.
 
-        A claim with no answer in time (DeadlineExceeded) fails this request only: the
-        attachment is shared by every request of this instance, and closing it would break
-        the sessions of the requests already claimed through it (their finish would reach a
-        closed client: the node would never hear of them). Seen in CI: one node stalled for
-        40 s, a claim timed out, the dropped attachment took a running request's session with
-        it, and that request hung until the front's deadline. A node that is really gone
-        closes the connection, which the next call sees as PeerFailed.
+        A claim with no answer in time (DeadlineExceeded) never drops the attachment: it is
+        shared by every request of this instance, and closing it would break the sessions of
+        the requests already claimed through it (their finish would reach a closed client:
+        the node would never hear of them). Seen in CI: one node stalled for 40 s, a claim
+        timed out, the dropped attachment took a running request's session with it, and that
+        request hung until the front's deadline. ``_claim`` asks again while the claim's
+        deadline allows; past it, this request alone fails. A node that is really gone closes
+        the connection, which the next call sees as PeerFailed.
 
         OutOfService (the node judged this engine's step stuck and has not yet heard the
         beat showing it ended) is no lost attachment either: ``_claim`` asks again after the
@@ -185,7 +189,14 @@ class EngineSource:
                attempt: int | None = None) -> Any:
         """Claim, asking again in rounds until ``timeout_s`` (a decode claim legitimately
         waits for a whole prefill; an engine out of service waits for its beat to put it
-        back); ClaimStopped once ``stop()`` says vLLM gave it up."""
+        back); ClaimStopped once ``stop()`` says vLLM gave it up.
+
+        The node answers every round (``NotFound`` when it holds nothing yet), so a round with
+        no answer at all (``DeadlineExceeded``) means the node's process stood still past the
+        call margin — seen in CI: 51 s, a GC pause or a stopped VM elsewhere. It is asked
+        again while the claim's deadline allows, instead of giving the request up to a
+        recompute: the round it missed was cancelled with the call, and the node that runs
+        again answers the new one."""
         deadline = time.monotonic() + timeout_s
         while True:
             if stop():
@@ -203,6 +214,12 @@ class EngineSource:
                     raise
                 log.info("dualpath_claim_out_of_service", request_id=request_id, error=str(e))
                 time.sleep(min(left, e.retry_after_s or 1.0, CLAIM_ROUND_S))
+            except DeadlineExceeded as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("dualpath_claim_unanswered", request_id=request_id, error=str(e))
+                time.sleep(min(left, UNANSWERED_PAUSE_S))
 
     def _checked(self, claimed: Any, token_ids: Sequence[int]) -> Any:
         """The claimed request, or fail it (InvalidArgument) when it is for other tokens."""

@@ -21,9 +21,10 @@ from common.config import RpcConfig
 from common.protocol import ErrorReply, GetStats, GetStatsReply, Pong
 from common.rpc import RpcClient
 
-KEEP = ("link_bytes_charged", "link_write_bytes_charged", "bytes_read", "bytes_written", "transport_bytes_received",
-        "tx_bytes_sent", "arbiter_kv_bytes", "pe_buffer_pages_free", "de_buffer_pages_free",
-        "pe_buffer_pages_total", "de_buffer_pages_total", "link_rate_bytes_per_s")
+KEEP = ("link_bytes_charged", "link_write_bytes_charged", "bytes_read", "bytes_written",
+        "transport_bytes_received", "tx_bytes_sent", "arbiter_kv_bytes",
+        "pe_buffer_pages_free", "de_buffer_pages_free", "pe_buffer_pages_total",
+        "de_buffer_pages_total", "link_rate_bytes_per_s")
 
 _StatsReply = Union[GetStatsReply, Pong, ErrorReply]
 

@@ -34,7 +34,11 @@ and the kernel's last word (state, wchan, kernel stack where readable). ``runque
 the stall's length means it was runnable but got no CPU; ``cpu_s`` near it means it ran (in
 the kernel, if the stack says so); neither, in state S or D, means it slept in the kernel
 where ``wchan`` says; neither in state R means its CPU itself did not run (a virtual CPU its
-host had stopped: the guest counts that as steal time, not as the thread's).
+host had stopped: the guest counts that as steal time, not as the thread's). The kernel
+charges a wait on the run queue when the thread next gets a CPU, the whole wait at once, so
+``runqueue_s`` may exceed ``measured_s`` (it began before the first reading): compare it
+with ``stalled_s``. (The project's CI on 2026-12-07: every stall of 1-5 s read state R,
+``cpu_s`` 0 and ``runqueue_s`` 0.5-2.9 s: a loop thread starved of CPU on the 2 cores.)
 """
 
 from __future__ import annotations

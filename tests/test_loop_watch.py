@@ -53,6 +53,13 @@ async def test_a_loop_that_computes_is_told_from_one_that_sleeps():
     assert resumed["measured_s"] <= watch.stalls[0], (resumed, watch.stalls)
     assert resumed["cpu_s"] + resumed["runqueue_s"] >= 0.8 * resumed["measured_s"], resumed
     assert resumed["state"] == "R", resumed          # sampled while it spun
+    # what the machine's CPUs did meanwhile: all of them, every second of the window, once
+    # (USER_HZ ticks); the spinning thread kept one busy, or waited for another's work or
+    # for the hypervisor
+    host, cpus = resumed["host_cpu_s"], resumed["host_cpus"]
+    assert set(host) == {"busy", "idle", "iowait", "steal"} and cpus >= 1, resumed
+    assert 0.5 <= sum(host.values()) / (cpus * resumed["measured_s"]) <= 1.5, resumed
+    assert host["busy"] + host["steal"] >= 0.5 * resumed["measured_s"], resumed
 
 
 def hold_the_loop_and_the_gil(seconds: float) -> None:

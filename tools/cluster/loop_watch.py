@@ -34,7 +34,11 @@ and the kernel's last word (state, wchan, kernel stack where readable). ``runque
 the stall's length means it was runnable but got no CPU; ``cpu_s`` near it means it ran (in
 the kernel, if the stack says so); neither, in state S or D, means it slept in the kernel
 where ``wchan`` says; neither in state R means its CPU itself did not run (a virtual CPU its
-host had stopped: the guest counts that as steal time, not as the thread's). The kernel
+host had stopped: the guest counts that as steal time, not as the thread's). Beside it,
+``host_cpu_s`` says what all of the machine's ``host_cpus`` CPUs did over ``measured_s``
+(``/proc/stat``: ``busy``, ``idle``, ``iowait``, ``steal``): a loop thread waiting on the run
+queue while the CPUs were ``busy`` lost them to other work of this machine; with ``steal``
+the hypervisor ran something else; with ``idle`` the wait was not for a CPU. The kernel
 charges a wait on the run queue when the thread next gets a CPU, the whole wait at once, so
 ``runqueue_s`` may exceed ``measured_s`` (it began before the first reading): compare it
 with ``stalled_s``. (The project's CI on 2026-12-07: every stall of 1-5 s read state R,
@@ -126,6 +130,25 @@ def thread_kernel_state(native_id: int) -> dict[str, Any]:
     # "[<0>] tcp_sendmsg+0x2c/0x50" -> "tcp_sendmsg", innermost first
     out["kernel_stack"] = " < ".join(f.split("] ", 1)[-1].split("+", 1)[0] for f in frames[:10])
     return out
+
+
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu_times() -> dict[str, float]:
+    """What every CPU of this (virtual) machine did since boot, in seconds, from ``/proc/stat``
+    (empty elsewhere): ``busy`` (user, nice, system, irq, softirq), ``idle``, ``iowait`` and
+    ``steal`` (time the hypervisor ran something else on a virtual CPU that had work)."""
+    try:
+        with open("/proc/stat") as f:
+            head = f.readline().split()
+        ticks = dict(zip(_CPU_FIELDS, (int(v) for v in head[1:9]), strict=True))
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return {}
+    busy = sum(ticks[k] for k in ("user", "nice", "system", "irq", "softirq"))
+    return {"busy": busy / hz, "idle": ticks["idle"] / hz, "iowait": ticks["iowait"] / hz,
+            "steal": ticks["steal"] / hz}
 
 
 class StallAlarm:
@@ -235,7 +258,8 @@ class LoopStallWatch:
             self.stall_count += 1
             self.stall_s_total += stalled
             self.stall_max_s = max(self.stall_max_s, stalled)
-            kernel = stall.kernel_report(thread_kernel_state(self._loop_native_id), now)
+            kernel = stall.kernel_report(thread_kernel_state(self._loop_native_id), now,
+                                         host_cpu_times())
             log.warning("event_loop_resumed", stalled_s=round(stalled, 3), **kernel)
             if self._dump_file is not None and stalled >= self.dump_after_s:
                 self._dump_file.write(f"== the loop stood still {stalled:.1f} s "
@@ -264,7 +288,7 @@ class LoopStallWatch:
             stall.latest = thread_kernel_state(self._loop_native_id)
             if not fresh:                       # still stalled: the kernel's latest word
                 continue
-            stall.first = stall.latest
+            stall.first, stall.first_host = stall.latest, host_cpu_times()
             frame = sys._current_frames().get(self._loop_thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
             log.warning("event_loop_blocked", blocked_s=round(idle, 3), kernel=stall.first,
@@ -279,14 +303,21 @@ class _Stall:
         self.since, self.seen = since, seen
         self.first: dict[str, Any] = {}
         self.latest: dict[str, Any] = {}
+        self.first_host: dict[str, float] = {}
 
-    def kernel_report(self, now_state: dict[str, Any], now: float) -> dict[str, Any]:
+    def kernel_report(self, now_state: dict[str, Any], now: float,
+                      now_host: dict[str, float] | None = None) -> dict[str, Any]:
         """The loop thread's CPU and run-queue seconds from the stall's detection until
-        ``now`` (``measured_s``), and the kernel's latest word during it (module doc)."""
+        ``now`` (``measured_s``), what the machine's CPUs did meanwhile (``host_cpu_s``), and
+        the kernel's latest word during it (module doc)."""
         first, out = self.first, {}
         for key in ("cpu_s", "runqueue_s"):
             if key in first and key in now_state:
                 out[key] = round(max(0.0, now_state[key] - first[key]), 3)
+        if now_host and self.first_host:
+            out["host_cpu_s"] = {k: round(max(0.0, now_host[k] - self.first_host[k]), 2)
+                                 for k in now_host if k in self.first_host}
+            out["host_cpus"] = os.cpu_count() or 0
         if out:
             out["measured_s"] = round(now - self.seen, 3)
         out.update({k: self.latest[k] for k in ("state", "wchan", "kernel_stack")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 from structlog.testing import capture_logs
@@ -60,6 +61,8 @@ async def test_a_loop_that_computes_is_told_from_one_that_sleeps():
     assert set(host) == {"busy", "idle", "iowait", "steal"} and cpus >= 1, resumed
     assert 0.5 <= sum(host.values()) / (cpus * resumed["measured_s"]) <= 1.5, resumed
     assert host["busy"] + host["steal"] >= 0.5 * resumed["measured_s"], resumed
+    # and who used them: this process (the spinning loop thread) among the top users
+    assert any(line.split()[1] == str(os.getpid()) for line in resumed["top_cpu"]), resumed
 
 
 def hold_the_loop_and_the_gil(seconds: float) -> None:

@@ -38,7 +38,9 @@ host had stopped: the guest counts that as steal time, not as the thread's). Bes
 ``host_cpu_s`` says what all of the machine's ``host_cpus`` CPUs did over ``measured_s``
 (``/proc/stat``: ``busy``, ``idle``, ``iowait``, ``steal``): a loop thread waiting on the run
 queue while the CPUs were ``busy`` lost them to other work of this machine; with ``steal``
-the hypervisor ran something else; with ``idle`` the wait was not for a CPU. The kernel
+the hypervisor ran something else; with ``idle`` the wait was not for a CPU; ``top_cpu``
+names the processes that used the most CPU meanwhile (``/proc/<pid>/stat``, read once at
+each end of the window: a few ms, once per stall). The kernel
 charges a wait on the run queue when the thread next gets a CPU, the whole wait at once, so
 ``runqueue_s`` may exceed ``measured_s`` (it began before the first reading): compare it
 with ``stalled_s``. (The project's CI on 2026-12-07: every stall of 1-5 s read state R,
@@ -64,6 +66,8 @@ from typing import IO, Any
 
 import structlog
 
+from tools.host_sampler import TICKS_PER_S, command, cpu_times, process_cpu
+
 log = structlog.get_logger("loop_watch")
 
 # where an in-process cluster's stall dumps go, in its root (tools/cluster/inprocess.py); a
@@ -72,6 +76,7 @@ LOOP_STALLS_FILE = "loop-stalls.log"
 # the signal of the stall dumps: a real-time one no library here uses
 STALL_SIGNAL = signal.SIGRTMIN + 5
 STALLS_KEPT = 64            # LoopStallWatch.stalls: the latest stalls' lengths
+TOP_CPU_USERS = 5           # processes named in a stall's resume line (top_cpu)
 
 
 class _Timespec(ctypes.Structure):
@@ -132,23 +137,28 @@ def thread_kernel_state(native_id: int) -> dict[str, Any]:
     return out
 
 
-_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-
-
 def host_cpu_times() -> dict[str, float]:
-    """What every CPU of this (virtual) machine did since boot, in seconds, from ``/proc/stat``
-    (empty elsewhere): ``busy`` (user, nice, system, irq, softirq), ``idle``, ``iowait`` and
+    """What every CPU of this (virtual) machine did since boot, in seconds (``/proc/stat``;
+    empty elsewhere): ``busy`` (user, nice, system, irq, softirq), ``idle``, ``iowait`` and
     ``steal`` (time the hypervisor ran something else on a virtual CPU that had work)."""
-    try:
-        with open("/proc/stat") as f:
-            head = f.readline().split()
-        ticks = dict(zip(_CPU_FIELDS, (int(v) for v in head[1:9]), strict=True))
-        hz = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
+    ticks = cpu_times()
+    if not ticks:
         return {}
-    busy = sum(ticks[k] for k in ("user", "nice", "system", "irq", "softirq"))
-    return {"busy": busy / hz, "idle": ticks["idle"] / hz, "iowait": ticks["iowait"] / hz,
-            "steal": ticks["steal"] / hz}
+    busy = sum(ticks.get(k, 0) for k in ("user", "nice", "system", "irq", "softirq"))
+    return {"busy": busy / TICKS_PER_S, "idle": ticks.get("idle", 0) / TICKS_PER_S,
+            "iowait": ticks.get("iowait", 0) / TICKS_PER_S,
+            "steal": ticks.get("steal", 0) / TICKS_PER_S}
+
+
+def top_cpu_users(before: dict[int, tuple[str, int, int]], after: dict[int, tuple[str, int, int]],
+                  n: int = TOP_CPU_USERS) -> list[str]:
+    """The ``n`` processes that used the most CPU between two :func:`process_cpu` snapshots:
+    ``"<cpu seconds> <pid> <command>"``, most first (who held the CPUs a stalled loop waited
+    for)."""
+    used = sorted(((ticks - before[pid][1], pid, name)
+                   for pid, (name, ticks, _) in after.items() if pid in before), reverse=True)
+    return [f"{d / TICKS_PER_S:.2f} {pid} {command(pid, name, 60)}"
+            for d, pid, name in used[:n] if d > 0]
 
 
 class StallAlarm:
@@ -259,7 +269,7 @@ class LoopStallWatch:
             self.stall_s_total += stalled
             self.stall_max_s = max(self.stall_max_s, stalled)
             kernel = stall.kernel_report(thread_kernel_state(self._loop_native_id), now,
-                                         host_cpu_times())
+                                         host_cpu_times(), process_cpu())
             log.warning("event_loop_resumed", stalled_s=round(stalled, 3), **kernel)
             if self._dump_file is not None and stalled >= self.dump_after_s:
                 self._dump_file.write(f"== the loop stood still {stalled:.1f} s "
@@ -289,6 +299,7 @@ class LoopStallWatch:
             if not fresh:                       # still stalled: the kernel's latest word
                 continue
             stall.first, stall.first_host = stall.latest, host_cpu_times()
+            stall.first_procs = process_cpu()
             frame = sys._current_frames().get(self._loop_thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
             log.warning("event_loop_blocked", blocked_s=round(idle, 3), kernel=stall.first,
@@ -304,12 +315,16 @@ class _Stall:
         self.first: dict[str, Any] = {}
         self.latest: dict[str, Any] = {}
         self.first_host: dict[str, float] = {}
+        self.first_procs: dict[int, tuple[str, int, int]] = {}
 
     def kernel_report(self, now_state: dict[str, Any], now: float,
-                      now_host: dict[str, float] | None = None) -> dict[str, Any]:
+                      now_host: dict[str, float] | None = None,
+                      now_procs: dict[int, tuple[str, int, int]] | None = None
+                      ) -> dict[str, Any]:
         """The loop thread's CPU and run-queue seconds from the stall's detection until
-        ``now`` (``measured_s``), what the machine's CPUs did meanwhile (``host_cpu_s``), and
-        the kernel's latest word during it (module doc)."""
+        ``now`` (``measured_s``), what the machine's CPUs did meanwhile (``host_cpu_s``) and
+        which processes used them (``top_cpu``), and the kernel's latest word during it
+        (module doc)."""
         first, out = self.first, {}
         for key in ("cpu_s", "runqueue_s"):
             if key in first and key in now_state:
@@ -318,6 +333,8 @@ class _Stall:
             out["host_cpu_s"] = {k: round(max(0.0, now_host[k] - self.first_host[k]), 2)
                                  for k in now_host if k in self.first_host}
             out["host_cpus"] = os.cpu_count() or 0
+        if now_procs and self.first_procs:
+            out["top_cpu"] = top_cpu_users(self.first_procs, now_procs)
         if out:
             out["measured_s"] = round(now - self.seen, 3)
         out.update({k: self.latest[k] for k in ("state", "wchan", "kernel_stack")

@@ -29,7 +29,8 @@ Python stacks say where the loop thread entered the kernel, not why it stayed th
 CI: 50.9 s and 28.2 s inside a non-blocking ``socket.send``). So the watcher also reads what
 the kernel says of the loop thread (:func:`thread_kernel_state`, Linux ``/proc``): at the
 stall's start and on every tick while it lasts. ``event_loop_resumed`` then carries the loop
-thread's CPU and run-queue seconds over the stall (from its detection on: ``measured_s``)
+thread's CPU and run-queue seconds over the stall (from the watcher's first reading in it
+on: ``measured_s``)
 and the kernel's last word (state, wchan, kernel stack where readable). ``runqueue_s`` near
 the stall's length means it was runnable but got no CPU; ``cpu_s`` near it means it ran (in
 the kernel, if the stack says so); neither, in state S or D, means it slept in the kernel
@@ -298,11 +299,17 @@ class LoopStallWatch:
             stall.latest = thread_kernel_state(self._loop_native_id)
             if not fresh:                       # still stalled: the kernel's latest word
                 continue
-            stall.first, stall.first_host = stall.latest, host_cpu_times()
+            # the window starts at the first reading, not at the detection: under load the
+            # watcher may wait long for the GIL between the two (a spinning loop thread that
+            # the kernel has preempted holds it), and a window counted from the detection
+            # would be longer than the one the readings span
+            # (one assignment: the loop may resume between any two, and must see all three
+            # or none; the process scan, slower, is published after them)
+            stall.first = (time.monotonic(), stall.latest, host_cpu_times())
             stall.first_procs = process_cpu()
             frame = sys._current_frames().get(self._loop_thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
-            log.warning("event_loop_blocked", blocked_s=round(idle, 3), kernel=stall.first,
+            log.warning("event_loop_blocked", blocked_s=round(idle, 3), kernel=stall.first[1],
                         stack=stack)
 
 
@@ -312,31 +319,31 @@ class _Stall:
 
     def __init__(self, since: float, seen: float) -> None:
         self.since, self.seen = since, seen
-        self.first: dict[str, Any] = {}
+        # the watcher's first reading in the stall: when, the loop thread's state, the CPUs'
+        self.first: tuple[float, dict[str, Any], dict[str, float]] = (seen, {}, {})
         self.latest: dict[str, Any] = {}
-        self.first_host: dict[str, float] = {}
         self.first_procs: dict[int, tuple[str, int, int]] = {}
 
     def kernel_report(self, now_state: dict[str, Any], now: float,
                       now_host: dict[str, float] | None = None,
                       now_procs: dict[int, tuple[str, int, int]] | None = None
                       ) -> dict[str, Any]:
-        """The loop thread's CPU and run-queue seconds from the stall's detection until
-        ``now`` (``measured_s``), what the machine's CPUs did meanwhile (``host_cpu_s``) and
+        """The loop thread's CPU and run-queue seconds from the watcher's first reading in
+        the stall until ``now`` (``measured_s``), what the machine's CPUs did meanwhile (``host_cpu_s``) and
         which processes used them (``top_cpu``), and the kernel's latest word during it
         (module doc)."""
-        first, out = self.first, {}
+        (first_at, first, first_host), out = self.first, {}
         for key in ("cpu_s", "runqueue_s"):
             if key in first and key in now_state:
                 out[key] = round(max(0.0, now_state[key] - first[key]), 3)
-        if now_host and self.first_host:
-            out["host_cpu_s"] = {k: round(max(0.0, now_host[k] - self.first_host[k]), 2)
-                                 for k in now_host if k in self.first_host}
+        if now_host and first_host:
+            out["host_cpu_s"] = {k: round(max(0.0, now_host[k] - first_host[k]), 2)
+                                 for k in now_host if k in first_host}
             out["host_cpus"] = os.cpu_count() or 0
         if now_procs and self.first_procs:
             out["top_cpu"] = top_cpu_users(self.first_procs, now_procs)
         if out:
-            out["measured_s"] = round(now - self.seen, 3)
+            out["measured_s"] = round(now - first_at, 3)
         out.update({k: self.latest[k] for k in ("state", "wchan", "kernel_stack")
                     if k in self.latest})
         return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
 from structlog.testing import capture_logs
@@ -37,7 +36,7 @@ async def test_a_blocked_loop_is_reported_once_with_the_blocking_stack():
 
 
 READING_S = 0.02                        # the watcher's /proc readings at each end
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")   # /proc/stat's clock tick
+TICK_S = 1 / TICKS_PER_S                # /proc/stat's clock tick
 
 
 def spin_the_loop(seconds: float) -> None:

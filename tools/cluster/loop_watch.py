@@ -30,22 +30,22 @@ CI: 50.9 s and 28.2 s inside a non-blocking ``socket.send``). So the watcher als
 the kernel says of the loop thread (:func:`thread_kernel_state`, Linux ``/proc``): at the
 stall's start and on every tick while it lasts. ``event_loop_resumed`` then carries the loop
 thread's CPU and run-queue seconds over the stall (from the watcher's first reading in it
-on: ``measured_s``)
-and the kernel's last word (state, wchan, kernel stack where readable). ``runqueue_s`` near
-the stall's length means it was runnable but got no CPU; ``cpu_s`` near it means it ran (in
-the kernel, if the stack says so); neither, in state S or D, means it slept in the kernel
-where ``wchan`` says; neither in state R means its CPU itself did not run (a virtual CPU its
-host had stopped: the guest counts that as steal time, not as the thread's). Beside it,
-``host_cpu_s`` says what all of the machine's ``host_cpus`` CPUs did over ``measured_s``
-(``/proc/stat``: ``busy``, ``idle``, ``iowait``, ``steal``): a loop thread waiting on the run
-queue while the CPUs were ``busy`` lost them to other work of this machine; with ``steal``
-the hypervisor ran something else; with ``idle`` the wait was not for a CPU; ``top_cpu``
-names the processes that used the most CPU meanwhile (``/proc/<pid>/stat``, read once at
-each end of the window: a few ms, once per stall). The kernel
-charges a wait on the run queue when the thread next gets a CPU, the whole wait at once, so
-``runqueue_s`` may exceed ``measured_s`` (it began before the first reading): compare it
-with ``stalled_s``. (The project's CI on 2026-12-07: every stall of 1-5 s read state R,
-``cpu_s`` 0 and ``runqueue_s`` 0.5-2.9 s: a loop thread starved of CPU on the 2 cores.)
+on: ``measured_s``) and the kernel's last word (state, wchan, kernel stack where readable).
+``runqueue_s`` near the stall's length means it was runnable but got no CPU; ``cpu_s`` near
+it means it ran (in the kernel, if the stack says so); neither, in state S or D, means it
+slept in the kernel where ``wchan`` says; neither in state R means its CPU itself did not
+run (a virtual CPU its host had stopped: the guest counts that as steal time, not as the
+thread's). Beside it, ``host_cpu_s`` says what all of the machine's ``host_cpus`` CPUs did
+over ``measured_s`` (``/proc/stat``: ``busy``, ``idle``, ``iowait``, ``steal``): a loop
+thread waiting on the run queue while the CPUs were ``busy`` lost them to other work of this
+machine; with ``steal`` the hypervisor ran something else; with ``idle`` the wait was not
+for a CPU; ``top_cpu`` names the processes that used the most CPU meanwhile
+(``/proc/<pid>/stat``, read once at each end of the window: a few ms, once per stall). The
+kernel charges a wait on the run queue when the thread next gets a CPU, the whole wait at
+once, so ``runqueue_s`` may exceed ``measured_s`` (it began before the first reading):
+compare it with ``stalled_s``. (The project's CI on 2026-12-07: every stall of 1-5 s read
+state R, ``cpu_s`` 0 and ``runqueue_s`` 0.5-2.9 s: a loop thread starved of CPU on the 2
+cores.)
 """
 
 from __future__ import annotations
@@ -269,8 +269,10 @@ class LoopStallWatch:
             self.stall_count += 1
             self.stall_s_total += stalled
             self.stall_max_s = max(self.stall_max_s, stalled)
+            # (the process scan only where the watcher's own one ended: it runs on the loop)
             kernel = stall.kernel_report(thread_kernel_state(self._loop_native_id), now,
-                                         host_cpu_times(), process_cpu())
+                                         host_cpu_times(),
+                                         process_cpu() if stall.first_procs else None)
             log.warning("event_loop_resumed", stalled_s=round(stalled, 3), **kernel)
             if self._dump_file is not None and stalled >= self.dump_after_s:
                 self._dump_file.write(f"== the loop stood still {stalled:.1f} s "
@@ -292,7 +294,7 @@ class LoopStallWatch:
                 stall, idle = self._stall, time.monotonic() - self._last
                 fresh = stall is None and idle >= self.threshold_s
                 if fresh:                       # the stall began at the last tick
-                    stall = self._stall = _Stall(self._last, time.monotonic())
+                    stall = self._stall = _Stall(self._last)
             if stall is None:
                 wait = max(self.threshold_s - idle, self.tick_s)
                 continue
@@ -317,10 +319,10 @@ class _Stall:
     """One stall the watcher saw: when it began (the loop's last tick), when the watcher saw
     it, and what the kernel said of the loop thread then and last."""
 
-    def __init__(self, since: float, seen: float) -> None:
-        self.since, self.seen = since, seen
+    def __init__(self, since: float) -> None:
+        self.since = since
         # the watcher's first reading in the stall: when, the loop thread's state, the CPUs'
-        self.first: tuple[float, dict[str, Any], dict[str, float]] = (seen, {}, {})
+        self.first: tuple[float, dict[str, Any], dict[str, float]] = (since, {}, {})
         self.latest: dict[str, Any] = {}
         self.first_procs: dict[int, tuple[str, int, int]] = {}
 
@@ -329,9 +331,9 @@ class _Stall:
                       now_procs: dict[int, tuple[str, int, int]] | None = None
                       ) -> dict[str, Any]:
         """The loop thread's CPU and run-queue seconds from the watcher's first reading in
-        the stall until ``now`` (``measured_s``), what the machine's CPUs did meanwhile (``host_cpu_s``) and
-        which processes used them (``top_cpu``), and the kernel's latest word during it
-        (module doc)."""
+        the stall until ``now`` (``measured_s``), what the machine's CPUs did meanwhile
+        (``host_cpu_s``) and which processes used them (``top_cpu``), and the kernel's latest
+        word during it (module doc)."""
         (first_at, first, first_host), out = self.first, {}
         for key in ("cpu_s", "runqueue_s"):
             if key in first and key in now_state:
